@@ -1,0 +1,28 @@
+"""sparkhvd: the Horovod programming model, run by Apache Spark.
+
+``import sparkhvd`` stays light: it imports neither torch, pyspark nor TensorFlow.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["HorovodRunner", "HorovodRunError", "RunResult", "log_to_driver", "__version__"]
+
+_LAZY = {
+    "HorovodRunner": "sparkhvd.runner",
+    "HorovodRunError": "sparkhvd.runner",
+    "RunResult": "sparkhvd.runner",
+    "log_to_driver": "sparkhvd.runner",
+}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sparkhvd' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,123 @@
+"""The task agent: what runs in each Spark barrier task (or launcher thread) for one rank.
+
+It registers with the driver, receives its rank, starts the rank's own Python process with
+the GPU pinning in its environment (a fresh process, so the pinning holds before any CUDA
+work even when Spark reuses its Python workers), forwards that process's stdout and stderr
+to the driver line by line, and reports its exit code. The secret reaches the rank process on
+its stdin, never on a command line or in the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ._client import RunAborted, ServiceClient, ServiceError
+from ._protocol import Kind
+
+#: Environment of the rank process; read by ``_worker`` only.
+ENV_DRIVER = "SPARKHVD_DRIVER"
+ENV_RUN_ID = "SPARKHVD_RUN_ID"
+ENV_PLACEMENT = "SPARKHVD_PLACEMENT"
+ENV_PARENT = "SPARKHVD_PARENT_PID"
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Everything a task needs to join a run; travels inside the Spark closure."""
+
+    address: tuple[str, int]
+    secret: bytes = field(repr=False)
+    run_id: str
+    python: str | None = None  # the rank process's interpreter; default: this one
+    stall_tasks: frozenset = frozenset()  # fault tests: these task indices never register
+
+
+def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[str] | None = None,
+             on_spawn: Callable[[subprocess.Popen], None] | None = None) -> dict:
+    """Run rank ``task``'s process to the end; returns a small status row.
+
+    Never raises for the user's failure: that reaches the driver through the service, so a
+    Spark barrier stage never retries a training run on its own.
+    """
+    if task in spec.stall_tasks:
+        time.sleep(3600)
+    client = ServiceClient(spec.address, spec.secret)
+    try:
+        placement = client.request(Kind.REGISTER, {
+            "task": task, "host": host or socket.gethostname(), "pid": os.getpid(),
+            "gpus": list(gpus or [])}).meta
+    except (RunAborted, ServiceError) as exc:
+        client.close()
+        return {"task": task, "rank": None, "exit": None, "note": str(exc)}
+    rank = placement["rank"]
+    env = _rank_env(spec, placement, gpus)
+    proc = subprocess.Popen([spec.python or sys.executable, "-m", "sparkhvd.runner._worker"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, start_new_session=True)
+    if on_spawn is not None:
+        on_spawn(proc)
+    proc.stdin.write(spec.secret)
+    proc.stdin.close()
+    pumps = [threading.Thread(target=_pump, args=(client, rank, name, pipe), daemon=True)
+             for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+    for pump in pumps:
+        pump.start()
+    try:
+        code = proc.wait()
+    except BaseException:  # the Spark task was killed: take the rank process with us
+        _kill_group(proc)
+        raise
+    for pump in pumps:
+        pump.join()
+    try:
+        client.request(Kind.EXIT, {"rank": rank, "code": code})
+    except (OSError, ConnectionError, RunAborted, ServiceError):
+        pass  # the driver has gone or has finished; nothing left to tell it
+    finally:
+        client.close()
+    return {"task": task, "rank": rank, "exit": code, "note": ""}
+
+
+def _rank_env(spec: TaskSpec, placement: dict, gpus: list[str] | None) -> dict:
+    import json
+
+    env = dict(os.environ)
+    env.update({
+        ENV_DRIVER: f"{spec.address[0]}:{spec.address[1]}",
+        ENV_RUN_ID: spec.run_id,
+        ENV_PLACEMENT: json.dumps(placement),
+        ENV_PARENT: str(os.getpid()),
+        "PYTHONUNBUFFERED": "1",
+    })
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    # Horovod and torchrun variables that would make hvd.init() join a different job.
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def _pump(client: ServiceClient, rank: int, stream: str, pipe) -> None:
+    """Forward a pipe's lines to the driver as they come."""
+    with pipe:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            try:
+                client.notify(Kind.LOG, {"rank": rank, "stream": stream, "lines": [line]})
+            except OSError:
+                pass  # the driver has gone; keep draining so the process never blocks on a full pipe
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, 9)
+    except (ProcessLookupError, PermissionError):
+        pass

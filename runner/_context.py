@@ -1,0 +1,36 @@
+"""What a rank's process knows about its run, set by the worker bootstrap."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._client import ServiceClient
+from ._topology import Placement
+
+
+@dataclass
+class WorkerContext:
+    """This process's place in the run and its connection to the driver."""
+
+    placement: Placement
+    run_id: str
+    address: tuple[str, int]
+    secret: bytes
+    client: ServiceClient
+
+    def new_client(self) -> ServiceClient:
+        """A separate connection to the driver (the rendezvous store uses its own)."""
+        return ServiceClient(self.address, self.secret)
+
+
+_current: WorkerContext | None = None
+
+
+def current() -> WorkerContext | None:
+    """The run this process belongs to, or None outside HorovodRunner."""
+    return _current
+
+
+def _set(ctx: WorkerContext | None) -> None:
+    global _current
+    _current = ctx

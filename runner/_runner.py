@@ -1,0 +1,234 @@
+"""``HorovodRunner``: the user's entry point."""
+
+from __future__ import annotations
+
+import numbers
+import os
+import secrets
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+
+from ._agent import TaskSpec
+from ._launcher import LocalLauncher
+from ._logs import VERBOSITIES, LogRouter
+from ._protocol import new_secret
+from ._run import supervise
+from ._service import DriverService
+
+LARGE_PAYLOAD_BYTES = 10 * 1024 * 1024
+ENV_START_TIMEOUT = "SPARKHVD_START_TIMEOUT"
+
+
+@dataclass
+class RunResult:
+    """Everything one run produced.
+
+    ``values[r]`` is rank ``r``'s return value; ``log_paths[r]`` the file holding rank ``r``'s
+    stdout and stderr; ``placements[r]`` its rank, local_rank, cross_rank and sizes; ``hosts[r]``
+    and ``gpus[r]`` where it ran.
+    """
+
+    values: list
+    run_id: str
+    log_dir: str
+    log_paths: dict
+    placements: list
+    hosts: list
+    gpus: list
+    payload_bytes: int
+    seconds: float
+
+    @property
+    def value(self):
+        """Rank 0's return value (what ``HorovodRunner.run`` returns)."""
+        return self.values[0]
+
+
+@dataclass
+class RunnerConfig:
+    """HorovodRunner's settings, validated on creation."""
+
+    np: int
+    driver_log_verbosity: str = "all"
+    start_timeout: float | None = None
+    log_dir: str | None = None
+    _stall_tasks: frozenset = field(default=frozenset(), repr=False)  # fault tests only
+
+    def __post_init__(self):
+        if isinstance(self.np, bool) or not isinstance(self.np, numbers.Integral):
+            raise ValueError(f"np must be a non-zero integer, got {self.np!r} ({type(self.np).__name__}); "
+                             "use np=2 for 2 Spark tasks or np=-1 for one process on the driver.")
+        self.np = int(self.np)
+        if self.np == 0:
+            raise ValueError("np=0 runs nothing; use np>0 for that many Spark tasks (one per GPU), "
+                             "or np<0 for -np processes on the driver (np=-1 to debug).")
+        if self.driver_log_verbosity not in VERBOSITIES:
+            raise ValueError(f"driver_log_verbosity={self.driver_log_verbosity!r} is not one of "
+                             f"{', '.join(map(repr, VERBOSITIES))}.")
+        if self.start_timeout is None:
+            raw = os.environ.get(ENV_START_TIMEOUT, "120")
+            try:
+                self.start_timeout = float(raw)
+            except ValueError:
+                raise ValueError(f"{ENV_START_TIMEOUT}={raw!r} is not a number of seconds; "
+                                 "set it to e.g. 120, or pass start_timeout=.") from None
+        if not self.start_timeout > 0:
+            raise ValueError(f"start_timeout={self.start_timeout!r} must be a positive number of seconds.")
+
+
+class HorovodRunner:
+    """Runs a training function on ``np`` ranks, Horovod style.
+
+    ``np > 0``: one Spark barrier-mode task per rank on the active SparkSession (where none
+    is active, an embedded ``local[np]`` session); each task asks for one GPU where the cluster
+    defines a ``gpu`` resource, and is pinned to it through ``CUDA_VISIBLE_DEVICES``.
+    ``np < 0``: ``-np`` processes on the driver (``np=-1``: one, for debugging).
+
+    Every rank's stdout and stderr are printed on the driver as ``[rank] line`` while it runs
+    (``driver_log_verbosity="log_callback_only"``: only what ranks send with
+    ``sparkhvd.log_to_driver``) and kept in ``<log_dir>/rank-<rank>.log``. A rank that raises
+    fails the run with ``HorovodRunError`` naming the rank, its exception and traceback;
+    the other ranks are stopped. Ranks that do not register within ``start_timeout`` seconds
+    (default 120, or ``$SPARKHVD_START_TIMEOUT``) fail the run too.
+    """
+
+    def __init__(self, np: int, *, driver_log_verbosity: str = "all", start_timeout: float | None = None,
+                 log_dir: str | None = None):
+        self.config = RunnerConfig(np=np, driver_log_verbosity=driver_log_verbosity,
+                                   start_timeout=start_timeout, log_dir=log_dir)
+        self.last_result: RunResult | None = None
+
+    @property
+    def np(self) -> int:
+        return self.config.np
+
+    def run(self, main, **kwargs):
+        """Run ``main(**kwargs)`` on every rank; return rank 0's value.
+
+        All ranks' values, the log files and the placement are in ``self.last_result``
+        (a RunResult), or call ``run_all`` to get it directly.
+        """
+        return self.run_all(main, **kwargs).value
+
+    def run_all(self, main, **kwargs) -> RunResult:
+        """Run ``main(**kwargs)`` on every rank; return a RunResult with every rank's value."""
+        if not callable(main):
+            raise TypeError(f"HorovodRunner.run needs a function to run, got {type(main).__name__}.")
+        cfg = self.config
+        np = abs(cfg.np)
+        started = time.monotonic()
+        payload = _pickle(main, kwargs)
+        if cfg.np > 0:
+            from ._spark import SparkLauncher, check_slots, spark_context
+
+            sc = spark_context(np)
+            check_slots(sc, np)
+            launcher = SparkLauncher(sc, np)
+            bind_host = _driver_bind_host(sc)
+        else:
+            launcher = LocalLauncher(np)
+            bind_host = "127.0.0.1"
+        run_id = secrets.token_hex(4)
+        log_dir = cfg.log_dir or tempfile.mkdtemp(prefix=f"sparkhvd-{run_id}-")
+        os.makedirs(log_dir, exist_ok=True)
+        logs = LogRouter(log_dir, cfg.driver_log_verbosity)
+        secret = new_secret()
+        service = DriverService(np=np, secret=secret, payload=payload, bind_host=bind_host, on_log=logs)
+        if cfg.driver_log_verbosity == "all":
+            print(f"[sparkhvd] run {run_id}: np={cfg.np} on {launcher.description}; function pickled to "
+                  f"{_size(len(payload))}; logs in {log_dir}", flush=True)
+        try:
+            launcher.start(TaskSpec(address=service.address, secret=secret, run_id=run_id,
+                                    stall_tasks=cfg._stall_tasks))
+            supervise(service, launcher, logs, np=np, start_timeout=cfg.start_timeout, run_id=run_id)
+            import cloudpickle
+
+            values = [cloudpickle.loads(service.results[r]) for r in range(np)]  # authenticated frames
+            regs = [service.registrations[t] for t in range(np)]
+            order = sorted(range(np), key=lambda t: service.placements[t].rank)
+            self.last_result = RunResult(
+                values=values, run_id=run_id, log_dir=log_dir, log_paths=logs.paths(),
+                placements=[service.placements[t] for t in order], hosts=[regs[t].host for t in order],
+                gpus=[regs[t].gpus for t in order], payload_bytes=len(payload),
+                seconds=time.monotonic() - started)
+            return self.last_result
+        finally:
+            service.close()
+            logs.close()
+
+
+def _pickle(main, kwargs) -> bytes:
+    import cloudpickle
+
+    try:
+        payload = cloudpickle.dumps((main, kwargs))
+    except Exception as exc:
+        raise TypeError(f"HorovodRunner could not pickle {getattr(main, '__name__', main)!r} and its "
+                        f"arguments for the ranks: {exc}. Create unpicklable objects (sessions, locks, "
+                        "open files) inside the function instead of capturing them.") from exc
+    if len(payload) > LARGE_PAYLOAD_BYTES:
+        warnings.warn(f"the training function and its arguments pickle to {_size(len(payload))}, which every "
+                      f"rank downloads; the largest captured objects: {_captured_sizes(main, kwargs)}. "
+                      "Load large data inside the function (from files or a data set) instead.",
+                      UserWarning, stacklevel=4)
+    return payload
+
+
+def _captured_sizes(main, kwargs) -> str:
+    """Name the biggest things the function captured, for the large-closure warning."""
+    import inspect
+
+    import cloudpickle
+
+    named = {}
+    try:
+        captured = inspect.getclosurevars(main)
+        named.update({f"global {k}": v for k, v in captured.globals.items()})
+        named.update({f"closure variable {k}": v for k, v in captured.nonlocals.items()})
+    except TypeError:
+        pass
+    named.update({f"argument {k}": v for k, v in kwargs.items()})
+    sizes = []
+    for name, value in named.items():
+        if inspect.ismodule(value):
+            continue
+        try:
+            sizes.append((len(cloudpickle.dumps(value)), name))
+        except Exception:  # noqa: BLE001
+            continue
+    sizes.sort(reverse=True)
+    return ", ".join(f"{name} ({_size(n)})" for n, name in sizes[:3]) or "none found by name"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def _driver_bind_host(sc) -> str:
+    """Loopback for local masters; otherwise the address executors use to reach the driver."""
+    if sc.master.startswith("local"):
+        return "127.0.0.1"
+    return sc.getConf().get("spark.driver.host", "0.0.0.0")
+
+
+def log_to_driver(message) -> None:
+    """From inside a training function: print ``message`` on the driver as ``[rank] message``.
+
+    Shown even with ``driver_log_verbosity="log_callback_only"``. Outside a run it prints
+    locally.
+    """
+    from . import _context
+    from ._protocol import Kind
+
+    ctx = _context.current()
+    if ctx is None:
+        print(message, file=sys.stdout, flush=True)
+        return
+    ctx.client.notify(Kind.LOG, {"rank": ctx.placement.rank, "stream": "driver", "lines": str(message).splitlines()})

@@ -1,0 +1,289 @@
+"""The driver service: one authenticated TCP server per run.
+
+It registers tasks and hands out ranks, serves the pickled function, hosts the key-value
+store that the process groups rendezvous through, receives log lines, results and errors,
+and tells every worker to stop when the run is aborted. It decides nothing about the run's
+outcome: ``_run.py`` watches its state and decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ._protocol import Channel, Kind, Message, PeerClosed, ProtocolError
+from ._topology import Placement, assign_ranks
+
+log = logging.getLogger("sparkhvd.service")
+
+LogSink = Callable[[int, str, list], None]
+
+
+@dataclass
+class Registration:
+    """What a task told the driver about itself."""
+
+    task: int
+    host: str
+    pid: int
+    gpus: list
+    peer: str  # the address the driver saw the task's connection come from
+
+
+@dataclass
+class Failure:
+    """A rank's exception, as its worker reported it."""
+
+    rank: int
+    type: str
+    message: str
+    traceback: str
+    pickled: bytes = b""
+    arrived: float = field(default_factory=time.monotonic)
+
+
+class DriverService:
+    """Serves one run of ``np`` tasks. Thread-safe; every state change notifies ``cv``."""
+
+    def __init__(self, *, np: int, secret: bytes, payload: bytes, bind_host: str = "127.0.0.1",
+                 on_log: LogSink | None = None):
+        self.np = np
+        self._secret = secret
+        self._payload = payload
+        self._on_log = on_log or (lambda rank, stream, lines: None)
+        self.cv = threading.Condition()
+        self.registrations: dict[int, Registration] = {}
+        self.placements: list[Placement] | None = None
+        self.results: dict[int, bytes] = {}
+        self.failures: list[Failure] = []
+        self.exits: dict[int, int] = {}
+        self.refusals: list[str] = []  # why connections were dropped (wrong key, replay, ...)
+        self.aborted: str | None = None
+        self.finished = False
+        self._store: dict[str, bytes] = {}
+        self._conns: set[socket.socket] = set()
+        self._server = socket.create_server((bind_host, 0), backlog=128)
+        self.address = (bind_host, self._server.getsockname()[1])
+        self._handlers = {
+            Kind.REGISTER: self._register, Kind.FETCH: self._fetch, Kind.WATCH: self._watch,
+            Kind.LOG: self._log, Kind.RESULT: self._result, Kind.ERROR: self._error,
+            Kind.EXIT: self._exit,
+            Kind.STORE_SET: self._store_set, Kind.STORE_GET: self._store_get,
+            Kind.STORE_ADD: self._store_add, Kind.STORE_CHECK: self._store_check,
+            Kind.STORE_WAIT: self._store_wait, Kind.STORE_CAS: self._store_cas,
+            Kind.STORE_DELETE: self._store_delete, Kind.STORE_NUM_KEYS: self._store_num_keys,
+        }
+        self._thread = threading.Thread(target=self._accept_loop, name="sparkhvd-service", daemon=True)
+        self._thread.start()
+
+    # ---- driver-side control -------------------------------------------------------------
+
+    def abort(self, reason: str) -> None:
+        """Tell every worker to stop and fail every blocked request."""
+        with self.cv:
+            if self.aborted is None and not self.finished:
+                self.aborted = reason
+            self.cv.notify_all()
+
+    def close(self) -> None:
+        """Stop serving: close the listening socket and every connection."""
+        with self.cv:
+            self.finished = True
+            self.cv.notify_all()
+        try:
+            self._server.close()
+        except OSError:
+            pass
+        with self.cv:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
+
+    def _over(self) -> bool:
+        return self.aborted is not None or self.finished
+
+    # ---- connections ---------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, peer = self._server.accept()
+            except OSError:
+                return  # closed
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self.cv:
+                self._conns.add(sock)
+            threading.Thread(target=self._serve, args=(sock, peer[0]), daemon=True,
+                             name=f"sparkhvd-conn-{peer[0]}:{peer[1]}").start()
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        try:
+            channel = Channel.accept(sock, self._secret)
+            while True:
+                msg = channel.recv()
+                handler = self._handlers.get(msg.kind)
+                if handler is None:
+                    raise ProtocolError(f"unknown frame kind {msg.kind}")
+                handler(channel, msg, peer)
+        except PeerClosed:
+            pass
+        except ProtocolError as exc:
+            with self.cv:
+                self.refusals.append(f"{peer}: {exc}")
+                self.cv.notify_all()
+            log.warning("sparkhvd driver service dropped a connection from %s: %s", peer, exc)
+        except OSError:
+            pass
+        finally:
+            with self.cv:
+                self._conns.discard(sock)
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _wait(self, ready: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait until ``ready()`` or the run is over; True if ready."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cv:
+            while not ready():
+                if self._over():
+                    return False
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self.cv.wait(remaining if remaining is not None else 1.0)
+            return True
+
+    def _refuse(self, channel: Channel, text: str) -> None:
+        channel.send(Kind.ERR, {"message": text})
+
+    def _abort_reply(self, channel: Channel) -> None:
+        channel.send(Kind.ABORT, {"reason": self.aborted or "the run has finished"})
+
+    # ---- registration, function, watch ---------------------------------------------------
+
+    def _register(self, channel: Channel, msg: Message, peer: str) -> None:
+        task = msg.meta.get("task")
+        with self.cv:
+            if not isinstance(task, int) or not 0 <= task < self.np:
+                return self._refuse(channel, f"task index {task!r} is outside 0..{self.np - 1}")
+            if task in self.registrations:
+                return self._refuse(channel, f"task {task} registered twice; a retried Spark task "
+                                             "cannot join a run that has started")
+            self.registrations[task] = Registration(
+                task=task, host=str(msg.meta.get("host")), pid=int(msg.meta.get("pid", 0)),
+                gpus=list(msg.meta.get("gpus") or []), peer=peer)
+            if len(self.registrations) == self.np:
+                self.placements = assign_ranks([self.registrations[t].host for t in range(self.np)])
+            self.cv.notify_all()
+        if not self._wait(lambda: self.placements is not None, None):
+            return self._abort_reply(channel)
+        channel.send(Kind.ASSIGN, self.placements[task].as_dict())
+
+    def _fetch(self, channel: Channel, msg: Message, peer: str) -> None:
+        channel.send(Kind.OK, {}, self._payload)
+
+    def _watch(self, channel: Channel, msg: Message, peer: str) -> None:
+        with self.cv:
+            while not self._over():
+                self.cv.wait()
+            aborted = self.aborted
+        if aborted is not None:
+            channel.send(Kind.ABORT, {"reason": aborted})
+
+    # ---- logs, results, errors -----------------------------------------------------------
+
+    def _log(self, channel: Channel, msg: Message, peer: str) -> None:
+        self._on_log(int(msg.meta.get("rank", -1)), str(msg.meta.get("stream", "stdout")),
+                     [str(line) for line in msg.meta.get("lines", [])])
+
+    def _result(self, channel: Channel, msg: Message, peer: str) -> None:
+        with self.cv:
+            self.results[int(msg.meta["rank"])] = msg.blob
+            self.cv.notify_all()
+        channel.send(Kind.OK)
+
+    def _error(self, channel: Channel, msg: Message, peer: str) -> None:
+        meta = msg.meta
+        with self.cv:
+            self.failures.append(Failure(rank=int(meta["rank"]), type=str(meta.get("type")),
+                                         message=str(meta.get("message")),
+                                         traceback=str(meta.get("traceback", "")), pickled=msg.blob))
+            self.cv.notify_all()
+        channel.send(Kind.OK)
+
+    def _exit(self, channel: Channel, msg: Message, peer: str) -> None:
+        with self.cv:
+            self.exits[int(msg.meta["rank"])] = int(msg.meta["code"])
+            self.cv.notify_all()
+        channel.send(Kind.OK)
+
+    # ---- the rendezvous store (c10d Store semantics) -------------------------------------
+
+    def _store_set(self, channel: Channel, msg: Message, peer: str) -> None:
+        with self.cv:
+            self._store[msg.meta["key"]] = msg.blob
+            self.cv.notify_all()
+        channel.send(Kind.OK)
+
+    def _store_get(self, channel: Channel, msg: Message, peer: str) -> None:
+        key = msg.meta["key"]
+        if not self._wait(lambda: key in self._store, msg.meta.get("timeout")):
+            if self._over():
+                return self._abort_reply(channel)
+            return self._refuse(channel, f"timed out after {msg.meta.get('timeout')} s waiting for key {key!r}")
+        with self.cv:
+            value = self._store[key]
+        channel.send(Kind.OK, {}, value)
+
+    def _store_add(self, channel: Channel, msg: Message, peer: str) -> None:
+        key = msg.meta["key"]
+        with self.cv:
+            value = int(self._store.get(key, b"0")) + int(msg.meta["amount"])
+            self._store[key] = str(value).encode()
+            self.cv.notify_all()
+        channel.send(Kind.OK, {"value": value})
+
+    def _store_check(self, channel: Channel, msg: Message, peer: str) -> None:
+        with self.cv:
+            ok = all(k in self._store for k in msg.meta["keys"])
+        channel.send(Kind.OK, {"value": ok})
+
+    def _store_wait(self, channel: Channel, msg: Message, peer: str) -> None:
+        keys = msg.meta["keys"]
+        if not self._wait(lambda: all(k in self._store for k in keys), msg.meta.get("timeout")):
+            if self._over():
+                return self._abort_reply(channel)
+            return self._refuse(channel, f"timed out after {msg.meta.get('timeout')} s waiting for keys {keys}")
+        channel.send(Kind.OK)
+
+    def _store_cas(self, channel: Channel, msg: Message, peer: str) -> None:
+        key, n = msg.meta["key"], int(msg.meta["expected_len"])
+        expected, desired = msg.blob[:n], msg.blob[n:]
+        with self.cv:
+            current = self._store.get(key)
+            if (current is None and expected == b"") or current == expected:
+                self._store[key] = current = desired
+                self.cv.notify_all()
+            elif current is None:
+                current = expected
+        channel.send(Kind.OK, {}, current)
+
+    def _store_delete(self, channel: Channel, msg: Message, peer: str) -> None:
+        with self.cv:
+            deleted = self._store.pop(msg.meta["key"], None) is not None
+        channel.send(Kind.OK, {"value": deleted})
+
+    def _store_num_keys(self, channel: Channel, msg: Message, peer: str) -> None:
+        with self.cv:
+            n = len(self._store)
+        channel.send(Kind.OK, {"value": n})
