@@ -1,0 +1,101 @@
+"""The communicator: one c10d process group (gloo for CPU tensors, NCCL for CUDA tensors).
+
+``init()`` builds it from whichever launcher started this process: HorovodRunner (the driver
+service is the rendezvous store), torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or
+nothing (a group of one).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..runner import _context
+from ..runner._topology import Placement
+
+_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class Topology(Placement):
+    """This process's Placement plus where it came from ("sparkhvd", "torchrun" or "single")."""
+
+    source: str = "single"
+
+
+_topology: Topology | None = None
+_owns_group = False
+_generation = 0  # init() count in this process: keeps each init's store keys apart
+
+
+class NotInitializedError(ValueError):
+    """A collective was called before ``init()``."""
+
+
+def init() -> Topology:
+    """Join the job this process belongs to (idempotent)."""
+    global _topology, _owns_group, _generation
+    if _topology is not None:
+        return _topology
+    ctx = _context.current()
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if ctx is not None:
+        from ._store import DriverStore
+
+        p = ctx.placement
+        store = DriverStore(ctx.new_client(), prefix=f"sparkhvd/{_generation}/")
+        if torch.cuda.is_available():  # a pinned task sees one GPU; on the driver, share by local_rank
+            torch.cuda.set_device(p.local_rank % torch.cuda.device_count())
+        topology = Topology(**p.as_dict(), source="sparkhvd")
+        dist.init_process_group(backend, store=store, rank=p.rank, world_size=p.size, timeout=_TIMEOUT)
+        _owns_group = True
+    elif dist.is_initialized():  # the user built the default group (e.g. under torchrun)
+        topology = _from_torchrun(dist.get_rank(), dist.get_world_size())
+        _owns_group = False
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        topology = _from_torchrun(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group(backend, init_method="env://", rank=topology.rank,
+                                world_size=topology.size, timeout=_TIMEOUT)
+        _owns_group = True
+    else:
+        topology = Topology(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=_TIMEOUT)
+        _owns_group = True
+    _generation += 1
+    _topology = topology
+    return topology
+
+
+def _from_torchrun(rank: int, size: int) -> Topology:
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cross_size = int(os.environ.get("GROUP_WORLD_SIZE", max(1, size // max(1, local_size))))
+    cross_rank = int(os.environ.get("GROUP_RANK", rank // max(1, local_size)))
+    return Topology(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
+                    cross_rank=cross_rank, cross_size=cross_size, source="torchrun")
+
+
+def shutdown() -> None:
+    """Leave the job; ``init()`` may be called again afterwards."""
+    global _topology, _owns_group
+    if _topology is None:
+        return
+    if _owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _topology = None
+    _owns_group = False
+
+
+def is_initialized() -> bool:
+    return _topology is not None
+
+
+def topology() -> Topology:
+    """This process's topology; raises if ``init()`` has not been called."""
+    if _topology is None:
+        raise NotInitializedError("sparkhvd has not been initialized; call hvd.init() first.")
+    return _topology

@@ -1,0 +1,55 @@
+"""The rendezvous store the process groups are built from: the driver service, as a c10d Store."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..runner._client import ServiceClient
+from ..runner._protocol import Kind
+
+
+class DriverStore(dist.Store):
+    """A ``torch.distributed.Store`` whose keys live in the run's driver service.
+
+    Every request is an authenticated frame; blocking ``get``/``wait`` wait on the driver and
+    end when the run is aborted. Keys are stored under ``prefix`` (c10d's PrefixStore cannot
+    wrap a store written in Python).
+    """
+
+    def __init__(self, client: ServiceClient, prefix: str = ""):
+        super().__init__()
+        self._client = client
+        self._prefix = prefix
+
+    def _k(self, key: str) -> str:
+        return self._prefix + key
+
+    def _timeout_s(self) -> float:
+        return self.timeout.total_seconds()
+
+    def set(self, key, value):
+        self._client.request(Kind.STORE_SET, {"key": self._k(key)}, bytes(value))
+
+    def get(self, key):
+        return self._client.request(Kind.STORE_GET, {"key": self._k(key), "timeout": self._timeout_s()}).blob
+
+    def add(self, key, amount):
+        return self._client.request(Kind.STORE_ADD, {"key": self._k(key), "amount": int(amount)}).meta["value"]
+
+    def compare_set(self, key, expected, desired):
+        expected, desired = bytes(expected), bytes(desired)
+        return self._client.request(Kind.STORE_CAS, {"key": self._k(key), "expected_len": len(expected)},
+                                    expected + desired).blob
+
+    def check(self, keys):
+        return self._client.request(Kind.STORE_CHECK, {"keys": [self._k(k) for k in keys]}).meta["value"]
+
+    def wait(self, keys, timeout=None):
+        seconds = timeout.total_seconds() if timeout is not None else self._timeout_s()
+        self._client.request(Kind.STORE_WAIT, {"keys": [self._k(k) for k in keys], "timeout": seconds})
+
+    def delete_key(self, key):
+        return self._client.request(Kind.STORE_DELETE, {"key": self._k(key)}).meta["value"]
+
+    def num_keys(self):
+        return self._client.request(Kind.STORE_NUM_KEYS).meta["value"]

@@ -1,0 +1,111 @@
+"""``DistributedOptimizer``: any torch optimizer, with gradients averaged across ranks."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .. import _engine
+from ._ops import Average, ReduceOp, Sum, _resolve_op
+
+
+class _DistributedMixin:
+    """Placed before the user's optimizer class: reduces gradients before each ``step()``."""
+
+    def _hvd_setup(self, named_parameters, op, gradient_predivide_factor, backward_passes_per_step):
+        params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is not None:
+            named = list(named_parameters)
+            if any(not (isinstance(x, tuple) and len(x) == 2) for x in named):
+                raise ValueError("named_parameters must be (name, parameter) pairs, as model.named_parameters() "
+                                 "gives.")
+            names = [n for n, _ in named]
+            dups = sorted({n for n in names if names.count(n) > 1})
+            if dups:
+                raise ValueError(f"named_parameters has duplicate names {dups}; each parameter needs its own name.")
+            known = {id(p) for _, p in named}
+            unnamed = sum(1 for p in params if id(p) not in known)
+            if unnamed:
+                raise ValueError(f"named_parameters was given, but {unnamed} of the optimizer's {len(params)} "
+                                 "parameters are not in it; pass model.named_parameters() of the model whose "
+                                 "parameters the optimizer updates.")
+            self._hvd_names = {id(p): n for n, p in named}
+        else:
+            self._hvd_names = {id(p): f"param.{i}" for i, p in enumerate(params)}
+        self._hvd_op = op
+        self._hvd_predivide = float(gradient_predivide_factor)
+        self._hvd_backward_passes = int(backward_passes_per_step)
+        self._hvd_synchronized = False
+        self._hvd_skip = False
+
+    def synchronize(self) -> None:
+        """Reduce every gradient now (``step()`` then skips it, e.g. after gradient clipping)."""
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # every rank must take part in every reduction
+                p.grad = torch.zeros_like(p)
+        size = _engine.topology().size
+        if size > 1:
+            buckets: dict = {}
+            for p in params:
+                buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+            for grads in buckets.values():
+                _reduce_bucket(grads, self._hvd_op, self._hvd_predivide, size)
+        self._hvd_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside this block ``step()`` does not reduce (call ``synchronize()`` yourself first)."""
+        self._hvd_skip = True
+        try:
+            yield
+        finally:
+            self._hvd_skip = False
+
+    def step(self, closure=None):
+        if not self._hvd_skip and not self._hvd_synchronized:
+            self.synchronize()
+        self._hvd_synchronized = False
+        return super().step(closure)
+
+
+def _reduce_bucket(grads: list, op: ReduceOp, predivide: float, size: int) -> None:
+    """One allreduce for a list of same-dtype gradients, through a flat buffer."""
+    flat = _flatten_dense_tensors(grads)
+    if op == Average and predivide != 1.0:
+        flat.mul_(1.0 / predivide)
+    dist.all_reduce(flat)
+    if op == Average:
+        flat.mul_(predivide / size) if flat.is_floating_point() else flat.floor_divide_(size)
+    for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        grad.copy_(reduced)
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=None,
+                         backward_passes_per_step: int = 1, op=Average,
+                         gradient_predivide_factor: float = 1.0, **_ignored):
+    """Wrap ``optimizer`` so that ``step()`` first averages gradients across ranks.
+
+    Returns an instance of a subclass of ``optimizer``'s own class that shares its parameter
+    groups and state. Gradients are reduced when ``step()`` (or ``synchronize()``) is called,
+    once per step, fused into one buffer per dtype; ``backward_passes_per_step`` gradient
+    accumulation needs nothing more (call ``step()`` after the last backward pass).
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    if compression is not None:
+        raise NotImplementedError("gradient compression is not implemented yet; leave compression unset.")
+    op = _resolve_op(op, None)
+    if op not in (Average, Sum):
+        raise ValueError(f"DistributedOptimizer reduces gradients with op=hvd.Average or hvd.Sum, got {op.name}.")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor only applies with op=hvd.Average.")
+    base = type(optimizer)
+    cls = type(base.__name__, (_DistributedMixin, base), {})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)  # share param_groups, state and hooks
+    wrapped._hvd_setup(named_parameters, op, gradient_predivide_factor, backward_passes_per_step)
+    return wrapped
