@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -46,9 +45,14 @@ def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[s
     Never raises for the user's failure: that reaches the driver through the service, so a
     Spark barrier stage never retries a training run on its own.
     """
-    if task in spec.stall_tasks:
-        time.sleep(3600)
     client = ServiceClient(spec.address, spec.secret)
+    if task in spec.stall_tasks:  # fault tests: never register; leave when the run is aborted
+        try:
+            client.request(Kind.WATCH, {"rank": -1})
+        except (RunAborted, ServiceError, OSError, ConnectionError):
+            pass
+        client.close()
+        return {"task": task, "rank": None, "exit": None, "note": "stalled on purpose"}
     try:
         placement = client.request(Kind.REGISTER, {
             "task": task, "host": host or socket.gethostname(), "pid": os.getpid(),

@@ -163,18 +163,39 @@ class HorovodRunner:
 def _pickle(main, kwargs) -> bytes:
     import cloudpickle
 
+    module = sys.modules.get(getattr(main, "__module__", None) or "")
+    by_value = module is not None and _is_user_module(module)
+    if by_value:  # a script beside the driver: the executors may not be able to import it
+        cloudpickle.register_pickle_by_value(module)
     try:
         payload = cloudpickle.dumps((main, kwargs))
     except Exception as exc:
         raise TypeError(f"HorovodRunner could not pickle {getattr(main, '__name__', main)!r} and its "
                         f"arguments for the ranks: {exc}. Create unpicklable objects (sessions, locks, "
                         "open files) inside the function instead of capturing them.") from exc
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(module)
     if len(payload) > LARGE_PAYLOAD_BYTES:
         warnings.warn(f"the training function and its arguments pickle to {_size(len(payload))}, which every "
                       f"rank downloads; the largest captured objects: {_captured_sizes(main, kwargs)}. "
                       "Load large data inside the function (from files or a data set) instead.",
                       UserWarning, stacklevel=4)
     return payload
+
+
+def _is_user_module(module) -> bool:
+    """A module of the user's own (not installed, not the standard library, not ours)."""
+    import sysconfig
+
+    name = module.__name__
+    path = getattr(module, "__file__", None)
+    if name == "__main__" or name.split(".")[0] == "sparkhvd" or not path:
+        return False
+    path = os.path.realpath(path)
+    installed = {os.path.realpath(p) for p in sysconfig.get_paths().values()}
+    installed |= {os.path.realpath(p) for p in sys.path if "site-packages" in p or "dist-packages" in p}
+    return not any(path.startswith(root + os.sep) for root in installed)
 
 
 def _captured_sizes(main, kwargs) -> str:

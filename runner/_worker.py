@@ -39,7 +39,14 @@ def main() -> int:
 
     import cloudpickle
 
-    fn, kwargs = cloudpickle.loads(client.request(Kind.FETCH).blob)  # verified frame
+    try:
+        fn, kwargs = cloudpickle.loads(client.request(Kind.FETCH).blob)  # verified frame
+    except ModuleNotFoundError as exc:
+        _report_failure(client, placement.rank, ModuleNotFoundError(
+            f"rank {placement.rank} cannot import module {exc.name!r}, which the training function "
+            f"refers to; install it where the ranks run (pip install on every executor), or define "
+            "the function in the notebook or driver script.", name=exc.name))
+        return FAILED_EXIT_CODE
     _context._set(_context.WorkerContext(placement=placement, run_id=os.environ[ENV_RUN_ID],
                                          address=address, secret=secret, client=client))
     try:

@@ -1,0 +1,31 @@
+# make demo: set up .venv (once) and run the demo.  make test: set up .venv (once) and run the tests.
+PYTHON ?= python3
+VENV   := .venv
+VPY    := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench check-python check-java clean
+
+demo: check-java $(STAMP)
+	$(VPY) notebooks/demo.py
+
+test: check-java $(STAMP)
+	$(VPY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(VPY) bench/launch.py
+
+check-python:
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "error: sparkhvd needs Python 3.10+ but $(PYTHON) is " + sys.version.split()[0] + "; run make PYTHON=python3.11 (or another 3.10+ interpreter).")'
+
+check-java:
+	@$(PYTHON) runner/_java.py
+
+# Reinstalled only when the package's requirements or the pins change.
+$(STAMP): pyproject.toml constraints.txt | check-python check-java
+	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
+	@touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -1,0 +1,44 @@
+"""Shared fixtures: one real local Spark session for the whole test run."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors run this interpreter
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """A real ``local[2]`` SparkSession, as a notebook user would have one."""
+    from pyspark.sql import SparkSession
+
+    session = (SparkSession.builder.master("local[2]").appName("sparkhvd-tests")
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.shuffle.partitions", "2")
+               .getOrCreate())
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+def _live_rank_processes() -> list:
+    import psutil
+
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "sparkhvd.runner._worker" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+@pytest.fixture
+def rank_processes():
+    """Returns the live rank processes under this test process (none should be left behind)."""
+    return _live_rank_processes

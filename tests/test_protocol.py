@@ -1,0 +1,167 @@
+"""The driver service refuses anything that is not an authenticated, fresh, well-sized frame."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import struct
+import time
+
+import pytest
+
+from sparkhvd.runner._client import ServiceClient, ServiceError
+from sparkhvd.runner._protocol import (MAGIC, NONCE_BYTES, Channel, Kind, ProtocolError, _HEADER,
+                                       new_secret)
+from sparkhvd.runner._service import DriverService
+
+
+@pytest.fixture
+def service():
+    svc = DriverService(np=2, secret=new_secret(), payload=b"payload")
+    yield svc
+    svc.close()
+
+
+def _wait_for_refusal(svc, count=1, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while len(svc.refusals) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return svc.refusals
+
+
+def _closed(sock: socket.socket) -> bool:
+    sock.settimeout(5)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_service_binds_to_loopback(service):
+    assert service.address[0] == "127.0.0.1"
+
+
+def test_authenticated_store_round_trip(service):
+    client = ServiceClient(service.address, service._secret)
+    client.request(Kind.STORE_SET, {"key": "k"}, b"v")
+    assert client.request(Kind.STORE_GET, {"key": "k", "timeout": 1}).blob == b"v"
+    assert client.request(Kind.STORE_ADD, {"key": "n", "amount": 3}).meta["value"] == 3
+    with pytest.raises(ServiceError, match="timed out after 0.1 s waiting for key 'missing'"):
+        client.request(Kind.STORE_GET, {"key": "missing", "timeout": 0.1})
+    client.close()
+
+
+def test_wrong_key_is_refused(service):
+    client = ServiceClient(service.address, new_secret())
+    with pytest.raises((ConnectionError, OSError)):
+        client.request(Kind.FETCH)
+    assert "HMAC" in _wait_for_refusal(service)[0]
+
+
+def test_truncated_frame_is_refused(service):
+    sock = socket.create_connection(service.address)
+    channel = Channel.connect(sock, service._secret)
+    header = _HEADER.pack(MAGIC, Kind.STORE_SET, 0, 100, 0)
+    sock.sendall(header + b"{")  # then hang up mid-frame
+    sock.shutdown(socket.SHUT_WR)
+    assert "connection closed after 1 of 100 bytes" in _wait_for_refusal(service)[0]
+    channel.close()
+
+
+def test_oversized_length_is_refused_before_reading(service):
+    sock = socket.create_connection(service.address)
+    Channel.connect(sock, service._secret)
+    sock.sendall(_HEADER.pack(MAGIC, Kind.RESULT, 0, 10, 1 << 40))  # a terabyte, never sent
+    assert _closed(sock)
+    assert "exceed the limits" in _wait_for_refusal(service)[0]
+
+
+def test_replayed_frame_is_refused(service):
+    """The same bytes sent twice on a connection, and again on a new one, are both refused."""
+    sock = socket.create_connection(service.address)
+    channel = Channel.connect(sock, service._secret)
+    sent = []
+    real_sendall = sock.sendall
+    channel.sock = type("Recorder", (), {"sendall": lambda self, b: (sent.append(b), real_sendall(b))})()
+    channel.send(Kind.STORE_SET, {"key": "k"}, b"v")
+    channel.sock = sock
+    assert channel.recv().kind == Kind.OK
+    frame = b"".join(sent)
+    real_sendall(frame)  # replay on the same connection
+    assert _closed(sock)
+    assert "sequence 0 where 1 was expected" in _wait_for_refusal(service)[0]
+
+    other = socket.create_connection(service.address)
+    other.recv(len(MAGIC) + NONCE_BYTES)
+    other.sendall(frame)  # replay on a new connection: another nonce
+    assert _closed(other)
+    assert "HMAC" in _wait_for_refusal(service, 2)[1]
+
+
+def test_reflected_frame_is_refused(service):
+    """A frame the server sent cannot be sent back to it as a request."""
+    sock = socket.create_connection(service.address)
+    server_side = Channel(sock, service._secret, b"\0" * NONCE_BYTES, is_server=True)
+    nonce = sock.recv(len(MAGIC) + NONCE_BYTES)[len(MAGIC):]
+    server_side._nonce = nonce
+    server_side.send(Kind.STORE_SET, {"key": "k"}, b"v")  # tagged in the server's direction
+    assert _closed(sock)
+    assert "HMAC" in _wait_for_refusal(service)[0]
+
+
+class _CreatesFile:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_unverified_pickle_is_never_unpickled(service, tmp_path):
+    target = tmp_path / "pwned"
+    payload = pickle.dumps(_CreatesFile(str(target)))
+    pickle.loads(pickle.dumps(_CreatesFile(str(tmp_path / "control")))).close()
+    assert (tmp_path / "control").exists()  # the payload does create a file when unpickled
+    client = ServiceClient(service.address, new_secret())  # an attacker without the secret
+    with pytest.raises((ConnectionError, OSError)):
+        client.request(Kind.RESULT, {"rank": 0}, payload)
+    with pytest.raises((ConnectionError, OSError)):
+        client.request(Kind.ERROR, {"rank": 0, "type": "X", "message": "m"}, payload)
+    _wait_for_refusal(service)
+    assert not target.exists()
+    assert service.results == {} and service.failures == []
+
+
+def test_garbage_greeting_is_refused(service):
+    sock = socket.create_connection(service.address)
+    sock.recv(len(MAGIC) + NONCE_BYTES)
+    sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 32)
+    assert _closed(sock)
+    assert "bad frame magic" in _wait_for_refusal(service)[0]
+
+
+def test_client_refuses_a_non_sparkhvd_server():
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    sock = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.sendall(b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 16)
+    with pytest.raises(ProtocolError, match="not a sparkhvd driver service"):
+        Channel.connect(sock, new_secret())
+    for s in (sock, conn, server):
+        s.close()
+
+
+def test_register_refuses_bad_task_index(service):
+    client = ServiceClient(service.address, service._secret)
+    with pytest.raises(ServiceError, match=r"task index 7 is outside 0..1"):
+        client.request(Kind.REGISTER, {"task": 7, "host": "h"})
+
+
+def test_payload_limit_message():
+    a, b = socket.socketpair()
+    channel = Channel(a, new_secret(), b"\0" * NONCE_BYTES, is_server=False, max_blob=10)
+    with pytest.raises(ValueError, match="over the driver service's 10-byte limit; save large objects"):
+        channel.send(Kind.RESULT, {}, b"x" * 11)
+    a.close(), b.close()
+    assert struct.calcsize("!4sBQIQ") == _HEADER.size
