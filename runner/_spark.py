@@ -56,13 +56,17 @@ def task_slots(sc) -> int:
         return int(sc.defaultParallelism)
 
 
-def check_slots(sc, np: int) -> None:
-    """Fail in seconds, with both numbers and the fix, when np tasks cannot all run at once."""
-    conf = sc.getConf()
-    if conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true":
+def check_barrier_conf(conf) -> None:
+    """Barrier stages fail under dynamic allocation: say so before Spark does."""
+    if (conf.get("spark.dynamicAllocation.enabled") or "false").lower() == "true":
         raise RuntimeError(
             "Spark barrier mode, which HorovodRunner uses, does not work with dynamic allocation; "
             "set spark.dynamicAllocation.enabled=false for this session, or use np<0 to run on the driver.")
+
+
+def check_slots(sc, np: int) -> None:
+    """Fail in seconds, with both numbers and the fix, when np tasks cannot all run at once."""
+    check_barrier_conf(sc.getConf())
     deadline = time.monotonic() + (0 if sc.master.startswith("local[") else _SLOT_WAIT_S)
     while True:
         slots = task_slots(sc)

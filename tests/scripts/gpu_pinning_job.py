@@ -1,0 +1,32 @@
+"""Run on local-cluster[2,1,1024] whose workers each discover one fake GPU; print each rank's view."""
+
+import json
+import os
+import sys
+
+from pyspark.sql import SparkSession
+
+from sparkhvd import HorovodRunner
+
+spark = (SparkSession.builder.master("local-cluster[2,1,1024]").appName("gpu-pinning")
+         .config("spark.ui.enabled", "false")
+         .config("spark.worker.resource.gpu.amount", "1")
+         .config("spark.worker.resource.gpu.discoveryScript", sys.argv[1])
+         .config("spark.executor.resource.gpu.amount", "1")
+         .config("spark.executor.resource.gpu.discoveryScript", sys.argv[1])
+         .config("spark.executorEnv.PYSPARK_PYTHON", sys.executable)
+         .getOrCreate())
+
+
+def train():
+    from sparkhvd.runner import _context
+
+    return {"rank": _context.current().placement.rank, "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+runs = []
+for _ in range(2):  # the second run reuses Spark's Python workers
+    result = HorovodRunner(np=2).run_all(train)
+    runs.append({"values": result.values, "gpus": result.gpus})
+print("RESULT " + json.dumps(runs), flush=True)
+spark.stop()
