@@ -1,0 +1,137 @@
+"""Benchmark (not a test): one sparkhvd.data shard reader vs pyarrow.dataset over the same files.
+
+Writes a dataset of ``--rows`` rows (a 784-float32 list column ``features`` and an int64
+``label``; 4 files x 4 row groups = 16 row groups; 200k rows is about 630 MB), then reads it
+whole, each reader in a fresh subprocess so peak RSS (ru_maxrss) is its own:
+
+- ours:            make_batch_reader(path, cur_shard=0, shard_count=1), NumPy batches
+- pyarrow:         pyarrow.dataset.dataset(path).to_batches()  (the peer)
+- pyarrow+numpy:   the same, converting each batch to NumPy as ours does (for reference)
+
+Prints the median rows/s of ``--repeats`` runs, peak RSS, and the ratio ours/pyarrow.
+
+    python bench/reader.py --rows 50000
+    python bench/reader.py                      # 200k rows
+    python bench/reader.py --path /data/bench   # keep the dataset there (re-used if present)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+WIDTH = 784
+FILES, GROUPS_PER_FILE = 4, 4
+
+
+def write_dataset(path: str, rows: int) -> None:
+    """Write ``rows`` rows as FILES files of GROUPS_PER_FILE row groups each."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(path, exist_ok=True)
+    schema = pa.schema([("features", pa.list_(pa.float32())), ("label", pa.int64())])
+    rng = np.random.default_rng(0)
+    groups = FILES * GROUPS_PER_FILE
+    bounds = [rows * g // groups for g in range(groups + 1)]
+    for f in range(FILES):
+        with pq.ParquetWriter(os.path.join(path, f"part-{f:05d}.parquet"), schema) as writer:
+            for g in range(f * GROUPS_PER_FILE, (f + 1) * GROUPS_PER_FILE):
+                n = bounds[g + 1] - bounds[g]
+                offsets = pa.array(np.arange(0, (n + 1) * WIDTH, WIDTH, dtype=np.int32))
+                features = pa.ListArray.from_arrays(offsets, pa.array(rng.random(n * WIDTH, dtype=np.float32)))
+                labels = pa.array(np.arange(bounds[g], bounds[g + 1], dtype=np.int64))
+                writer.write_table(pa.table({"features": features, "label": labels}, schema=schema), row_group_size=n)
+
+
+def child(kind: str, path: str, workers: int) -> dict:
+    """Read the dataset once in this process; return rows, seconds and peak RSS."""
+    import numpy as np
+    import pyarrow.dataset as ds
+
+    from sparkhvd.data import make_batch_reader
+    from sparkhvd.data._arrow import array_to_numpy
+
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rows = 0
+    start = time.perf_counter()
+    if kind == "ours":
+        with make_batch_reader(path, cur_shard=0, shard_count=1, workers_count=workers) as reader:
+            for batch in reader:
+                assert batch.features.shape[1:] == (WIDTH,)
+                rows += len(batch.label)
+    else:
+        for batch in ds.dataset(path, format="parquet").to_batches():
+            if kind == "pyarrow+numpy":
+                features = array_to_numpy(batch.column(0))
+                assert isinstance(features, np.ndarray) and features.shape[1:] == (WIDTH,)
+            rows += batch.num_rows
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"rows": rows, "seconds": seconds, "peak_mb": peak / 1024, "base_mb": base_rss / 1024}
+
+
+def run_child(kind: str, path: str, workers: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", kind, "--path", path, "--workers", str(workers)],
+        capture_output=True, text=True, check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=200_000, help="rows to write (default 200000, ~630 MB)")
+    parser.add_argument("--path", help="dataset directory (written if missing; default a temp dir)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per reader; the median is reported")
+    parser.add_argument("--workers", type=int, default=4, help="workers_count of our reader")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--write", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.write:
+        write_dataset(args.path, args.rows)
+        return
+    if args.child:
+        print(json.dumps(child(args.child, args.path, args.workers)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.path or os.path.join(tmp, "bench")
+        if not os.path.isdir(path):
+            start = time.perf_counter()
+            # In a subprocess: Linux carries a parent's peak RSS into its children's ru_maxrss.
+            subprocess.run([sys.executable, __file__, "--write", "--rows", str(args.rows), "--path", path], check=True)
+            size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / 2**20
+            print(f"wrote {args.rows} rows, {size:.0f} MB, in {time.perf_counter() - start:.1f} s to {path}")
+        kinds = ["ours", "pyarrow", "pyarrow+numpy"]
+        results: dict[str, list[dict]] = {k: [] for k in kinds}
+        run_child("pyarrow", path, args.workers)  # warm the page cache
+        for _ in range(args.repeats):
+            for kind in kinds:  # interleaved, so drift hits every reader alike
+                results[kind].append(run_child(kind, path, args.workers))
+        table = {}
+        for kind in kinds:
+            rows = {r["rows"] for r in results[kind]}
+            assert len(rows) == 1, f"{kind} read different row counts: {rows}"
+            table[kind] = (
+                statistics.median(r["rows"] / r["seconds"] for r in results[kind]),
+                max(r["peak_mb"] for r in results[kind]),
+                statistics.median(r["base_mb"] for r in results[kind]),
+                rows.pop(),
+            )
+        print(f"\n{'reader':<15}{'rows':>10}{'rows/s (median)':>18}{'peak RSS MB':>14}{'RSS after imports MB':>22}")
+        for kind, (rate, peak, base, rows) in table.items():
+            print(f"{kind:<15}{rows:>10}{rate:>18,.0f}{peak:>14.0f}{base:>22.0f}")
+        ratio = table["ours"][0] / table["pyarrow"][0]
+        print(f"\nratio ours/pyarrow rows/s: {ratio:.2f} (target >= 0.8); peak RSS ours/pyarrow: {table['ours'][1] / table['pyarrow'][1]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

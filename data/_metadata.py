@@ -1,0 +1,172 @@
+"""Finding a dataset's Parquet files and reading their footers into plan pieces.
+
+The only I/O of planning: it lists files, reads each footer (in threads), checks the
+requested columns, and when there are ``filters`` counts the matching rows of each row group
+(reading only the filter's columns), so that the plan balances the rows that pass.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Sequence
+from urllib.parse import unquote, urlparse
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from ._errors import DatasetNotFoundError, ReadError, SchemaError
+from ._plan import Piece
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A planned dataset: its files, the columns to read and the pieces of the plan."""
+
+    url: str  # as the user gave it, for messages
+    filesystem: pafs.FileSystem
+    files: tuple[str, ...]
+    schema: pa.Schema  # the columns to read, in the order they are yielded
+    pieces: tuple[Piece, ...]
+    filter: ds.Expression | None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the dataset after filters."""
+        return sum(p.num_rows for p in self.pieces)
+
+
+def _describe(url_or_urls) -> str:
+    if isinstance(url_or_urls, (list, tuple)):
+        shown = ", ".join(repr(str(u)) for u in url_or_urls[:3])
+        return f"[{shown}{', ...' if len(url_or_urls) > 3 else ''}]"
+    return repr(str(url_or_urls))
+
+
+def resolve_url(url: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
+    """The filesystem and path of a local path, a ``file://`` URL, or any URL pyarrow.fs knows."""
+    try:
+        text = os.fspath(url)
+    except TypeError:
+        text = None
+    if not isinstance(text, str):
+        raise TypeError(f"Dataset URLs must be str or os.PathLike, got {type(url).__name__} {url!r}; pass a path such as '/data/train'.")
+    parsed = urlparse(text)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"The file URL {text!r} names host {parsed.netloc!r}; file URLs must be local, e.g. 'file:///data/train'.")
+        return pafs.LocalFileSystem(), os.path.abspath(unquote(parsed.path))
+    if len(parsed.scheme) > 1:  # a one-letter scheme is a Windows drive
+        return pafs.FileSystem.from_uri(text)
+    return pafs.LocalFileSystem(), os.path.abspath(text)
+
+
+def _hidden(relative: str) -> bool:
+    # pyarrow.dataset's rule: Spark's _SUCCESS, _temporary/ and .crc files are not data.
+    return any(part.startswith(("_", ".")) for part in relative.split("/"))
+
+
+def list_files(url_or_urls) -> tuple[pafs.FileSystem, list[str]]:
+    """The filesystem and sorted Parquet files of a path, a URL, or a list of them (files or directories)."""
+    urls = list(url_or_urls) if isinstance(url_or_urls, (list, tuple)) else [url_or_urls]
+    if not urls:
+        raise ValueError("dataset_url_or_urls is an empty list; pass a directory, a file, or a non-empty list of them.")
+    resolved = [resolve_url(u) for u in urls]
+    filesystem = resolved[0][0]
+    files: list[str] = []
+    for url, (fs, path) in zip(urls, resolved):
+        if fs.type_name != filesystem.type_name:
+            raise ValueError(
+                f"All dataset URLs must be on one filesystem, but {str(urls[0])!r} is on {filesystem.type_name} "
+                f"and {str(url)!r} is on {fs.type_name}; read them with separate readers."
+            )
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise DatasetNotFoundError(f"The dataset path {str(url)!r} does not exist ({path}); check the path, and on a cluster make sure every worker can see it (a shared filesystem or a remote URL).")
+        if info.type == pafs.FileType.File:
+            files.append(path)
+            continue
+        found = [
+            entry.path
+            for entry in fs.get_file_info(pafs.FileSelector(path, recursive=True))
+            if entry.type == pafs.FileType.File and not _hidden(posixpath.relpath(entry.path, path))
+        ]
+        if not found:
+            raise DatasetNotFoundError(
+                f"No Parquet files found under {str(url)!r} ({path}); files whose names start with '_' or '.' are "
+                "skipped. Point dataset_url_or_urls at the directory that holds the part files."
+            )
+        files.extend(found)
+    seen: set[str] = set()
+    for path in files:
+        if path in seen:
+            raise ValueError(f"The file {path!r} is listed more than once in {_describe(url_or_urls)} (directly or inside a listed directory); list each file once, or its rows are read twice.")
+        seen.add(path)
+    return filesystem, sorted(files)
+
+
+def _footer(fs: pafs.FileSystem, path: str) -> pq.FileMetaData:
+    try:
+        with fs.open_input_file(path) as f:
+            return pq.ParquetFile(f).metadata
+    except (OSError, pa.ArrowException) as exc:
+        raise ReadError(f"Could not read the Parquet footer of {path!r}: {type(exc).__name__}: {exc}. Remove the file from the dataset or rewrite it; only Parquet files may sit in the dataset directory.") from exc
+
+
+def to_expression(filters) -> ds.Expression | None:
+    """``filters`` as a pyarrow Expression: an Expression as is, a DNF list through pyarrow.parquet."""
+    if filters is None or isinstance(filters, ds.Expression):
+        return filters
+    if isinstance(filters, (list, tuple)):
+        try:
+            return pq.filters_to_expression(filters)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"filters={filters!r} is not a valid DNF filter list ({exc}); use e.g. [('label', '=', 3)] or pyarrow.dataset.field('label') == 3.") from exc
+    raise TypeError(f"filters must be a pyarrow.dataset.Expression or a DNF list such as [('label', '=', 3)], got {type(filters).__name__}: {filters!r}.")
+
+
+def _count_matching(fs: pafs.FileSystem, path: str, num_row_groups: int, expr: ds.Expression, columns: list[str]) -> list[int]:
+    fmt = ds.ParquetFileFormat()
+    try:
+        return [fmt.make_fragment(path, filesystem=fs, row_groups=[i]).count_rows(filter=expr) for i in range(num_row_groups)]
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+        detail = " ".join(str(exc).split())
+        raise SchemaError(f"filters {expr} could not be applied to {path!r}: {detail}. Filters may only name columns of the dataset, which are {columns}.") from exc
+
+
+def open_dataset(url_or_urls, *, schema_fields: Sequence[str] | None, filters, workers: int = 8) -> Dataset:
+    """List, check and measure a dataset: its files, the columns to read, and one piece per row group."""
+    expr = to_expression(filters)
+    fs, files = list_files(url_or_urls)
+    with ThreadPoolExecutor(max(1, min(workers, len(files))), thread_name_prefix="sparkhvd-data-footer") as pool:
+        footers = list(pool.map(lambda p: _footer(fs, p), files))
+    first = footers[0].schema.to_arrow_schema()
+    available = first.names
+    if schema_fields is None:
+        wanted = list(available)
+    else:
+        if isinstance(schema_fields, str) or not all(isinstance(f, str) for f in schema_fields):
+            raise TypeError(f"schema_fields must be a list of column names, got {schema_fields!r}; e.g. schema_fields=['features', 'label'].")
+        wanted = list(schema_fields)
+        if not wanted:
+            raise ValueError(f"schema_fields is empty; name at least one of the columns {available}, or pass None to read them all.")
+        if len(set(wanted)) != len(wanted):
+            raise ValueError(f"schema_fields {wanted} names a column more than once; name each column once.")
+    for path, footer in zip(files, footers):
+        names = footer.schema.to_arrow_schema().names
+        missing = [c for c in wanted if c not in names]
+        if missing:
+            where = str(url_or_urls) if path == files[0] else f"file {path!r}"
+            raise SchemaError(f"Column(s) {missing} in schema_fields do not exist in {where}; the available columns are {names}. Fix the names in schema_fields, or leave it None to read every column.")
+    schema = pa.schema([first.field(c) for c in wanted])
+    if expr is None:
+        counts = [[footer.row_group(i).num_rows for i in range(footer.num_row_groups)] for footer in footers]
+    else:
+        with ThreadPoolExecutor(max(1, min(workers, len(files))), thread_name_prefix="sparkhvd-data-filter") as pool:
+            counts = list(pool.map(lambda pf: _count_matching(fs, pf[0], pf[1].num_row_groups, expr, available), zip(files, footers)))
+    pieces = tuple(Piece(path, i, n) for path, per_file in zip(files, counts) for i, n in enumerate(per_file) if n > 0)
+    return Dataset(_describe(url_or_urls), fs, tuple(files), schema, pieces, expr)

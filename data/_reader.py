@@ -1,0 +1,301 @@
+"""make_batch_reader and its Reader: Petastorm's batch reader API on pyarrow, with row-balanced shards."""
+
+from __future__ import annotations
+
+import operator
+import os
+import sys
+import threading
+from concurrent.futures import CancelledError
+from itertools import islice
+from typing import Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from ._arrow import batch_type, rebatch, table_to_batch
+from ._errors import EmptyShardError, ReadError
+from ._metadata import Dataset, open_dataset
+from ._plan import EpochPlan, Slice, iter_epochs, plan_epoch, resolve_seed
+from ._prefetch import Prefetcher
+
+DEFAULT_WORKERS = 4
+
+
+def _default_shard() -> tuple[int, int]:
+    """``(rank, size)`` of the initialized ``sparkhvd.collective.torch`` communicator, else ``(0, 1)``.
+
+    Looks the module up in ``sys.modules`` only, so it never imports torch itself.
+    """
+    hvd = sys.modules.get("sparkhvd.collective.torch")
+    is_initialized = getattr(hvd, "is_initialized", None)
+    if is_initialized is None or not is_initialized():
+        return 0, 1
+    return int(hvd.rank()), int(hvd.size())
+
+
+def _as_int(name: str, value, fix: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got the bool {value!r}; {fix}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}; {fix}") from None
+
+
+def _check_shard(cur_shard, shard_count) -> tuple[int, int]:
+    if cur_shard is None and shard_count is None:
+        return _default_shard()
+    if cur_shard is None or shard_count is None:
+        raise ValueError(f"Pass both cur_shard and shard_count or neither (got cur_shard={cur_shard!r}, shard_count={shard_count!r}); e.g. cur_shard=hvd.rank(), shard_count=hvd.size().")
+    fix = "pass e.g. cur_shard=hvd.rank(), shard_count=hvd.size()."
+    cur_shard, shard_count = _as_int("cur_shard", cur_shard, fix), _as_int("shard_count", shard_count, fix)
+    if shard_count < 1:
+        raise ValueError(f"shard_count must be at least 1, got {shard_count}; {fix}")
+    if not 0 <= cur_shard < shard_count:
+        raise ValueError(f"cur_shard must satisfy 0 <= cur_shard < shard_count, got cur_shard={cur_shard}, shard_count={shard_count}; {fix}")
+    return cur_shard, shard_count
+
+
+def _check_positive(name: str, value, allow_none: bool, fix: str) -> int | None:
+    if value is None and allow_none:
+        return None
+    value = _as_int(name, value, fix)
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}; {fix}")
+    return value
+
+
+class Reader:
+    """Iterator over the batches of one shard; also a context manager. Build it with make_batch_reader."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        cur_shard: int,
+        shard_count: int,
+        num_epochs: int | None,
+        shuffle_row_groups: bool,
+        shuffle_rows: bool,
+        seed: int,
+        batch_size: int | None,
+        equal_steps: bool,
+        workers_count: int,
+        step_rows: int | None = None,
+    ):
+        self.dataset = dataset
+        self.cur_shard, self.shard_count = cur_shard, shard_count
+        self.num_epochs, self.seed = num_epochs, seed
+        self.shuffle_row_groups, self.shuffle_rows = shuffle_row_groups, shuffle_rows
+        self.batch_size, self.equal_steps = batch_size, equal_steps
+        self.workers_count = workers_count
+        self._step_rows = step_rows
+        self.batch_type = batch_type(dataset.schema.names)
+        self._prefetcher: Prefetcher | None = None
+        self._stopped = False
+        self._lock = threading.Lock()
+        self._batches = self._generate()
+
+    @property
+    def schema(self) -> pa.Schema:
+        """The Arrow schema of the columns this reader yields, in order."""
+        return self.dataset.schema
+
+    def plan(self, epoch: int) -> EpochPlan:
+        """This shard's plan for ``epoch``: its row-group slices and batch sizes."""
+        return plan_epoch(
+            self.dataset.pieces, shard_count=self.shard_count, cur_shard=self.cur_shard, epoch=epoch, seed=self.seed,
+            shuffle_row_groups=self.shuffle_row_groups, batch_size=self.batch_size, equal_steps=self.equal_steps,
+            step_rows=self._step_rows,
+        )
+
+    def _read(self, task: tuple[int, int, Slice]) -> pa.Table:
+        epoch, position, piece_slice = task
+        piece = self.dataset.pieces[piece_slice.piece]
+        columns = self.dataset.schema.names
+        try:
+            if self.dataset.filter is None:
+                with self.dataset.filesystem.open_input_file(piece.path) as f:
+                    table = pq.ParquetFile(f).read_row_group(piece.row_group, columns=columns)
+            else:
+                fragment = ds.ParquetFileFormat().make_fragment(piece.path, filesystem=self.dataset.filesystem, row_groups=[piece.row_group])
+                table = fragment.to_table(columns=columns, filter=self.dataset.filter, batch_size=1 << 30)
+        except Exception as exc:
+            raise ReadError(
+                f"Reading row group {piece.row_group} of {piece.path!r} failed in a prefetch thread (shard {self.cur_shard} of "
+                f"{self.shard_count}, epoch {epoch}): {type(exc).__name__}: {exc}. The file was readable when the reader was "
+                "created, so it was changed, moved or deleted since; restore it and create a new reader."
+            ) from exc
+        if table.num_rows != piece.num_rows:
+            raise ReadError(
+                f"Row group {piece.row_group} of {piece.path!r} now has {table.num_rows} rows (after filters) but had "
+                f"{piece.num_rows} when the reader was created; the file changed under the reader. Do not rewrite a "
+                "dataset while it is read; create a new reader."
+            )
+        table = table.select(columns).slice(piece_slice.start, piece_slice.num_rows)
+        if self.shuffle_rows:
+            rng = np.random.default_rng([self.seed, epoch, self.cur_shard, position])
+            table = table.take(rng.permutation(table.num_rows))
+        return table
+
+    def _tasks(self) -> Iterator[tuple[int, int, Slice]]:
+        for epoch in iter_epochs(self.num_epochs):
+            for position, piece_slice in enumerate(self.plan(epoch).slices):
+                yield epoch, position, piece_slice
+
+    def _generate(self) -> Iterator[tuple]:
+        with self._lock:
+            if self._stopped:
+                return
+            self._prefetcher = Prefetcher(self._read, self._tasks(), workers=self.workers_count, depth=self.workers_count + 2)
+        tables = self._prefetcher
+        for epoch in iter_epochs(self.num_epochs):
+            plan = self.plan(epoch)
+            for table in rebatch(islice(tables, len(plan.slices)), plan.batch_sizes()):
+                yield table_to_batch(table, self.batch_type)
+        self.stop()
+
+    def __iter__(self) -> Reader:
+        return self
+
+    def __next__(self) -> tuple:
+        if self._stopped:
+            raise StopIteration
+        try:
+            return next(self._batches)
+        except CancelledError:
+            if self._stopped:  # stop() from another thread cancelled the read we waited for
+                raise StopIteration from None
+            raise
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop reading: cancel prefetches not started, wait for running ones; no thread is left running."""
+        with self._lock:
+            self._stopped = True
+            prefetcher = self._prefetcher
+        if prefetcher is not None:
+            prefetcher.close()
+
+    def join(self) -> None:
+        """Wait for the reader's threads to end (Petastorm's API; stop() already waits)."""
+        self.stop()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+        self.join()
+
+    def __del__(self):
+        # The garbage collector may run this on any thread, a prefetch thread included: do not wait.
+        prefetcher = getattr(self, "_prefetcher", None)
+        if prefetcher is not None:
+            prefetcher.close(wait=False)
+
+
+def _build(
+    dataset_url_or_urls, *, cur_shard, shard_count, num_epochs, shuffle_row_groups, shuffle_rows, seed,
+    schema_fields, filters, batch_size, equal_steps, workers_count, step_rows=None,
+) -> Reader:
+    cur_shard, shard_count = _check_shard(cur_shard, shard_count)
+    num_epochs = _check_positive("num_epochs", num_epochs, True, "pass None to read forever, or a positive number of epochs.")
+    batch_size = _check_positive("batch_size", batch_size, True, "pass None to yield row groups as read, or a positive batch size.")
+    workers_count = _check_positive("workers_count", workers_count, False, f"pass a positive number of threads (default {DEFAULT_WORKERS}).")
+    if seed is not None and (_as_int("seed", seed, "pass a non-negative int.") < 0):
+        raise ValueError(f"seed must be a non-negative int or None, got {seed}; pass e.g. seed=42 (the same on every rank).")
+    dataset = open_dataset(dataset_url_or_urls, schema_fields=schema_fields, filters=filters, workers=workers_count)
+    total = dataset.num_rows
+    if total < shard_count:
+        after = f" after filters {dataset.filter}" if dataset.filter is not None else ""
+        fix = f"use at most {total} shards, or a larger dataset" if total else "point the reader at a dataset with rows"
+        if after:
+            fix += " or looser filters"
+        raise EmptyShardError(
+            f"The dataset {dataset.url} has {total} rows{after} across {len(dataset.files)} file(s), fewer than "
+            f"shard_count={shard_count}, so shards {total} to {shard_count - 1} (this reader is shard {cur_shard}) "
+            f"would be empty; {fix}."
+        )
+    return Reader(
+        dataset, cur_shard=cur_shard, shard_count=shard_count, num_epochs=num_epochs,
+        shuffle_row_groups=bool(shuffle_row_groups), shuffle_rows=bool(shuffle_rows), seed=resolve_seed(seed),
+        batch_size=batch_size, equal_steps=bool(equal_steps), workers_count=workers_count, step_rows=step_rows,
+    )
+
+
+def make_batch_reader(
+    dataset_url_or_urls: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    cur_shard: int | None = None,
+    shard_count: int | None = None,
+    num_epochs: int | None = 1,
+    shuffle_row_groups: bool = True,
+    shuffle_rows: bool = False,
+    seed: int | None = None,
+    schema_fields: Sequence[str] | None = None,
+    filters=None,
+    batch_size: int | None = None,
+    equal_steps: bool = True,
+    workers_count: int = DEFAULT_WORKERS,
+) -> Reader:
+    """A reader of one shard of a Parquet dataset, yielding namedtuples of NumPy arrays (one per column).
+
+    ``dataset_url_or_urls``: a directory of Parquet files (searched recursively; names starting
+    with ``_`` or ``.`` are skipped), a single file, or a list of them; local paths and
+    ``file://`` URLs, and other filesystems through ``pyarrow.fs.FileSystem.from_uri``
+    (``s3://``, ``gs://``, ``hdfs://``; untested here).
+
+    Sharding: ``cur_shard``/``shard_count`` default to ``hvd.rank()``/``hvd.size()`` of an
+    initialized ``sparkhvd.collective.torch``, else ``(0, 1)``. Each epoch the row groups are
+    laid end to end (shuffled by ``(seed, epoch)`` when ``shuffle_row_groups``) and the rows cut
+    into ``shard_count`` contiguous ranges whose sizes differ by at most one row, so every row
+    is in exactly one shard. More shards than rows raises ``EmptyShardError``.
+
+    ``seed``: every rank must pass the same seed, or shards overlap and miss rows; ``None``
+    means 0, so ranks agree without communicating (pass another value to change the order).
+    Orders are deterministic for a given ``(seed, epoch)`` and differ between epochs.
+    ``shuffle_rows`` shuffles rows within each row-group slice the shard reads.
+
+    ``num_epochs``: how many passes; ``None`` reads forever. ``schema_fields``: the columns to
+    read, in the order yielded (default all). ``filters``: a ``pyarrow.dataset`` expression or a
+    DNF list as in ``pyarrow.parquet`` (``[('label', '=', 3)]``); they are evaluated once when
+    the reader is built (reading only the filter's columns) so the plan balances the rows that
+    pass. ``workers_count``: threads that prefetch row groups (at most ``workers_count + 2``
+    row groups are held in memory).
+
+    Batches and ``equal_steps`` (let ``m = rows_after_filters // shard_count``; shards hold
+    ``m`` or ``m + 1`` rows each epoch):
+
+    - ``batch_size=None, equal_steps=False``: one batch per row-group slice, as read; every
+      row exactly once per epoch; batch counts may differ between shards.
+    - ``batch_size=None, equal_steps=True`` (default): every row exactly once per epoch; each
+      shard splits its rows into ``ceil(m / g)`` batches whose sizes differ by at most one,
+      the same count on every shard, where ``g = ceil(rows_after_filters / row groups)`` is
+      the mean row-group size (batches may span row groups).
+    - ``batch_size=b, equal_steps=False``: batches of ``b`` rows, the last of each epoch short;
+      every row exactly once per epoch.
+    - ``batch_size=b, equal_steps=True``: every shard yields ``ceil(m / b)`` batches per epoch,
+      all of ``b`` rows but the last. When ``m`` is a multiple of ``b``, the shards holding
+      ``m + 1`` rows leave out their last row that epoch (one row per such shard, at most
+      ``shard_count - 1`` rows per epoch in all); otherwise every row is read.
+
+    Batches never cross an epoch boundary. Columns: numbers as 1-D arrays (zero-copy, read-only
+    when there are no nulls), strings as object arrays, ``fixed_size_list`` columns and
+    ``list`` columns whose rows in the batch all have one length as 2-D ``(n, length)``
+    arrays, ragged lists as object arrays of 1-D arrays.
+
+    Use it as an iterator, preferably in ``with``: ``with make_batch_reader(url) as reader:
+    for batch in reader: ...``. ``stop()`` ends the prefetch threads; an error in one is
+    raised in the consuming thread.
+    """
+    return _build(
+        dataset_url_or_urls, cur_shard=cur_shard, shard_count=shard_count, num_epochs=num_epochs,
+        shuffle_row_groups=shuffle_row_groups, shuffle_rows=shuffle_rows, seed=seed, schema_fields=schema_fields,
+        filters=filters, batch_size=batch_size, equal_steps=equal_steps, workers_count=workers_count,
+    )

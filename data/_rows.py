@@ -1,0 +1,63 @@
+"""make_reader: one namedtuple per row, on top of the batch reader and its plan."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ._reader import DEFAULT_WORKERS, Reader, _build
+
+
+class RowReader:
+    """Iterator over single rows (namedtuples of scalars) on top of a batch Reader."""
+
+    def __init__(self, reader: Reader):
+        self.reader = reader
+        self._rows = (reader.batch_type(*row) for batch in reader for row in zip(*batch))
+
+    def __iter__(self) -> RowReader:
+        return self
+
+    def __next__(self) -> tuple:
+        return next(self._rows)
+
+    def stop(self) -> None:
+        """Stop the underlying batch reader."""
+        self.reader.stop()
+
+    def join(self) -> None:
+        """Wait for the underlying reader's threads."""
+        self.reader.join()
+
+    def __enter__(self) -> RowReader:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.reader.stop()
+
+
+def make_reader(
+    dataset_url_or_urls,
+    *,
+    cur_shard: int | None = None,
+    shard_count: int | None = None,
+    num_epochs: int | None = 1,
+    shuffle_row_groups: bool = True,
+    shuffle_rows: bool = False,
+    seed: int | None = None,
+    schema_fields: Sequence[str] | None = None,
+    filters=None,
+    equal_steps: bool = True,
+    workers_count: int = DEFAULT_WORKERS,
+) -> RowReader:
+    """A row-at-a-time reader: the same arguments and plan as make_batch_reader, one namedtuple per row.
+
+    With ``equal_steps=True`` every shard yields exactly ``m = rows // shard_count`` rows per
+    epoch (the shards holding ``m + 1`` leave out their last row); with ``equal_steps=False``
+    every row is read exactly once per epoch.
+    """
+    reader = _build(
+        dataset_url_or_urls, cur_shard=cur_shard, shard_count=shard_count, num_epochs=num_epochs,
+        shuffle_row_groups=shuffle_row_groups, shuffle_rows=shuffle_rows, seed=seed, schema_fields=schema_fields,
+        filters=filters, batch_size=None, equal_steps=equal_steps, workers_count=workers_count, step_rows=1,
+    )
+    return RowReader(reader)
