@@ -20,3 +20,7 @@ class HorovodRunError(RuntimeError):
 
 class StartTimeoutError(HorovodRunError):
     """Some ranks did not register within ``start_timeout``."""
+
+
+for _cls in (HorovodRunError, StartTimeoutError):
+    _cls.__module__ = "sparkhvd.runner"  # tracebacks name the public path
