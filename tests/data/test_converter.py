@@ -41,3 +41,29 @@ def test_converter_needs_a_cache_dir_url(spark, tmp_path):
         make_spark_converter(df, parent_cache_dir_url="/tmp/x")
     with pytest.raises(ValueError, match=r"dtype must be 'float32', 'float64' or None, got 'int8'"):
         make_spark_converter(df, parent_cache_dir_url=tmp_path.as_uri(), dtype="int8")
+
+
+@pytest.mark.timeout(180)
+def test_each_rank_reads_its_shard_under_horovod_runner(spark, tmp_path):
+    from sparkhvd import HorovodRunner
+    from sparkhvd.data import make_spark_converter
+
+    df = spark.range(0, 103, numPartitions=3).selectExpr("id", "cast(id as double) * 2 as x")
+    converter = make_spark_converter(df, parent_cache_dir_url=tmp_path.as_uri())
+
+    def train():
+        import sparkhvd.collective.torch as hvd
+
+        hvd.init()  # cur_shard/shard_count default to rank/size
+        ids, steps = [], 0
+        with converter.make_torch_dataloader(batch_size=10, num_epochs=1) as loader:
+            for batch in loader:
+                ids += batch["id"].tolist()
+                steps += 1
+        return {"ids": ids, "steps": steps}
+
+    values = HorovodRunner(np=2).run_all(train).values
+    all_ids = values[0]["ids"] + values[1]["ids"]
+    assert sorted(all_ids) == list(range(103))  # every row exactly once
+    assert values[0]["steps"] == values[1]["steps"] == 6  # 52 and 51 rows -> 6 batches each
+    converter.delete()
