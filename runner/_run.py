@@ -21,6 +21,7 @@ from ._logs import LogRouter
 from ._service import DriverService, Failure
 
 FAILURE_GRACE_S = 1.0  # after the first failure, wait this long for the other ranks' errors
+ABORT_GRACE_S = 5.0  # after ABORT, wait this long for the rank processes to report their exit
 STOP_WAIT_S = 15.0  # after an abort, wait this long for the tasks to end
 EXIT_WAIT_S = 35.0  # after every result, wait this long for the rank processes to exit
 _POLL_S = 0.05
@@ -95,10 +96,26 @@ def _stop(service: DriverService, launcher: Launcher, reason: str) -> None:
     previous = _ignore_sigint()
     try:
         service.abort(reason)
-        launcher.stop()
+        _wait_for_exits(service, ABORT_GRACE_S)  # gracefully first: the ranks leave on ABORT
+        launcher.stop()  # then by force: cancel the Spark job group, kill local processes
         launcher.join(STOP_WAIT_S)
     finally:
         _restore_sigint(previous)
+
+
+def _wait_for_exits(service: DriverService, timeout: float) -> None:
+    """Wait until every started rank's agent has reported its process's exit.
+
+    An agent reports only after reaping its rank process, so afterwards none is left running.
+    Ranks start only once all have registered: before that there is nothing to wait for.
+    """
+    deadline = time.monotonic() + timeout
+    with service.cv:
+        while service.placements is not None and len(service.exits) < service.np:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            service.cv.wait(remaining)
 
 
 def _ignore_sigint():
