@@ -12,8 +12,10 @@ demo: check-java $(STAMP)
 test: check-java $(STAMP)
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: check-java $(STAMP)
+	$(VPY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,bench]"
 	$(VPY) bench/launch.py
+	$(VPY) bench/reader.py
 
 check-python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "error: sparkhvd needs Python 3.10+ but $(PYTHON) is " + sys.version.split()[0] + "; run make PYTHON=python3.11 (or another 3.10+ interpreter).")'

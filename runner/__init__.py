@@ -1,9 +1,10 @@
-"""Launching training functions: ``HorovodRunner`` and what it returns or raises."""
+"""Launching training functions: ``HorovodRunner`` and what it returns or raises.
 
-from ._errors import HorovodRunError, StartTimeoutError
-from ._java import JavaNotFoundError
-from ._runner import HorovodRunner, RunResult, log_to_driver
-from ._topology import Placement, assign_ranks
+Names are imported on first use, so a rank process (``python -m sparkhvd.runner._worker``)
+does not import the driver-side modules.
+"""
+
+import importlib
 
 __all__ = [
     "HorovodRunner",
@@ -15,3 +16,25 @@ __all__ = [
     "assign_ranks",
     "log_to_driver",
 ]
+
+_WHERE = {
+    "HorovodRunner": "._runner",
+    "RunResult": "._runner",
+    "log_to_driver": "._runner",
+    "HorovodRunError": "._errors",
+    "StartTimeoutError": "._errors",
+    "JavaNotFoundError": "._java",
+    "Placement": "._topology",
+    "assign_ranks": "._topology",
+}
+
+
+def __getattr__(name):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sparkhvd.runner' has no attribute {name!r}")
+    return getattr(importlib.import_module(module, __name__), name)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -256,9 +256,15 @@ def test_init_joins_a_torchrun_job(tmp_path):
     with socket.socket() as s:  # torchrun needs a concrete port
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                          "--master-addr=127.0.0.1", f"--master-port={port}", str(script)],
-                         capture_output=True, text=True, timeout=170)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                             "--master-addr=127.0.0.1", f"--master-port={port}", str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=170)
+    finally:
+        if proc.poll() is None:  # leave no torchrun worker behind
+            os.killpg(proc.pid, 9)
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     import re
 
     results = sorted(re.findall(r"RESULT \d \d \d \d [\d.]+", out.stdout))  # ranks share one pipe
