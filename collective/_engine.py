@@ -30,6 +30,9 @@ class Topology(Placement):
 _topology: Topology | None = None
 _owns_group = False
 _generation = 0  # init() count in this process: keeps each init's store keys apart
+# c10d calls a Python store's methods only while the Python object lives; torch itself does not
+# keep it alive once it is wrapped (new_group wraps the default store), so we do.
+_store = None
 
 
 class NotInitializedError(ValueError):
@@ -38,7 +41,7 @@ class NotInitializedError(ValueError):
 
 def init() -> Topology:
     """Join the job this process belongs to (idempotent)."""
-    global _topology, _owns_group, _generation
+    global _topology, _owns_group, _generation, _store
     if _topology is not None:
         return _topology
     ctx = _context.current()
@@ -47,7 +50,7 @@ def init() -> Topology:
         from ._store import DriverStore
 
         p = ctx.placement
-        store = DriverStore(ctx.new_client(), prefix=f"sparkhvd/{_generation}/")
+        store = _store = DriverStore(ctx.new_client(), prefix=f"sparkhvd/{_generation}/")
         if torch.cuda.is_available():  # a pinned task sees one GPU; on the driver, share by local_rank
             torch.cuda.set_device(p.local_rank % torch.cuda.device_count())
         topology = Topology(**p.as_dict(), source="sparkhvd")
@@ -81,11 +84,12 @@ def _from_torchrun(rank: int, size: int) -> Topology:
 
 def shutdown() -> None:
     """Leave the job; ``init()`` may be called again afterwards."""
-    global _topology, _owns_group
+    global _topology, _owns_group, _store
     if _topology is None:
         return
     if _owns_group and dist.is_initialized():
         dist.destroy_process_group()
+    _store = None
     _topology = None
     _owns_group = False
 

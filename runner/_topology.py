@@ -22,6 +22,7 @@ class Placement:
     local_size: int
     cross_rank: int
     cross_size: int
+    homogeneous: bool = True  # every host runs the same number of ranks
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -40,12 +41,13 @@ def assign_ranks(hosts: list[str]) -> list[Placement]:
     placements: list[Placement | None] = [None] * size
     rank = 0
     host_list = list(by_host)
+    homogeneous = len({len(tasks) for tasks in by_host.values()}) == 1
     for host in host_list:
         tasks = by_host[host]
         for local_rank, task in enumerate(tasks):
             peers = [h for h in host_list if len(by_host[h]) > local_rank]
             placements[task] = Placement(
                 rank=rank, size=size, local_rank=local_rank, local_size=len(tasks),
-                cross_rank=peers.index(host), cross_size=len(peers))
+                cross_rank=peers.index(host), cross_size=len(peers), homogeneous=homogeneous)
             rank += 1
     return placements  # type: ignore[return-value]

@@ -7,16 +7,17 @@ import io
 import torch
 import torch.distributed as dist
 
-from .. import _engine
-from ._ops import _check_root, broadcast_
+from ._ops import _check_root, _group, broadcast_, gather_ints
+from ._process_sets import global_process_set
 
 
-def broadcast_object(obj=None, root_rank: int = 0, name=None):
-    """Rank ``root_rank``'s ``obj`` on every rank (pickled with cloudpickle)."""
+def broadcast_object(obj=None, root_rank: int = 0, name=None, process_set=global_process_set):
+    """Rank ``root_rank``'s ``obj`` on every rank of the set (pickled with cloudpickle)."""
     import cloudpickle
 
-    _check_root(root_rank)
-    rank = _engine.topology().rank
+    group = _group(process_set, "broadcast_object")
+    src = _check_root(root_rank, process_set)
+    rank = process_set.rank()
     if rank == root_rank:
         buf = io.BytesIO()
         cloudpickle.dump(obj, buf)
@@ -24,16 +25,30 @@ def broadcast_object(obj=None, root_rank: int = 0, name=None):
         length = torch.tensor([data.numel()], dtype=torch.int64)
     else:
         length = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(length, src=root_rank)
+    dist.broadcast(length, src=src, group=group)
     if rank != root_rank:
         data = torch.empty(int(length.item()), dtype=torch.uint8)
-    dist.broadcast(data, src=root_rank)
+    dist.broadcast(data, src=src, group=group)
     if rank == root_rank:
         return obj
     return cloudpickle.loads(data.numpy().tobytes())
 
 
-def broadcast_parameters(params, root_rank: int = 0) -> None:
+def allgather_object(obj, name=None, process_set=global_process_set) -> list:
+    """Every rank's ``obj``, as a list in rank order (pickled with cloudpickle)."""
+    import cloudpickle
+
+    group = _group(process_set, "allgather_object")
+    data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
+    lengths = [n[0] for n in gather_ints([data.numel()], data.device, process_set)]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    gathered = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(gathered, padded, group=group)
+    return [cloudpickle.loads(g[:n].numpy().tobytes()) for g, n in zip(gathered, lengths)]
+
+
+def broadcast_parameters(params, root_rank: int = 0, process_set=global_process_set) -> None:
     """Overwrite every rank's parameters with rank ``root_rank``'s, in place.
 
     ``params`` is a ``state_dict()``, a list of ``(name, tensor)`` pairs, or
@@ -54,17 +69,18 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
         if not isinstance(p, torch.Tensor):
             raise ValueError(f"broadcast_parameters: {name!r} is a {type(p).__name__}, not a tensor; "
                              "broadcast non-tensor values with hvd.broadcast_object.")
-        broadcast_(p.data, root_rank, name=name)
+        broadcast_(p.data, root_rank, name=None, process_set=process_set)
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              process_set=global_process_set) -> None:
     """Overwrite every rank's optimizer state and hyperparameters with rank ``root_rank``'s."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, got "
                          f"{type(optimizer).__name__}.")
-    state = _to_cpu(optimizer.state_dict()) if _engine.topology().rank == root_rank else None
-    state = broadcast_object(state, root_rank)
-    if _engine.topology().rank != root_rank:
+    state = _to_cpu(optimizer.state_dict()) if process_set.rank() == root_rank else None
+    state = broadcast_object(state, root_rank, process_set=process_set)
+    if process_set.rank() != root_rank:
         optimizer.load_state_dict(state)  # moves state tensors to each parameter's device
 
 

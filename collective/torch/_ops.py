@@ -1,4 +1,9 @@
-"""Horovod's tensor collectives on the c10d process group (the unfused reference path)."""
+"""Horovod's tensor collectives on c10d: asynchronous cores, in-place and blocking variants.
+
+Every op takes ``process_set=`` (default: every rank). Ops run in call order, as c10d and DDP
+do: every rank of the set must call the same ops in the same order. The differentiable
+out-of-place wrappers live in ``_autograd.py``.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,11 @@ import enum
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import _engine
+from ._handles import Handle, register, synchronize
+from ._process_sets import ProcessSet, global_process_set
 
 
 class ReduceOp(enum.IntEnum):
@@ -21,15 +29,11 @@ class ReduceOp(enum.IntEnum):
     Product = 5
 
 
-Average = ReduceOp.Average
-Sum = ReduceOp.Sum
-Adasum = ReduceOp.Adasum
-Min = ReduceOp.Min
-Max = ReduceOp.Max
-Product = ReduceOp.Product
+Average, Sum, Adasum = ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum
+Min, Max, Product = ReduceOp.Min, ReduceOp.Max, ReduceOp.Product
 
-_C10D_OPS = {Sum: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN, Max: dist.ReduceOp.MAX,
-             Product: dist.ReduceOp.PRODUCT}
+_C10D_OPS = {Sum: dist.ReduceOp.SUM, Average: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
+             Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}
 
 
 def _resolve_op(op, average) -> ReduceOp:
@@ -53,65 +57,168 @@ def _check_tensor(tensor, what: str) -> None:
         raise TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}.")
 
 
-def allreduce_(tensor: torch.Tensor, average=None, name=None, op=None, prescale_factor=1.0,
-               postscale_factor=1.0) -> torch.Tensor:
-    """Reduce ``tensor`` across all ranks in place and return it.
+def _group(process_set: ProcessSet, what: str):
+    """The c10d group of ``process_set``; this rank must be a member."""
+    if not isinstance(process_set, ProcessSet):
+        raise ValueError(f"process_set must be a ProcessSet, got {type(process_set).__name__}.")
+    if not process_set.included():
+        raise ValueError(f"{what}: rank {_engine.topology().rank} is not in process set {process_set.ranks}; "
+                         "call a process set's collectives only on its members.")
+    return process_set.group
 
-    ``op=Average`` (the default) divides the sum by ``size()``; on integer tensors that
-    division rounds down (floor), as integer arithmetic must.
+
+def _check_root(root_rank, process_set: ProcessSet) -> int:
+    """The job-wide rank of ``root_rank`` (counted within the process set)."""
+    size = process_set.size()
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < size:
+        where = "this job" if process_set is global_process_set else f"process set {process_set.ranks}"
+        raise ValueError(f"root_rank={root_rank!r} is outside the ranks 0..{size - 1} of {where}.")
+    return process_set.global_rank(root_rank)
+
+
+def _scale_after(tensor: torch.Tensor, op: ReduceOp, size: int, postscale: float) -> None:
+    if op == Average and size > 1:
+        if tensor.is_floating_point() or tensor.is_complex():
+            tensor.div_(size)
+        else:
+            tensor.floor_divide_(size)  # integer averages round down
+    if postscale != 1.0:
+        tensor.mul_(postscale)
+
+
+# ---- allreduce ----------------------------------------------------------------------------
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                     process_set=global_process_set) -> Handle:
+    """Start reducing ``tensor`` in place; returns a handle for ``synchronize``.
+
+    ``op=Average`` (the default) divides the sum by the set's size; on integer tensors that
+    division rounds down.
     """
     _check_tensor(tensor, "allreduce")
     op = _resolve_op(op, average)
-    size = _engine.topology().size
+    group = _group(process_set, "allreduce")
+    size = process_set.size()
     with torch.no_grad():
         if prescale_factor != 1.0:
             tensor.mul_(prescale_factor)
-        dist.all_reduce(tensor, op=_C10D_OPS.get(op, dist.ReduceOp.SUM))
-        if op == Average and size > 1:
-            if tensor.is_floating_point() or tensor.is_complex():
-                tensor.div_(size)
-            else:
-                tensor.floor_divide_(size)
-        if postscale_factor != 1.0:
-            tensor.mul_(postscale_factor)
-    return tensor
+        work = dist.all_reduce(tensor, op=_C10D_OPS[op], group=group, async_op=True)
+
+    def finish():
+        with torch.no_grad():
+            _scale_after(tensor, op, size, postscale_factor)
+        return tensor
+
+    return register(Handle([work], finish, name))
 
 
-def allreduce(tensor: torch.Tensor, average=None, name=None, op=None, prescale_factor=1.0,
-              postscale_factor=1.0) -> torch.Tensor:
-    """Reduce ``tensor`` across all ranks; returns a new tensor (the input is unchanged)."""
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                    process_set=global_process_set) -> Handle:
+    """Start reducing a copy of ``tensor`` (the input is unchanged)."""
     _check_tensor(tensor, "allreduce")
-    return allreduce_(tensor.detach().clone(), average=average, name=name, op=op,
-                      prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+    return allreduce_async_(tensor.detach().clone(), average, name, op, prescale_factor, postscale_factor,
+                            process_set)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name=None) -> torch.Tensor:
-    """Overwrite ``tensor`` with rank ``root_rank``'s value, in place; returns it."""
-    _check_tensor(tensor, "broadcast")
-    _check_root(root_rank)
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+               process_set=global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` across the ranks in place and return it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=global_process_set) -> Handle:
+    """Start reducing a list of tensors in place, fused into one flat buffer per dtype and device."""
+    tensors = list(tensors)
+    for t in tensors:
+        _check_tensor(t, "grouped_allreduce")
+    op = _resolve_op(op, average)
+    group = _group(process_set, "grouped_allreduce")
+    size = process_set.size()
+    buckets: dict = {}
+    for t in tensors:
+        buckets.setdefault((t.dtype, t.device), []).append(t)
+    works, flats = [], []
     with torch.no_grad():
-        dist.broadcast(tensor, src=root_rank)
-    return tensor
+        for members in buckets.values():
+            flat = _flatten_dense_tensors([m.detach() for m in members])
+            if prescale_factor != 1.0:
+                flat.mul_(prescale_factor)
+            works.append(dist.all_reduce(flat, op=_C10D_OPS[op], group=group, async_op=True))
+            flats.append((flat, members))
+
+    def finish():
+        with torch.no_grad():
+            for flat, members in flats:
+                _scale_after(flat, op, size, postscale_factor)
+                for t, reduced in zip(members, _unflatten_dense_tensors(flat, members)):
+                    t.copy_(reduced)
+        return tensors
+
+    return register(Handle(works, finish, name))
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name=None) -> torch.Tensor:
-    """Rank ``root_rank``'s value of ``tensor``, as a new tensor."""
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=global_process_set) -> Handle:
+    """Start reducing copies of a list of tensors."""
+    return grouped_allreduce_async_([t.detach().clone() for t in tensors], average, name, op,
+                                    prescale_factor, postscale_factor, process_set)
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=global_process_set) -> list:
+    """Reduce a list of tensors in place (fused); returns the list."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
+
+
+# ---- broadcast ----------------------------------------------------------------------------
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
+    """Start overwriting ``tensor`` with rank ``root_rank``'s value, in place."""
     _check_tensor(tensor, "broadcast")
-    return broadcast_(tensor.detach().clone(), root_rank, name)
+    group = _group(process_set, "broadcast")
+    src = _check_root(root_rank, process_set)
+    with torch.no_grad():
+        work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+    return register(Handle([work], lambda: tensor, name))
 
 
-def allgather(tensor: torch.Tensor, name=None) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along the first dimension, in rank order.
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
+    """Start broadcasting into a copy of ``tensor``."""
+    _check_tensor(tensor, "broadcast")
+    return broadcast_async_(tensor.detach().clone(), root_rank, name, process_set)
 
-    The first dimension may differ between ranks; the others must match.
+
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
+    """Overwrite ``tensor`` with rank ``root_rank``'s value, in place; returns it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+# ---- allgather ----------------------------------------------------------------------------
+
+def gather_ints(values: list, device, process_set=global_process_set) -> list:
+    """Every member's list of ints (same length on every member), as tuples in set-rank order."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    out = [torch.empty_like(mine) for _ in range(process_set.size())]
+    dist.all_gather(out, mine, group=process_set.group)
+    return [tuple(int(x) for x in o.tolist()) for o in out]
+
+
+def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
+    """Start concatenating every member's ``tensor`` along the first dimension, in rank order.
+
+    The first dimension may differ between ranks; the others must match. (The shapes are
+    exchanged before this returns; the data moves asynchronously.)
     """
     _check_tensor(tensor, "allgather")
+    _group(process_set, "allgather")
     t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
-    ndims = _gather_ints([t.dim()], t.device)
+    ndims = gather_ints([t.dim()], t.device, process_set)
     if len(set(ndims)) > 1:
         raise ValueError(f"allgather needs tensors with the same number of dimensions on every rank; "
                          f"got {[n[0] for n in ndims]} dimensions on ranks 0..{len(ndims) - 1}.")
-    shapes = _gather_ints(list(t.shape), t.device)
+    shapes = gather_ints(list(t.shape), t.device, process_set)
     if len({s[1:] for s in shapes}) > 1:
         raise ValueError(f"allgather needs tensors whose dimensions after the first match on every rank; "
                          f"got shapes {[list(s) for s in shapes]} on ranks 0..{len(shapes) - 1}.")
@@ -120,25 +227,67 @@ def allgather(tensor: torch.Tensor, name=None) -> torch.Tensor:
     padded = t if t.shape[0] == longest else torch.cat(
         [t, t.new_zeros((longest - t.shape[0],) + tuple(t.shape[1:]))])
     gathered = [torch.empty_like(padded) for _ in rows]
-    dist.all_gather(gathered, padded.contiguous())
-    return torch.cat([g[:n] for g, n in zip(gathered, rows)])
+    work = dist.all_gather(gathered, padded.contiguous(), group=process_set.group, async_op=True)
+    return register(Handle([work], lambda: torch.cat([g[:n] for g, n in zip(gathered, rows)]), name))
 
 
-def _gather_ints(values: list, device) -> list:
-    """Every rank's list of ints (same length on every rank), as tuples in rank order."""
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    out = [torch.empty_like(mine) for _ in range(_engine.topology().size)]
-    dist.all_gather(out, mine)
-    return [tuple(int(x) for x in o.tolist()) for o in out]
+# ---- alltoall, reducescatter --------------------------------------------------------------
+
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> Handle:
+    """Start sending ``splits[i]`` rows of ``tensor`` to rank i; the result is (tensor, received splits)."""
+    _check_tensor(tensor, "alltoall")
+    _group(process_set, "alltoall")
+    n = process_set.size()
+    if tensor.dim() == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension; got a scalar.")
+    rows = tensor.shape[0]
+    if splits is None:
+        if rows % n:
+            raise ValueError(f"alltoall without splits needs the first dimension ({rows}) to be divisible by the "
+                             f"number of ranks ({n}); pass splits= to send uneven parts.")
+        splits = [rows // n] * n
+    splits = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
+        raise ValueError(f"alltoall splits {splits} must be {n} non-negative counts (one per rank) that add up "
+                         f"to the first dimension ({rows}).")
+    send = torch.tensor(splits, dtype=torch.int64, device=tensor.device)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=process_set.group)
+    received = [int(x) for x in recv.tolist()]
+    output = tensor.new_empty((sum(received),) + tuple(tensor.shape[1:]))
+    work = dist.all_to_all_single(output, tensor.detach().contiguous(), output_split_sizes=received,
+                                  input_split_sizes=splits, group=process_set.group, async_op=True)
+    received_splits = torch.tensor(received, dtype=torch.int32)
+    return register(Handle([work], lambda: (output, received_splits), name))
 
 
-def barrier() -> None:
-    """Wait until every rank has reached this call."""
-    _engine.topology()
-    dist.barrier()
+def reducescatter_rows(rows: int, size: int) -> list:
+    """How many of ``rows`` each rank gets: as even as possible, lower ranks take the extra rows."""
+    base, extra = divmod(rows, size)
+    return [base + (1 if r < extra else 0) for r in range(size)]
 
 
-def _check_root(root_rank: int) -> None:
-    size = _engine.topology().size
-    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
-        raise ValueError(f"root_rank={root_rank!r} is outside the ranks 0..{size - 1} of this job.")
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
+                        postscale_factor=1.0) -> Handle:
+    """Start reducing ``tensor`` and keeping this rank's part of the first dimension.
+
+    Reference implementation: a full allreduce, then this rank's rows.
+    """
+    _check_tensor(tensor, "reducescatter")
+    op = _resolve_op(op, None)
+    if op not in (Average, Sum):
+        raise ValueError(f"reducescatter supports op=hvd.Average or hvd.Sum, got {op.name}.")
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension; got a scalar.")
+    handle = allreduce_async(tensor, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                             process_set=process_set)
+    counts = reducescatter_rows(tensor.shape[0], process_set.size())
+    start = sum(counts[:process_set.rank()])
+    mine = counts[process_set.rank()]
+    return register(Handle([], lambda: synchronize(handle).narrow(0, start, mine).clone(), name))
+
+
+def barrier(process_set=global_process_set) -> None:
+    """Wait until every rank of the set has reached this call."""
+    _group(process_set, "barrier")
+    dist.barrier(group=process_set.group)

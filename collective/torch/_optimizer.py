@@ -8,14 +8,16 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .. import _engine
+from ._compression import Compression
 from ._ops import Average, ReduceOp, Sum, _resolve_op
+from ._process_sets import global_process_set
 
 
 class _DistributedMixin:
     """Placed before the user's optimizer class: reduces gradients before each ``step()``."""
 
-    def _hvd_setup(self, named_parameters, op, gradient_predivide_factor, backward_passes_per_step):
+    def _hvd_setup(self, named_parameters, op, gradient_predivide_factor, backward_passes_per_step,
+                   compression, sparse_as_dense, process_set):
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is not None:
             named = list(named_parameters)
@@ -40,6 +42,9 @@ class _DistributedMixin:
         self._hvd_backward_passes = int(backward_passes_per_step)
         self._hvd_synchronized = False
         self._hvd_skip = False
+        self._hvd_compression = compression
+        self._hvd_sparse_as_dense = bool(sparse_as_dense)
+        self._hvd_process_set = process_set
 
     def synchronize(self) -> None:
         """Reduce every gradient now (``step()`` then skips it, e.g. after gradient clipping)."""
@@ -47,13 +52,19 @@ class _DistributedMixin:
         for p in params:
             if p.grad is None:  # every rank must take part in every reduction
                 p.grad = torch.zeros_like(p)
-        size = _engine.topology().size
+            elif p.grad.is_sparse:
+                if not self._hvd_sparse_as_dense:
+                    raise ValueError(f"parameter {self._hvd_names.get(id(p))!r} has a sparse gradient; pass "
+                                     "sparse_as_dense=True to DistributedOptimizer to reduce it as a dense tensor.")
+                p.grad = p.grad.to_dense()
+        size = self._hvd_process_set.size()
         if size > 1:
             buckets: dict = {}
             for p in params:
                 buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
             for grads in buckets.values():
-                _reduce_bucket(grads, self._hvd_op, self._hvd_predivide, size)
+                _reduce_bucket(grads, self._hvd_op, self._hvd_predivide, size, self._hvd_compression,
+                               self._hvd_process_set.group)
         self._hvd_synchronized = True
 
     @contextlib.contextmanager
@@ -72,32 +83,35 @@ class _DistributedMixin:
         return super().step(closure)
 
 
-def _reduce_bucket(grads: list, op: ReduceOp, predivide: float, size: int) -> None:
+def _reduce_bucket(grads: list, op: ReduceOp, predivide: float, size: int, compression, group) -> None:
     """One allreduce for a list of same-dtype gradients, through a flat buffer."""
-    flat = _flatten_dense_tensors(grads)
+    flat, ctx = compression.compress(_flatten_dense_tensors(grads))
     if op == Average and predivide != 1.0:
         flat.mul_(1.0 / predivide)
-    dist.all_reduce(flat)
+    dist.all_reduce(flat, group=group)
     if op == Average:
         flat.mul_(predivide / size) if flat.is_floating_point() else flat.floor_divide_(size)
+    flat = compression.decompress(flat, ctx)
     for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         grad.copy_(reduced)
 
 
-def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=None,
-                         backward_passes_per_step: int = 1, op=Average,
-                         gradient_predivide_factor: float = 1.0, **_ignored):
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step: int = 1, op=Average, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0, groups=None, sparse_as_dense: bool = False,
+                         process_set=global_process_set):
     """Wrap ``optimizer`` so that ``step()`` first averages gradients across ranks.
 
     Returns an instance of a subclass of ``optimizer``'s own class that shares its parameter
     groups and state. Gradients are reduced when ``step()`` (or ``synchronize()``) is called,
     once per step, fused into one buffer per dtype; ``backward_passes_per_step`` gradient
     accumulation needs nothing more (call ``step()`` after the last backward pass).
+    ``compression`` casts the fused buffers for the wire; ``num_groups``/``groups`` are
+    accepted for compatibility (buckets are per dtype and device).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-    if compression is not None:
-        raise NotImplementedError("gradient compression is not implemented yet; leave compression unset.")
+    compression = compression or Compression.none
     op = _resolve_op(op, None)
     if op not in (Average, Sum):
         raise ValueError(f"DistributedOptimizer reduces gradients with op=hvd.Average or hvd.Sum, got {op.name}.")
@@ -107,5 +121,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     cls = type(base.__name__, (_DistributedMixin, base), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # share param_groups, state and hooks
-    wrapped._hvd_setup(named_parameters, op, gradient_predivide_factor, backward_passes_per_step)
+    wrapped._hvd_setup(named_parameters, op, gradient_predivide_factor, backward_passes_per_step,
+                       compression, sparse_as_dense, process_set)
     return wrapped

@@ -1,0 +1,165 @@
+"""The blocking, out-of-place collectives, differentiable as in Horovod.
+
+Gradients: allreduce's is the same allreduce of the incoming gradient; broadcast's is the sum
+of the gradients on the root and zero elsewhere; allgather's is this rank's slice of the summed
+gradient; alltoall's sends the gradient back along the received splits; reducescatter's is the
+allgather of the gradient (divided by the set's size for Average).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _ops
+from ._compression import Compression
+from ._handles import synchronize
+from ._process_sets import global_process_set
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, op, prescale, postscale, process_set):
+        ctx.args = (op, prescale, postscale, process_set)
+        return synchronize(_ops.allreduce_async(tensor, op=op, prescale_factor=prescale,
+                                                postscale_factor=postscale, process_set=process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, prescale, postscale, process_set = ctx.args
+        return _Allreduce.apply(grad, op, prescale, postscale, process_set), None, None, None, None
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
+              postscale_factor=1.0, process_set=global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` across the ranks; returns a new tensor (the input is unchanged).
+
+    ``op``: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``; the legacy
+    ``average=`` is accepted. ``compression`` casts floating-point tensors for the wire.
+    """
+    _ops._check_tensor(tensor, "allreduce")
+    op = _ops._resolve_op(op, average)
+    wire, ctx = compression.compress(tensor)
+    out = _Allreduce.apply(wire, op, prescale_factor, postscale_factor, process_set)
+    return compression.decompress(out, ctx)
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, prescale, postscale, process_set, *tensors):
+        ctx.args = (op, prescale, postscale, process_set)
+        return tuple(synchronize(_ops.grouped_allreduce_async(
+            tensors, op=op, prescale_factor=prescale, postscale_factor=postscale, process_set=process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, None, None) + tuple(_GroupedAllreduce.apply(*ctx.args, *grads))
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set) -> list:
+    """Reduce a list of tensors in one fused operation; returns new tensors."""
+    op = _ops._resolve_op(op, average)
+    wires = [compression.compress(t) for t in tensors]
+    outs = _GroupedAllreduce.apply(op, prescale_factor, postscale_factor, process_set, *[w for w, _ in wires])
+    return [compression.decompress(o, c) for o, (_, c) in zip(outs, wires)]
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, process_set):
+        ctx.args = (root_rank, process_set)
+        return synchronize(_ops.broadcast_async(tensor, root_rank, process_set=process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        root_rank, process_set = ctx.args
+        summed = _Allreduce.apply(grad, _ops.Sum, 1.0, 1.0, process_set)
+        return (summed if process_set.rank() == root_rank else torch.zeros_like(summed)), None, None
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
+    """Rank ``root_rank``'s value of ``tensor`` (counted within the process set), as a new tensor."""
+    _ops._check_tensor(tensor, "broadcast")
+    return _Broadcast.apply(tensor, root_rank, process_set)
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, process_set):
+        ctx.args = (tensor.shape[0] if tensor.dim() else 1, process_set)
+        return synchronize(_ops.allgather_async(tensor, process_set=process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, process_set = ctx.args
+        summed = _Allreduce.apply(grad, _ops.Sum, 1.0, 1.0, process_set)
+        counts = [c[0] for c in _ops.gather_ints([rows], grad.device, process_set)]
+        return summed.narrow(0, sum(counts[:process_set.rank()]), rows), None
+
+
+def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along the first dimension (which may differ), in rank order."""
+    _ops._check_tensor(tensor, "allgather")
+    return _Allgather.apply(tensor, process_set)
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:
+    """``allgather`` of each tensor in a list."""
+    return [allgather(t, process_set=process_set) for t in tensors]
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, process_set):
+        output, received = synchronize(_ops.alltoall_async(tensor, splits, process_set=process_set))
+        ctx.args = (received, process_set)
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        received, process_set = ctx.args
+        back, _ = _Alltoall.apply(grad.contiguous(), received, process_set)
+        return back, None, None
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """Send ``splits[i]`` rows of ``tensor`` to rank i (even parts without splits).
+
+    Returns ``(received tensor, received splits)``: rows from rank 0 first.
+    """
+    _ops._check_tensor(tensor, "alltoall")
+    return _Alltoall.apply(tensor, splits, process_set)
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, op, prescale, postscale, process_set):
+        ctx.args = (op, process_set)
+        return synchronize(_ops.reducescatter_async(tensor, op=op, process_set=process_set,
+                                                    prescale_factor=prescale, postscale_factor=postscale))
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, process_set = ctx.args
+        gathered = _Allgather.apply(grad.contiguous(), process_set)
+        return (gathered / process_set.size() if op == _ops.Average else gathered), None, None, None, None
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=_ops.Average,
+                  process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0) -> torch.Tensor:
+    """Reduce ``tensor`` across the ranks and keep this rank's rows of the result.
+
+    The first dimension is divided as evenly as possible; lower ranks take the extra rows.
+    """
+    _ops._check_tensor(tensor, "reducescatter")
+    wire, ctx = compression.compress(tensor)
+    out = _Reducescatter.apply(wire, op, prescale_factor, postscale_factor, process_set)
+    return compression.decompress(out, ctx)
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=_ops.Average,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0) -> list:
+    """``reducescatter`` of each tensor in a list."""
+    return [reducescatter(t, compression=compression, op=op, process_set=process_set,
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor) for t in tensors]

@@ -1,0 +1,63 @@
+"""Handles of asynchronous collectives: ``poll`` and ``synchronize``."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+_in_flight: dict = {}  # name -> Handle, for this rank's unfinished named operations
+
+
+class Handle:
+    """An operation in flight: c10d works to wait for, then a step that produces the result."""
+
+    __slots__ = ("_works", "_finish", "_result", "_done", "name")
+
+    def __init__(self, works: list, finish: Callable[[], object], name: str | None = None):
+        self._works = works
+        self._finish = finish
+        self._result = None
+        self._done = False
+        self.name = name
+
+    def wait(self):
+        if not self._done:
+            for work in self._works:
+                work.wait()
+            self._result = self._finish()
+            self._done = True
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._done or all(work.is_completed() for work in self._works)
+
+    def __repr__(self) -> str:
+        state = "done" if self._done else "in flight"
+        return f"<sparkhvd handle {self.name or ''} {state}>"
+
+
+def register(handle: Handle) -> Handle:
+    """Track a named handle; a name may have one operation in flight at a time."""
+    if handle.name is not None:
+        if handle.name in _in_flight:
+            raise ValueError(f"an operation named {handle.name!r} is already in flight on this rank; "
+                             "synchronize it before reusing the name, or give this one another name.")
+        _in_flight[handle.name] = handle
+    return handle
+
+
+def synchronize(handle: Handle):
+    """Wait for an asynchronous operation and return its result."""
+    if not isinstance(handle, Handle):
+        raise ValueError(f"synchronize takes a handle returned by an *_async function, got {type(handle).__name__}.")
+    try:
+        return handle.wait()
+    finally:
+        if handle.name is not None and _in_flight.get(handle.name) is handle:
+            del _in_flight[handle.name]
+
+
+def poll(handle: Handle) -> bool:
+    """True if the operation has finished (``synchronize`` will not block)."""
+    if not isinstance(handle, Handle):
+        raise ValueError(f"poll takes a handle returned by an *_async function, got {type(handle).__name__}.")
+    return handle.is_completed()

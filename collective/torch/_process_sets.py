@@ -1,0 +1,96 @@
+"""Process sets: subgroups of ranks that run collectives among themselves."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from .. import _engine
+
+
+class ProcessSet:
+    """A set of ranks. ``global_process_set`` holds every rank.
+
+    Collectives take ``process_set=``; within a set, ``root_rank`` arguments and ``rank()``
+    count from 0 in the order of ``ranks``. A set is usable once ``add_process_set`` (or
+    ``init(process_sets=...)``) registered it on every rank.
+    """
+
+    def __init__(self, ranks):
+        self.ranks = sorted(set(int(r) for r in ranks)) if ranks is not None else None
+        if ranks is not None and len(self.ranks) != len(list(ranks)):
+            raise ValueError(f"process set ranks {list(ranks)} contain duplicates; list each rank once.")
+        self.process_set_id: int | None = None
+        self.group = None  # the c10d group; None means the default (global) group
+
+    def _check(self) -> None:
+        _engine.topology()
+        if self.process_set_id is None:
+            raise ValueError(f"process set {self.ranks} has not been added; call hvd.add_process_set() on "
+                             "every rank first (or pass it to hvd.init(process_sets=...)).")
+
+    def size(self) -> int:
+        """The number of ranks in the set."""
+        self._check()
+        return _engine.topology().size if self.ranks is None else len(self.ranks)
+
+    def rank(self) -> int:
+        """This process's rank within the set, or -1 if it is not a member."""
+        self._check()
+        me = _engine.topology().rank
+        if self.ranks is None:
+            return me
+        return self.ranks.index(me) if me in self.ranks else -1
+
+    def included(self) -> bool:
+        """Whether this process is a member."""
+        return self.rank() >= 0
+
+    def global_rank(self, set_rank: int) -> int:
+        """The job-wide rank of the set's ``set_rank``-th member."""
+        return set_rank if self.ranks is None else self.ranks[set_rank]
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks or 'all'})"
+
+
+global_process_set = ProcessSet(None)
+global_process_set.process_set_id = 0
+_sets: dict[int, ProcessSet] = {0: global_process_set}
+
+
+def add_process_set(process_set) -> ProcessSet:
+    """Register a process set (a ProcessSet or a list of ranks). Call it on every rank, in the same order."""
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    size = _engine.topology().size
+    bad = [r for r in ps.ranks or [] if not 0 <= r < size]
+    if bad or not ps.ranks:
+        raise ValueError(f"process set ranks {ps.ranks} must be a non-empty list of ranks in 0..{size - 1}.")
+    for existing in _sets.values():
+        if existing.ranks == ps.ranks:
+            raise ValueError(f"a process set with ranks {ps.ranks} already exists (id {existing.process_set_id}).")
+    ps.group = dist.new_group(ps.ranks)  # collective over every rank, members or not
+    ps.process_set_id = max(_sets) + 1
+    _sets[ps.process_set_id] = ps
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a process set on this rank. Returns False if it was not registered."""
+    if process_set is global_process_set:
+        raise ValueError("the global process set cannot be removed.")
+    if _sets.pop(process_set.process_set_id, None) is None:
+        return False
+    if process_set.group is not None and process_set.included():
+        dist.destroy_process_group(process_set.group)
+    process_set.group = None
+    process_set.process_set_id = None
+    return True
+
+
+def _reset() -> None:
+    """Forget every set but the global one (at shutdown)."""
+    for ps in list(_sets.values()):
+        if ps is not global_process_set:
+            ps.group, ps.process_set_id = None, None
+    _sets.clear()
+    _sets[0] = global_process_set

@@ -1,0 +1,257 @@
+"""Async handles, grouped ops, alltoall, reducescatter, process sets, compression and gradients,
+at np=2 and np=3 in real rank processes; inputs built from the rank, exact expected values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparkhvd import HorovodRunner
+
+
+def _ops():
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    out = {"flags": (hvd.is_homogeneous(), hvd.gloo_built(), hvd.mpi_built(), hvd.cuda_built(), hvd.nccl_built())}
+    x = torch.arange(4.0) + r
+    h1 = hvd.allreduce_async(x, op=hvd.Sum, name="a")
+    h2 = hvd.broadcast_async(torch.tensor([r, r]), root_rank=n - 1, name="b")
+    h3 = hvd.allgather_async(torch.full((r + 1,), r))
+    y = x.clone()
+    h4 = hvd.allreduce_async_(y, name="c")
+    try:
+        hvd.allreduce_async(x, name="a")
+    except ValueError as exc:
+        out["dup"] = str(exc)
+    out["async"] = (hvd.synchronize(h1), hvd.synchronize(h2), hvd.synchronize(h3), hvd.synchronize(h4), y,
+                    hvd.poll(h1), torch.equal(x, torch.arange(4.0) + r))
+    try:
+        hvd.synchronize("nope")
+    except ValueError as exc:
+        out["not_handle"] = str(exc)
+    g = [torch.tensor([1.0 + r, 2.0]), torch.tensor([10 + r]), torch.ones(2, 2) * r]
+    out["grouped"] = hvd.grouped_allreduce(g, op=hvd.Sum)
+    gi = [t.clone() for t in g]
+    hvd.grouped_allreduce_(gi)
+    out["grouped_"] = gi
+    out["grouped_async"] = hvd.synchronize(hvd.grouped_allreduce_async(g, op=hvd.Max))
+    out["minmaxprod"] = [hvd.allreduce(torch.tensor([r + 1.0]), op=op) for op in (hvd.Min, hvd.Max, hvd.Product)]
+    out["alltoall_even"] = hvd.alltoall(torch.arange(2 * n) + 100 * r)
+    splits = [k + 1 for k in range(n)]  # rank r sends k+1 rows to rank k
+    out["alltoall_splits"] = hvd.alltoall(torch.full((sum(splits), 2), r), splits=splits)
+    rows = 2 * n + 1  # uneven: rank 0 gets the extra row
+    out["reducescatter_sum"] = hvd.reducescatter(torch.arange(rows * 2.0).reshape(rows, 2) + r, op=hvd.Sum)
+    out["reducescatter_avg"] = hvd.reducescatter(torch.ones(rows) * (r + 1))
+    out["grouped_reducescatter"] = hvd.grouped_reducescatter([torch.ones(n) * r, torch.ones(2 * n)], op=hvd.Sum)
+    out["objects"] = hvd.allgather_object({"rank": r, "pad": "x" * r})
+    out["fp16"] = hvd.allreduce(torch.tensor([1.5, 2.5]) * (r + 1), op=hvd.Sum, compression=hvd.Compression.fp16)
+    out["bf16"] = hvd.allreduce(torch.tensor([1.0, 2.0]) * (r + 1), op=hvd.Sum, compression=hvd.Compression.bf16)
+    half = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        try:
+            half[str(dtype)] = hvd.allreduce(torch.tensor([1.0, 2.0], dtype=dtype) * (r + 1), op=hvd.Sum)
+        except Exception as exc:  # noqa: BLE001 - recorded: which dtypes gloo carries
+            half[str(dtype)] = f"{type(exc).__name__}: {exc}"[:200]
+    out["half"] = half
+    errors = {}
+    for key, call in {
+        "alltoall_indivisible": lambda: hvd.alltoall(torch.arange(2 * n + 1)),
+        "alltoall_bad_splits": lambda: hvd.alltoall(torch.arange(4), splits=[1] * (n + 1)),
+        "reducescatter_op": lambda: hvd.reducescatter(torch.ones(n), op=hvd.Max),
+        "alltoall_scalar": lambda: hvd.alltoall(torch.tensor(1.0)),
+    }.items():
+        try:
+            call()
+        except ValueError as exc:
+            errors[key] = str(exc)
+    out["errors"] = errors
+    # gradients
+    grads = {}
+    for op in (hvd.Sum, hvd.Average):
+        x = torch.ones(3, requires_grad=True)
+        (hvd.allreduce(x, op=op) * (r + 1)).sum().backward()
+        grads[f"allreduce_{op.name}"] = x.grad
+    x = torch.ones(r + 1, requires_grad=True)
+    coef = torch.arange(n * (n + 1) // 2, dtype=torch.float32) + 10 * r
+    (hvd.allgather(x) * coef).sum().backward()
+    grads["allgather"] = x.grad
+    x = torch.ones(2, requires_grad=True)
+    (hvd.broadcast(x, root_rank=0) * (r + 1)).sum().backward()
+    grads["broadcast"] = x.grad
+    x = torch.ones(sum(splits), requires_grad=True)
+    received, _ = hvd.alltoall(x, splits=splits)
+    (received * (r + 1)).sum().backward()
+    grads["alltoall"] = x.grad
+    x = torch.ones(rows, requires_grad=True)
+    (hvd.reducescatter(x, op=hvd.Sum) * (r + 1)).sum().backward()
+    grads["reducescatter"] = x.grad
+    xs = [torch.ones(2, requires_grad=True), torch.ones(1, requires_grad=True)]
+    sum((t * (r + 1)).sum() for t in hvd.grouped_allreduce(xs, op=hvd.Sum)).backward()
+    grads["grouped"] = [t.grad for t in xs]
+    out["grads"] = grads
+    return out
+
+
+def _process_sets():
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    evens = hvd.ProcessSet([0, 2])
+    hvd.init(process_sets=[evens])
+    r = hvd.rank()
+    out = {"set": (evens.process_set_id, evens.size(), evens.rank(), evens.included())}
+    if evens.included():
+        out["sum"] = hvd.allreduce(torch.tensor([r + 1.0]), op=hvd.Sum, process_set=evens)
+        out["bcast"] = hvd.broadcast(torch.tensor([r]), root_rank=1, process_set=evens)  # set rank 1 = rank 2
+        out["gather"] = hvd.allgather(torch.tensor([r]), process_set=evens)
+        out["object"] = hvd.broadcast_object(f"from {r}", root_rank=1, process_set=evens)
+    else:
+        try:
+            hvd.allreduce(torch.ones(1), process_set=evens)
+        except ValueError as exc:
+            out["outsider"] = str(exc)
+    out["global_after"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum)
+    try:
+        hvd.add_process_set([0, 2])
+    except ValueError as exc:
+        out["dup_set"] = str(exc)
+    try:
+        hvd.add_process_set([0, 7])
+    except ValueError as exc:
+        out["bad_set"] = str(exc)
+    out["removed"] = hvd.remove_process_set(evens)
+    try:
+        evens.size()
+    except ValueError as exc:
+        out["after_remove"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def ranks(request):
+    return HorovodRunner(np=-request.param).run_all(_ops).values
+
+
+def test_topology_flags(ranks):
+    assert all(v["flags"] == (True, True, False, False, False) for v in ranks)  # CPU build of torch
+
+
+def test_async_handles(ranks):
+    n = len(ranks)
+    for r, v in enumerate(ranks):
+        summed, bcast, gathered, averaged, inplace, polled, untouched = v["async"]
+        base = torch.arange(4.0)
+        assert torch.equal(summed, n * base + sum(range(n)))
+        assert torch.equal(bcast, torch.tensor([n - 1, n - 1]))
+        assert torch.equal(gathered, torch.cat([torch.full((k + 1,), k) for k in range(n)]))
+        assert torch.equal(averaged, base + sum(range(n)) / n) and averaged is inplace
+        assert polled is True and untouched is True
+        assert "an operation named 'a' is already in flight on this rank" in v["dup"]
+        assert v["not_handle"] == "synchronize takes a handle returned by an *_async function, got str."
+
+
+def test_grouped_allreduce_variants(ranks):
+    n = len(ranks)
+    s = sum(range(n))
+    for v in ranks:
+        a, b, c = v["grouped"]
+        assert torch.equal(a, torch.tensor([n + s, 2.0 * n])) and torch.equal(b, torch.tensor([10 * n + s]))
+        assert torch.equal(c, torch.ones(2, 2) * s)
+        a, b, c = v["grouped_"]
+        assert torch.equal(a, torch.tensor([(n + s) / n, 2.0])) and torch.equal(b, torch.tensor([(10 * n + s) // n]))
+        assert torch.equal(v["grouped_async"][2], torch.ones(2, 2) * (n - 1))
+        mn, mx, prod = v["minmaxprod"]
+        assert (mn.item(), mx.item(), prod.item()) == (1.0, float(n), float(torch.arange(1, n + 1).prod()))
+
+
+def test_alltoall(ranks):
+    n = len(ranks)
+    for r, v in enumerate(ranks):
+        out, received = v["alltoall_even"]
+        assert torch.equal(out, torch.tensor([100 * k + 2 * r + j for k in range(n) for j in range(2)]))
+        assert torch.equal(received, torch.full((n,), 2, dtype=torch.int32))
+        out, received = v["alltoall_splits"]
+        assert torch.equal(received, torch.full((n,), r + 1, dtype=torch.int32))
+        assert torch.equal(out, torch.cat([torch.full((r + 1, 2), k) for k in range(n)]))
+
+
+def test_reducescatter(ranks):
+    n = len(ranks)
+    rows = 2 * n + 1
+    full = n * torch.arange(rows * 2.0).reshape(rows, 2) + sum(range(n))
+    start = 0
+    for r, v in enumerate(ranks):
+        mine = 3 if r == 0 else 2  # rank 0 takes the extra row
+        assert torch.equal(v["reducescatter_sum"], full[start:start + mine])
+        assert torch.equal(v["reducescatter_avg"], torch.ones(mine) * (n + 1) / 2)
+        a, b = v["grouped_reducescatter"]
+        assert torch.equal(a, torch.ones(1) * sum(range(n))) and torch.equal(b, torch.ones(2) * n)
+        start += mine
+
+
+def test_allgather_object_and_compression(ranks):
+    n = len(ranks)
+    t = n * (n + 1) // 2
+    for v in ranks:
+        assert v["objects"] == [{"rank": k, "pad": "x" * k} for k in range(n)]
+        assert v["fp16"].dtype == torch.float32 and torch.equal(v["fp16"], torch.tensor([1.5, 2.5]) * t)
+        assert v["bf16"].dtype == torch.float32 and torch.equal(v["bf16"], torch.tensor([1.0, 2.0]) * t)
+
+
+def test_half_precision_dtypes_on_gloo(ranks):
+    n = len(ranks)
+    t = n * (n + 1) // 2
+    for dtype in (torch.float16, torch.bfloat16):
+        got = ranks[0]["half"][str(dtype)]
+        assert isinstance(got, torch.Tensor), f"gloo could not reduce {dtype}: {got}"
+        assert got.dtype == dtype and torch.equal(got, torch.tensor([1.0, 2.0], dtype=dtype) * t)
+
+
+def test_error_messages(ranks):
+    n = len(ranks)
+    e = ranks[0]["errors"]
+    assert e["alltoall_indivisible"] == (f"alltoall without splits needs the first dimension ({2 * n + 1}) to be "
+                                         f"divisible by the number of ranks ({n}); pass splits= to send uneven parts.")
+    assert e["alltoall_bad_splits"].startswith(f"alltoall splits {[1] * (n + 1)} must be {n} non-negative counts")
+    assert e["reducescatter_op"] == "reducescatter supports op=hvd.Average or hvd.Sum, got Max."
+    assert e["alltoall_scalar"] == "alltoall needs a tensor with at least one dimension; got a scalar."
+
+
+def test_gradients_match_analytic_values(ranks):
+    n = len(ranks)
+    t = n * (n + 1) // 2  # sum over ranks of (rank + 1)
+    for r, v in enumerate(ranks):
+        g = v["grads"]
+        assert torch.equal(g["allreduce_Sum"], torch.full((3,), float(t)))
+        assert torch.equal(g["allreduce_Average"], torch.full((3,), t / n))
+        offset = r * (r + 1) // 2  # rows before this rank's in the gathered tensor
+        expected = sum(torch.arange(offset, offset + r + 1, dtype=torch.float32) + 10 * k for k in range(n))
+        assert torch.equal(g["allgather"], expected)
+        assert torch.equal(g["broadcast"], torch.full((2,), float(t) if r == 0 else 0.0))
+        assert torch.equal(g["alltoall"], torch.cat([torch.full((k + 1,), k + 1.0) for k in range(n)]))
+        counts = [3 if k == 0 else 2 for k in range(n)]
+        assert torch.equal(g["reducescatter"], torch.cat([torch.full((c,), k + 1.0) for k, c in enumerate(counts)]))
+        assert all(torch.equal(x, torch.full_like(x, float(t))) for x in g["grouped"])
+
+
+def test_process_sets_at_np3():
+    values = HorovodRunner(np=-3).run_all(_process_sets).values
+    assert [v["set"] for v in values] == [(1, 2, 0, True), (1, 2, -1, False), (1, 2, 1, True)]
+    for r in (0, 2):
+        v = values[r]
+        assert torch.equal(v["sum"], torch.tensor([4.0]))
+        assert torch.equal(v["bcast"], torch.tensor([2]))
+        assert torch.equal(v["gather"], torch.tensor([0, 2]))
+        assert v["object"] == "from 2"
+    assert "rank 1 is not in process set [0, 2]; call a process set's collectives only on its members" in \
+        values[1]["outsider"]
+    assert all(torch.equal(v["global_after"], torch.tensor([3.0])) for v in values)
+    assert values[0]["dup_set"] == "a process set with ranks [0, 2] already exists (id 1)."
+    assert values[0]["bad_set"] == "process set ranks [0, 7] must be a non-empty list of ranks in 0..2."
+    assert all(v["removed"] is True for v in values)
+    assert "has not been added; call hvd.add_process_set() on every rank first" in values[0]["after_remove"]
