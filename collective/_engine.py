@@ -51,6 +51,7 @@ def init() -> Topology:
 
         p = ctx.placement
         store = _store = DriverStore(ctx.new_client(), prefix=f"sparkhvd/{_generation}/")
+        store.set_timeout(_TIMEOUT)  # init_process_group leaves a given store at its 5-minute default
         if torch.cuda.is_available():  # a pinned task sees one GPU; on the driver, share by local_rank
             torch.cuda.set_device(p.local_rank % torch.cuda.device_count())
         topology = Topology(**p.as_dict(), source="sparkhvd")

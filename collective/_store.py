@@ -12,8 +12,8 @@ class DriverStore(dist.Store):
     """A ``torch.distributed.Store`` whose keys live in the run's driver service.
 
     Every request is an authenticated frame; blocking ``get``/``wait`` wait on the driver and
-    end when the run is aborted. Keys are stored under ``prefix`` (c10d's PrefixStore cannot
-    wrap a store written in Python).
+    end when the run is aborted. Keys are stored under ``prefix``. The caller must keep this
+    object alive while c10d uses it: c10d finds the Python methods through the Python object.
     """
 
     def __init__(self, client: ServiceClient, prefix: str = ""):
@@ -28,16 +28,16 @@ class DriverStore(dist.Store):
         return self.timeout.total_seconds()
 
     def set(self, key, value):
-        self._client.request(Kind.STORE_SET, {"key": self._k(key)}, bytes(value))
+        self._client.request(Kind.STORE_SET, {"key": self._k(key)}, _bytes(value))
 
     def get(self, key):
-        return self._client.request(Kind.STORE_GET, {"key": self._k(key), "timeout": self._timeout_s()}).blob
+        return bytes(self._client.request(Kind.STORE_GET, {"key": self._k(key), "timeout": self._timeout_s()}).blob)
 
     def add(self, key, amount):
         return self._client.request(Kind.STORE_ADD, {"key": self._k(key), "amount": int(amount)}).meta["value"]
 
     def compare_set(self, key, expected, desired):
-        expected, desired = bytes(expected), bytes(desired)
+        expected, desired = _bytes(expected), _bytes(desired)
         return self._client.request(Kind.STORE_CAS, {"key": self._k(key), "expected_len": len(expected)},
                                     expected + desired).blob
 
@@ -53,3 +53,8 @@ class DriverStore(dist.Store):
 
     def num_keys(self):
         return self._client.request(Kind.STORE_NUM_KEYS).meta["value"]
+
+
+def _bytes(value) -> bytes:
+    """Store values as bytes; strings as UTF-8, as HashStore takes them."""
+    return value.encode() if isinstance(value, str) else bytes(value)

@@ -25,6 +25,8 @@ ENV_DRIVER = "SPARKHVD_DRIVER"
 ENV_RUN_ID = "SPARKHVD_RUN_ID"
 ENV_PLACEMENT = "SPARKHVD_PLACEMENT"
 ENV_PARENT = "SPARKHVD_PARENT_PID"
+MAX_LINE_BYTES = 64 * 1024  # longer lines reach the driver in pieces of this size
+PUMP_DRAIN_S = 5.0  # after the rank's process group is gone, its pipes close at once
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,9 @@ def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[s
     except BaseException:  # the Spark task was killed: take the rank process with us
         _kill_group(proc)
         raise
+    _kill_group(proc)  # whatever the rank started and left running goes with it
     for pump in pumps:
-        pump.join()
+        pump.join(PUMP_DRAIN_S)
     try:
         client.request(Kind.EXIT, {"rank": rank, "code": code})
     except (OSError, ConnectionError, RunAborted, ServiceError):
@@ -110,17 +113,21 @@ def _rank_env(spec: TaskSpec, placement: dict, gpus: list[str] | None) -> dict:
 
 
 def _pump(client: ServiceClient, rank: int, stream: str, pipe) -> None:
-    """Forward a pipe's lines to the driver as they come."""
+    """Forward a pipe's lines to the driver as they come (very long lines in pieces)."""
+    forward = True
     with pipe:
-        for raw in iter(pipe.readline, b""):
+        for raw in iter(lambda: pipe.readline(MAX_LINE_BYTES), b""):
+            if not forward:
+                continue  # keep draining so the process never blocks on a full pipe
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             try:
                 client.notify(Kind.LOG, {"rank": rank, "stream": stream, "lines": [line]})
-            except OSError:
-                pass  # the driver has gone; keep draining so the process never blocks on a full pipe
+            except Exception:  # noqa: BLE001 - the driver has gone or refused: stop forwarding, not draining
+                forward = False
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the rank's process and everything it started (its own session and group)."""
     try:
         os.killpg(proc.pid, 9)
     except (ProcessLookupError, PermissionError):

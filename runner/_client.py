@@ -21,9 +21,13 @@ class ServiceClient:
 
     def __init__(self, address: tuple[str, int], secret: bytes, *, connect_timeout: float = 30.0):
         sock = socket.create_connection(address, timeout=connect_timeout)
-        sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._channel = Channel.connect(sock, secret)
+        try:
+            self._channel = Channel.connect(sock, secret)  # the greeting, still under the timeout
+        except OSError:
+            sock.close()
+            raise
+        sock.settimeout(None)
         self._lock = threading.Lock()
 
     def request(self, kind: Kind, meta: dict | None = None, blob: bytes = b"") -> Message:

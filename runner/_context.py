@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ._client import ServiceClient
 from ._topology import Placement
@@ -15,7 +15,7 @@ class WorkerContext:
     placement: Placement
     run_id: str
     address: tuple[str, int]
-    secret: bytes
+    secret: bytes = field(repr=False)
     client: ServiceClient
 
     def new_client(self) -> ServiceClient:

@@ -85,5 +85,4 @@ class LocalLauncher(Launcher):
             self._stopped = True
             procs = list(self._procs)
         for proc in procs:
-            if proc.poll() is None:
-                _kill_group(proc)
+            _kill_group(proc)  # also what an exited rank left running

@@ -27,6 +27,7 @@ class LogRouter:
         self._tails: dict[int, collections.deque] = {}
         self._tail_lines = tail_lines
         self._lock = threading.Lock()
+        self._closed = False
 
     def path(self, rank: int) -> str:
         return os.path.join(self.log_dir, f"rank-{rank}.log")
@@ -34,6 +35,8 @@ class LogRouter:
     def __call__(self, rank: int, stream: str, lines: list) -> None:
         out = self._out or sys.stdout
         with self._lock:
+            if self._closed:
+                return  # a frame that arrived after the run ended
             f = self._files.get(rank)
             if f is None:
                 f = self._files[rank] = open(self.path(rank), "a", encoding="utf-8", buffering=1)
@@ -55,6 +58,7 @@ class LogRouter:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for f in self._files.values():
                 f.close()
             self._files.clear()

@@ -4,16 +4,18 @@ A connection opens with the server sending a fresh 16-byte nonce (its only unaut
 bytes). After that every frame, in either direction, is
 
     header = magic(4) | kind(1) | seq(8) | meta_len(4) | blob_len(8)
-    frame  = header | meta (JSON) | blob (raw bytes) | tag
+    frame  = header | header_tag | meta (JSON) | blob (raw bytes) | tag
 
-    tag = HMAC-SHA256(secret, direction | nonce | header | meta | blob)
+    header_tag = HMAC-SHA256(secret, "H" | direction | nonce | header)
+    tag        = HMAC-SHA256(secret, direction | nonce | header | meta | blob)
 
 ``direction`` is b"C" for client -> server and b"S" for server -> client, so a frame cannot be
 reflected back; ``nonce`` binds the frame to this connection, so a frame recorded on another
 connection is refused; ``seq`` counts 0, 1, 2, ... per direction, so a frame replayed, dropped
-or reordered within the connection is refused. Lengths are checked against limits before any
-body byte is read, and nothing in a frame is parsed, let alone unpickled, before its tag is
-verified.
+or reordered within the connection is refused. The header's own tag is verified (and its
+lengths and sequence checked) before a byte of the body is read or a buffer is allocated for
+it, so a peer without the secret cannot make the driver hold more than one header; and
+nothing in a frame is parsed, let alone unpickled, before its tag is verified.
 """
 
 from __future__ import annotations
@@ -132,6 +134,9 @@ class Channel:
             raise ProtocolError(f"the peer is not a sparkhvd driver service (greeting {hello[:4]!r})")
         return cls(sock, secret, hello[4:], is_server=False, **kw)
 
+    def _header_tag(self, direction: bytes, header: bytes) -> bytes:
+        return hmac.new(self._secret, b"H" + direction + self._nonce + header, hashlib.sha256).digest()
+
     def _tag(self, direction: bytes, header: bytes, meta: bytes, blob: bytes) -> bytes:
         mac = hmac.new(self._secret, direction + self._nonce, hashlib.sha256)
         mac.update(header)
@@ -148,7 +153,8 @@ class Channel:
                 f"a payload of {len(blob)} bytes is over the driver service's {self._max_blob}-byte "
                 "limit; save large objects to storage and return their path instead")
         header = _HEADER.pack(MAGIC, kind, self._send_seq, len(meta_bytes), len(blob))
-        tag = self._tag(self._send_dir, header, meta_bytes, blob)
+        header += self._header_tag(self._send_dir, header)
+        tag = self._tag(self._send_dir, header[:_HEADER.size], meta_bytes, blob)
         self._send_seq += 1
         self.sock.sendall(b"".join((header, meta_bytes, blob, tag)) if len(blob) < (1 << 20)
                           else header + meta_bytes)
@@ -165,13 +171,17 @@ class Channel:
             raise ProtocolError(
                 f"frame lengths meta={meta_len} blob={blob_len} exceed the limits "
                 f"{MAX_META_BYTES}/{self._max_blob}; refused before reading the body")
+        header_tag = _recv_exactly(self.sock, TAG_BYTES)
+        if not hmac.compare_digest(header_tag, self._header_tag(self._recv_dir, header)):
+            raise AuthenticationError("frame header failed HMAC verification (wrong secret or tampered frame); "
+                                      "refused before reading the body")
+        if seq != self._recv_seq:
+            raise AuthenticationError(f"frame sequence {seq} where {self._recv_seq} was expected (replayed frame)")
         meta = _recv_exactly(self.sock, meta_len)
         blob = _recv_exactly(self.sock, blob_len)
         tag = _recv_exactly(self.sock, TAG_BYTES)
         if not hmac.compare_digest(tag, self._tag(self._recv_dir, header, meta, blob)):
             raise AuthenticationError("frame failed HMAC verification (wrong secret or tampered frame)")
-        if seq != self._recv_seq:
-            raise AuthenticationError(f"frame sequence {seq} where {self._recv_seq} was expected (replayed frame)")
         self._recv_seq += 1
         return Message(kind, json.loads(meta) if meta_len else {}, blob)
 

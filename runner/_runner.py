@@ -236,7 +236,9 @@ def _driver_bind_host(sc) -> str:
     """Loopback for local masters; otherwise the address executors use to reach the driver."""
     if sc.master.startswith("local"):
         return "127.0.0.1"
-    return sc.getConf().get("spark.driver.host", "0.0.0.0")
+    import socket
+
+    return sc.getConf().get("spark.driver.host") or socket.gethostbyname(socket.gethostname())
 
 
 def log_to_driver(message) -> None:

@@ -21,6 +21,7 @@ from ._topology import Placement, assign_ranks
 log = logging.getLogger("sparkhvd.service")
 
 LogSink = Callable[[int, str, list], None]
+FIRST_FRAME_TIMEOUT_S = 30.0  # a connection must authenticate within this long
 
 
 @dataclass
@@ -95,9 +96,12 @@ class DriverService:
             self.finished = True
             self.cv.notify_all()
         try:
-            self._server.close()
+            self._server.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
         except OSError:
             pass
+        self._server.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5.0)
         with self.cv:
             conns = list(self._conns)
         for conn in conns:
@@ -116,8 +120,12 @@ class DriverService:
         while True:
             try:
                 sock, peer = self._server.accept()
-            except OSError:
-                return  # closed
+            except OSError as exc:
+                if self.finished:
+                    return  # closed
+                log.warning("sparkhvd driver service could not accept a connection (%s); retrying", exc)
+                time.sleep(0.1)  # e.g. out of file descriptors: keep serving the connections we have
+                continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self.cv:
                 self._conns.add(sock)
@@ -126,13 +134,26 @@ class DriverService:
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         try:
+            sock.settimeout(FIRST_FRAME_TIMEOUT_S)
             channel = Channel.accept(sock, self._secret)
+            msg = channel.recv()
+            sock.settimeout(None)  # authenticated: from here on a connection may idle
             while True:
-                msg = channel.recv()
                 handler = self._handlers.get(msg.kind)
                 if handler is None:
                     raise ProtocolError(f"unknown frame kind {msg.kind}")
-                handler(channel, msg, peer)
+                try:
+                    handler(channel, msg, peer)
+                except (ProtocolError, OSError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a malformed request from an authenticated peer
+                    log.warning("sparkhvd driver service: bad %s request from %s: %r", Kind(msg.kind).name, peer, exc)
+                    self._refuse(channel, f"the driver service could not handle a {Kind(msg.kind).name} request: "
+                                          f"{type(exc).__name__}: {exc}")
+                msg = channel.recv()
+        except socket.timeout:
+            with self.cv:
+                self.refusals.append(f"{peer}: no authenticated frame within {FIRST_FRAME_TIMEOUT_S:g} s")
         except PeerClosed:
             pass
         except ProtocolError as exc:
@@ -173,21 +194,28 @@ class DriverService:
 
     def _register(self, channel: Channel, msg: Message, peer: str) -> None:
         task = msg.meta.get("task")
+        refusal = None
         with self.cv:
             if not isinstance(task, int) or not 0 <= task < self.np:
-                return self._refuse(channel, f"task index {task!r} is outside 0..{self.np - 1}")
-            if task in self.registrations:
-                return self._refuse(channel, f"task {task} registered twice; a retried Spark task "
-                                             "cannot join a run that has started")
-            self.registrations[task] = Registration(
-                task=task, host=str(msg.meta.get("host")), pid=int(msg.meta.get("pid", 0)),
-                gpus=list(msg.meta.get("gpus") or []), peer=peer)
-            if len(self.registrations) == self.np:
-                self.placements = assign_ranks([self.registrations[t].host for t in range(self.np)])
-            self.cv.notify_all()
+                refusal = f"task index {task!r} is outside 0..{self.np - 1}"
+            elif task in self.registrations:
+                refusal = f"task {task} registered twice; a retried Spark task cannot join a run that has started"
+            else:
+                self._add_registration(task, msg, peer)
+        if refusal is not None:
+            return self._refuse(channel, refusal)  # never send while holding cv
         if not self._wait(lambda: self.placements is not None, None):
             return self._abort_reply(channel)
         channel.send(Kind.ASSIGN, self.placements[task].as_dict())
+
+    def _add_registration(self, task: int, msg: Message, peer: str) -> None:
+        """Record a task (cv held); once all have registered, assign the ranks."""
+        self.registrations[task] = Registration(
+            task=task, host=str(msg.meta.get("host")), pid=int(msg.meta.get("pid", 0)),
+            gpus=list(msg.meta.get("gpus") or []), peer=peer)
+        if len(self.registrations) == self.np:
+            self.placements = assign_ranks([self.registrations[t].host for t in range(self.np)])
+        self.cv.notify_all()
 
     def _fetch(self, channel: Channel, msg: Message, peer: str) -> None:
         channel.send(Kind.OK, {}, self._payload)

@@ -269,3 +269,55 @@ def test_init_joins_a_torchrun_job(tmp_path):
 
     results = sorted(re.findall(r"RESULT \d \d \d \d [\d.]+", out.stdout))  # ranks share one pipe
     assert results == ["RESULT 0 2 0 2 3.0", "RESULT 1 2 1 2 3.0"], out.stdout + out.stderr
+
+
+def test_optimizer_wrapped_after_an_lr_scheduler_still_averages_and_stays_in_sync():
+    def train():
+        import torch
+
+        import sparkhvd.collective.torch as hvd
+
+        hvd.init()
+        model = torch.nn.Linear(1, 1, bias=False)
+        torch.nn.init.constant_(model.weight, 0.0)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0 if hvd.rank() == 0 else 5.0)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # made before wrapping
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        hvd.broadcast_optimizer_state(opt, root_rank=0)  # load_state_dict on rank 1
+        for _ in range(2):
+            opt.zero_grad()
+            (model(torch.ones(1, 1)) * (hvd.rank() + 1)).sum().backward()  # grads 1 and 2: average 1.5
+            opt.step()
+            sched.step()
+        return model.weight.item(), opt.param_groups[0]["lr"], sched.get_last_lr()[0]
+
+    values = HorovodRunner(np=-2).run_all(train).values
+    assert values[0] == values[1] == (-1.5 * 1.0 - 1.5 * 0.5, 0.25, 0.25)
+
+
+def test_wrapping_twice_or_a_patched_step_is_refused():
+    def train():
+        import torch
+
+        import sparkhvd.collective.torch as hvd
+
+        hvd.init()
+        model = torch.nn.Linear(1, 1)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        errors = []
+        try:
+            hvd.DistributedOptimizer(opt)
+        except ValueError as exc:
+            errors.append(str(exc))
+        other = torch.optim.SGD(model.parameters(), lr=0.1)
+        other.step = lambda closure=None: None
+        try:
+            hvd.DistributedOptimizer(other)
+        except ValueError as exc:
+            errors.append(str(exc))
+        return errors, type(other).__name__
+
+    errors, name = HorovodRunner(np=-1).run(train)
+    assert errors[0] == "this optimizer is already a DistributedOptimizer; wrap the original optimizer once."
+    assert "has its own step attribute" in errors[1] and "wrap the optimizer with DistributedOptimizer before" in errors[1]
+    assert name == "SGD"  # a refused wrap leaves the optimizer as it was

@@ -62,7 +62,7 @@ def test_truncated_frame_is_refused(service):
     sock = socket.create_connection(service.address)
     channel = Channel.connect(sock, service._secret)
     header = _HEADER.pack(MAGIC, Kind.STORE_SET, 0, 100, 0)
-    sock.sendall(header + b"{")  # then hang up mid-frame
+    sock.sendall(header + channel._header_tag(b"C", header) + b"{")  # an honest header, then hang up mid-body
     sock.shutdown(socket.SHUT_WR)
     assert "connection closed after 1 of 100 bytes" in _wait_for_refusal(service)[0]
     channel.close()
@@ -165,3 +165,73 @@ def test_payload_limit_message():
         channel.send(Kind.RESULT, {}, b"x" * 11)
     a.close(), b.close()
     assert struct.calcsize("!4sBQIQ") == _HEADER.size
+
+
+def test_unauthenticated_header_is_refused_before_any_body_is_read(service):
+    """A header claiming a large body, without the secret: refused on its header tag, nothing allocated."""
+    sock = socket.create_connection(service.address)
+    Channel.connect(sock, service._secret)
+    sock.sendall(_HEADER.pack(MAGIC, Kind.RESULT, 0, 10, 512 << 20) + b"\0" * 32)
+    assert _closed(sock)
+    assert "frame header failed HMAC verification" in _wait_for_refusal(service)[0]
+
+
+def test_a_connection_that_never_authenticates_is_dropped(monkeypatch):
+    from sparkhvd.runner import _service
+
+    monkeypatch.setattr(_service, "FIRST_FRAME_TIMEOUT_S", 0.3)
+    svc = DriverService(np=1, secret=new_secret(), payload=b"")
+    try:
+        sock = socket.create_connection(svc.address)
+        sock.recv(len(MAGIC) + NONCE_BYTES)  # greeting, then silence
+        assert _closed(sock)
+        assert "no authenticated frame within 0.3 s" in _wait_for_refusal(svc)[0]
+    finally:
+        svc.close()
+
+
+def test_a_malformed_request_gets_an_error_not_a_dropped_connection(service):
+    client = ServiceClient(service.address, service._secret)
+    client.request(Kind.STORE_SET, {"key": "n"}, b"not a number")
+    with pytest.raises(ServiceError, match="could not handle a STORE_ADD request: ValueError"):
+        client.request(Kind.STORE_ADD, {"key": "n", "amount": 1})
+    assert client.request(Kind.STORE_CHECK, {"keys": ["n"]}).meta["value"] is True  # still connected
+
+
+def test_close_stops_listening_and_ends_the_accept_thread():
+    svc = DriverService(np=1, secret=new_secret(), payload=b"")
+    address = svc.address
+    svc.close()
+    assert not svc._thread.is_alive()
+    with pytest.raises(OSError):
+        socket.create_connection(address, timeout=2).recv(1) or (_ for _ in ()).throw(ConnectionRefusedError())
+
+
+def test_the_service_survives_running_out_of_file_descriptors(tmp_path):
+    """80 raw connections against a 64-descriptor limit; once they go, a real client is served."""
+    import subprocess
+    import sys
+
+    code = f"""
+import resource, socket, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+from sparkhvd.runner._service import DriverService
+from sparkhvd.runner._client import ServiceClient
+from sparkhvd.runner._protocol import Kind, new_secret
+svc = DriverService(np=1, secret=new_secret(), payload=b"")
+socks = []
+for _ in range(80):
+    try:
+        socks.append(socket.create_connection(svc.address, timeout=1))
+    except OSError:
+        break
+time.sleep(0.5)
+for s in socks:
+    s.close()
+time.sleep(0.5)
+client = ServiceClient(svc.address, svc._secret, connect_timeout=5)
+client.request(Kind.STORE_SET, {{"key": "k"}}, b"v")
+print("SERVED", svc._thread.is_alive())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "SERVED True" in out.stdout, out.stdout + out.stderr[-2000:]

@@ -240,3 +240,49 @@ def test_a_module_installed_only_on_the_driver_is_named(tmp_path, monkeypatch):
     with pytest.raises(HorovodRunError, match="rank 0 cannot import module 'driver_only_pkg', which the "
                                               "training function refers to; install it where the ranks run"):
         HorovodRunner(np=-1).run(driver_only_pkg.train)
+
+
+def test_what_a_rank_leaves_running_is_stopped_without_delay(tmp_path):
+    import psutil
+
+    def train():
+        import subprocess
+
+        return subprocess.Popen(["sleep", "77"]).pid  # still running when train returns
+
+    started = time.monotonic()
+    with warnings_as_errors():
+        pid = HorovodRunner(np=-1).run(train)
+    assert time.monotonic() - started < 20  # not the 35 s exit wait
+    time.sleep(0.2)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def warnings_as_errors():
+    import warnings
+
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.simplefilter("error", RuntimeWarning)
+
+    class _Exit:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            ctx.__exit__(*exc)
+
+    return _Exit()
+
+
+def test_a_very_long_output_line_reaches_the_log_in_pieces():
+    def train():
+        print("é" * 300_000)  # 600 kB of UTF-8, 1.8 MB as escaped JSON
+        print("after the long line")
+        return "ok"
+
+    result = HorovodRunner(np=-1, driver_log_verbosity="log_callback_only").run_all(train)
+    assert result.value == "ok"
+    with open(result.log_paths[0], encoding="utf-8") as f:
+        text = f.read()
+    assert text.count("é") == 300_000 and "after the long line" in text

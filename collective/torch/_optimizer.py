@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -16,27 +17,9 @@ from ._process_sets import global_process_set
 class _DistributedMixin:
     """Placed before the user's optimizer class: reduces gradients before each ``step()``."""
 
-    def _hvd_setup(self, named_parameters, op, gradient_predivide_factor, backward_passes_per_step,
+    def _hvd_setup(self, names, op, gradient_predivide_factor, backward_passes_per_step,
                    compression, sparse_as_dense, process_set):
-        params = [p for group in self.param_groups for p in group["params"]]
-        if named_parameters is not None:
-            named = list(named_parameters)
-            if any(not (isinstance(x, tuple) and len(x) == 2) for x in named):
-                raise ValueError("named_parameters must be (name, parameter) pairs, as model.named_parameters() "
-                                 "gives.")
-            names = [n for n, _ in named]
-            dups = sorted({n for n in names if names.count(n) > 1})
-            if dups:
-                raise ValueError(f"named_parameters has duplicate names {dups}; each parameter needs its own name.")
-            known = {id(p) for _, p in named}
-            unnamed = sum(1 for p in params if id(p) not in known)
-            if unnamed:
-                raise ValueError(f"named_parameters was given, but {unnamed} of the optimizer's {len(params)} "
-                                 "parameters are not in it; pass model.named_parameters() of the model whose "
-                                 "parameters the optimizer updates.")
-            self._hvd_names = {id(p): n for n, p in named}
-        else:
-            self._hvd_names = {id(p): f"param.{i}" for i, p in enumerate(params)}
+        self._hvd_names = names
         self._hvd_op = op
         self._hvd_predivide = float(gradient_predivide_factor)
         self._hvd_backward_passes = int(backward_passes_per_step)
@@ -82,6 +65,10 @@ class _DistributedMixin:
         self._hvd_synchronized = False
         return super().step(closure)
 
+    # torch.optim.Optimizer wraps a class's step() with its hook runner unless it is marked;
+    # the base class's own step() already runs the hooks once.
+    step.hooked = True
+
 
 def _reduce_bucket(grads: list, op: ReduceOp, predivide: float, size: int, compression, group) -> None:
     """One allreduce for a list of same-dtype gradients, through a flat buffer."""
@@ -102,8 +89,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          process_set=global_process_set):
     """Wrap ``optimizer`` so that ``step()`` first averages gradients across ranks.
 
-    Returns an instance of a subclass of ``optimizer``'s own class that shares its parameter
-    groups and state. Gradients are reduced when ``step()`` (or ``synchronize()``) is called,
+    Returns ``optimizer`` itself, its class now a subclass of its own class with the
+    distributed ``step`` (Horovod returns a new object; one object keeps LR schedulers and
+    ``load_state_dict`` consistent). Gradients are reduced when ``step()`` (or ``synchronize()``) is called,
     once per step, fused into one buffer per dtype; ``backward_passes_per_step`` gradient
     accumulation needs nothing more (call ``step()`` after the last backward pass).
     ``compression`` casts the fused buffers for the wire; ``num_groups``/``groups`` are
@@ -117,10 +105,54 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         raise ValueError(f"DistributedOptimizer reduces gradients with op=hvd.Average or hvd.Sum, got {op.name}.")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor only applies with op=hvd.Average.")
+    if isinstance(optimizer, _DistributedMixin):
+        raise ValueError("this optimizer is already a DistributedOptimizer; wrap the original optimizer once.")
+    names = _parameter_names(optimizer, named_parameters)
+    patched = optimizer.__dict__.get("step")
+    if patched is not None and not getattr(patched, "_wrapped_by_lr_sched", False):
+        raise ValueError(f"this {type(optimizer).__name__} has its own step attribute ({patched!r}), which would "
+                         "bypass gradient averaging; wrap the optimizer with DistributedOptimizer before patching it.")
     base = type(optimizer)
     cls = type(base.__name__, (_DistributedMixin, base), {})
-    wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)  # share param_groups, state and hooks
-    wrapped._hvd_setup(named_parameters, op, gradient_predivide_factor, backward_passes_per_step,
-                       compression, sparse_as_dense, process_set)
-    return wrapped
+    optimizer.__class__ = cls  # one object: schedulers, load_state_dict and references all see it
+    _repoint_scheduler_step(optimizer, cls)
+    optimizer._hvd_setup(names, op, gradient_predivide_factor, backward_passes_per_step,
+                         compression, sparse_as_dense, process_set)
+    return optimizer
+
+
+def _parameter_names(optimizer, named_parameters) -> dict:
+    """id(parameter) -> name, checked against the optimizer's parameters."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return {id(p): f"param.{i}" for i, p in enumerate(params)}
+    named = list(named_parameters)
+    if any(not (isinstance(x, tuple) and len(x) == 2) for x in named):
+        raise ValueError("named_parameters must be (name, parameter) pairs, as model.named_parameters() gives.")
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"named_parameters has duplicate names {dups}; each parameter needs its own name.")
+    known = {id(p) for _, p in named}
+    unnamed = sum(1 for p in params if id(p) not in known)
+    if unnamed:
+        raise ValueError(f"named_parameters was given, but {unnamed} of the optimizer's {len(params)} "
+                         "parameters are not in it; pass model.named_parameters() of the model whose "
+                         "parameters the optimizer updates.")
+    return {id(p): n for n, p in named}
+
+
+def _repoint_scheduler_step(optimizer, cls) -> None:
+    """An LR scheduler made before wrapping put a step() on the instance that calls the base
+    class's step directly; make it call the distributed one."""
+    if "step" not in optimizer.__dict__:
+        return
+    ref = weakref.ref(optimizer)
+
+    def step(*args, **kwargs):
+        opt = ref()
+        opt._opt_called = True  # what torch's scheduler wrapper records
+        return cls.step(opt, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True
+    optimizer.step = step
