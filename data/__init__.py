@@ -2,8 +2,9 @@
 
 ``make_batch_reader(url, cur_shard=hvd.rank(), shard_count=hvd.size())`` yields namedtuples of
 NumPy arrays; shards are balanced by rows, every row is read once per epoch, and every shard
-takes the same number of steps. The torch adapter lives in ``sparkhvd.data.torch``; this
-package imports neither torch nor pyspark (``make_spark_converter`` imports pyspark when called).
+takes the same number of steps. The torch adapter lives in ``sparkhvd.data.torch``, the tf.data
+adapter in ``sparkhvd.data.tensorflow``; this package imports none of torch, TensorFlow and
+pyspark (``make_spark_converter`` imports pyspark when called).
 """
 
 from ._converter import SparkDatasetConverter, make_spark_converter

@@ -1,20 +1,56 @@
 """make_spark_converter: a Spark DataFrame materialized as Parquet, read back by sharded readers.
 
-Petastorm's ``make_spark_converter`` API: ``converter.make_torch_dataloader(...)`` is a context
-manager yielding a torch loader over one shard. Imports pyspark (and torch, for the loader)
-only when called.
+Petastorm's ``make_spark_converter`` API: ``converter.make_torch_dataloader(...)`` and
+``converter.make_tf_dataset(...)`` are context managers over one shard. Imports pyspark (and
+torch or TensorFlow, for the loaders) only when called. The cache rule is in ``_cache.py``.
 """
 
 from __future__ import annotations
 
 import os
+import posixpath
 import uuid
 from typing import Any
 
-from ._metadata import list_files, open_dataset
+from . import _cache
+from ._metadata import list_files, open_dataset, resolve_url
 
 PARENT_CACHE_DIR_CONF = "sparkhvd.data.parentCacheDirUrl"
+PETASTORM_PARENT_CACHE_DIR_CONF = "petastorm.spark.converter.parentCacheDirUrl"
 DEFAULT_ROW_GROUP_BYTES = 32 * 1024 * 1024
+MIN_ROW_GROUPS = 64
+MIN_ROW_GROUP_BYTES = 1024 * 1024
+
+
+def choose_row_group_bytes(estimated_bytes: int | None, max_bytes: int) -> int:
+    """The Parquet row-group size for a DataFrame of about ``estimated_bytes``: aim for ``MIN_ROW_GROUPS`` row groups.
+
+    Shards balance by rows whatever the row groups (the reader splits row groups), so this
+    buys the rest: a reader reads, shuffles and prefetches whole row groups, so row groups
+    much smaller than a shard keep its prefetch threads busy, give ``shuffle_row_groups``
+    something to shuffle, bound memory (a reader holds ``workers_count + 2`` of them) and
+    limit the rows read and dropped where a row group straddles two shards. The rule:
+    ``estimated_bytes / MIN_ROW_GROUPS``, at most ``max_bytes`` and at least
+    ``MIN_ROW_GROUP_BYTES`` (1 MiB; smaller row groups cost footer and page overhead, and a
+    small data set reads fast anyway), or ``max_bytes`` when it is smaller. Unknown size:
+    ``max_bytes``.
+    """
+    if estimated_bytes is None:
+        return max_bytes
+    return max(min(max_bytes, MIN_ROW_GROUP_BYTES), min(max_bytes, estimated_bytes // MIN_ROW_GROUPS))
+
+
+def _estimated_bytes(df) -> int | None:
+    """Spark's size estimate of ``df`` (optimizer statistics, no job); None where it has none (Spark Connect)."""
+    try:
+        return int(df._jdf.queryExecution().optimizedPlan().stats().sizeInBytes())
+    except Exception:  # no _jdf under Spark Connect, or a plan without statistics: fall back to the cap
+        return None
+
+
+def _check_dtype(dtype: str | None) -> None:
+    if dtype not in (None, "float32", "float64"):
+        raise ValueError(f"dtype must be 'float32', 'float64' or None, got {dtype!r}; pass dtype=None to keep the DataFrame's types.")
 
 
 def _float_casts(df, dtype: str | None):
@@ -22,8 +58,7 @@ def _float_casts(df, dtype: str | None):
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
-    if dtype not in (None, "float32", "float64"):
-        raise ValueError(f"dtype must be 'float32', 'float64' or None, got {dtype!r}; pass dtype=None to keep the DataFrame's types.")
+    _check_dtype(dtype)
     columns = []
     for field in df.schema.fields:
         col, kind = F.col(f"`{field.name}`"), field.dataType
@@ -39,12 +74,52 @@ def _float_casts(df, dtype: str | None):
     return df.select(*columns)
 
 
-class SparkDatasetConverter:
-    """A DataFrame written once as Parquet under a cache directory; makes sharded loaders over it."""
+def _observe_list_lengths(df):
+    """``df`` observed for the min/max length and null count of each flat array column, and the Observation.
 
-    def __init__(self, cache_dir_url: str, dataset_size: int):
+    The metrics are computed during the write itself (no extra job); a column whose rows
+    all have one length L and no nulls gets the static shape ``(None, L)`` in tf.data.
+    """
+    from pyspark.sql import Observation
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    metrics = []
+    for i, field in enumerate(df.schema.fields):
+        kind = field.dataType
+        if isinstance(kind, T.ArrayType) and not isinstance(kind.elementType, (T.ArrayType, T.MapType, T.StructType)):
+            col = F.col(f"`{field.name}`")
+            metrics += [F.min(F.size(col)).alias(f"min{i}"), F.max(F.size(col)).alias(f"max{i}"),
+                        F.count(F.when(col.isNull(), 1)).alias(f"nulls{i}")]
+    if not metrics:
+        return df, None
+    observation = Observation(f"sparkhvd-{uuid.uuid4().hex}")
+    return df.observe(observation, *metrics), observation
+
+
+def _list_lengths(df, observation) -> dict[str, int]:
+    if observation is None:
+        return {}
+    values = observation.get
+    lengths = {}
+    for i, field in enumerate(df.schema.fields):
+        low, high, nulls = values.get(f"min{i}"), values.get(f"max{i}"), values.get(f"nulls{i}")
+        if low is not None and low == high and low >= 0 and nulls == 0:
+            lengths[field.name] = int(low)
+    return lengths
+
+
+class SparkDatasetConverter:
+    """A DataFrame written once as Parquet under a cache directory; makes sharded loaders over it.
+
+    ``list_lengths``: the columns Spark wrote as (variable-length) lists whose rows all have
+    one length, and that length; the tf.data adapter gives them static shapes.
+    """
+
+    def __init__(self, cache_dir_url: str, dataset_size: int, list_lengths: dict[str, int] | None = None):
         self.cache_dir_url = cache_dir_url
         self.dataset_size = dataset_size
+        self.list_lengths = dict(list_lengths or {})
         scheme = cache_dir_url.split("://", 1)[0]
         self.file_urls = [f"{scheme}://{path}" for path in list_files(cache_dir_url)[1]]
 
@@ -61,12 +136,63 @@ class SparkDatasetConverter:
 
         return make_torch_loader(self.cache_dir_url, batch_size=batch_size, num_epochs=num_epochs, workers_count=workers_count, **reader_kwargs)
 
+    def make_tf_dataset(self, batch_size: int = 32, num_epochs: int | None = None, workers_count: int = 4, **reader_kwargs: Any):
+        """A context manager yielding a ``tf.data.Dataset`` of dicts of tensors over one shard.
+
+        Arguments as in make_torch_dataloader. Every iteration of the dataset (Keras iterates
+        once per epoch) reads afresh; list columns in ``list_lengths`` have static shape
+        ``(None, length)``. Leaving the ``with`` stops the readers still running.
+        """
+        from .tensorflow import TFDatasetContext
+
+        return TFDatasetContext(self.cache_dir_url, batch_size=batch_size, num_epochs=num_epochs, workers_count=workers_count,
+                                list_lengths=self.list_lengths, **reader_kwargs)
+
     def delete(self) -> None:
-        """Delete the cached Parquet files."""
+        """Delete the cached Parquet files; later converters of the same plan write them again.
+
+        Converters returned for the same plan share the directory, so it is gone for them too.
+        """
         import pyarrow.fs as pafs
 
         fs, path = pafs.FileSystem.from_uri(self.cache_dir_url)
+        _cache.forget(self.cache_dir_url)
         fs.delete_dir(path)
+
+
+def _parent_url(df, parent_cache_dir_url: str | None) -> str:
+    conf = df.sparkSession.conf
+    parent = parent_cache_dir_url or conf.get(PARENT_CACHE_DIR_CONF, None) or conf.get(PETASTORM_PARENT_CACHE_DIR_CONF, None)
+    if not parent:
+        raise ValueError(
+            "make_spark_converter needs a cache directory: pass parent_cache_dir_url='file:///dbfs/tmp/cache' (a URL every "
+            f"worker can read) or set the Spark conf {PARENT_CACHE_DIR_CONF} (or Petastorm's {PETASTORM_PARENT_CACHE_DIR_CONF})."
+        )
+    if "://" not in parent:
+        raise ValueError(f"parent_cache_dir_url={parent!r} is not a URL; use e.g. 'file://{os.path.abspath(parent)}' or 's3://bucket/cache'.")
+    return parent.rstrip("/")
+
+
+def _materialize(df, parent: str, row_group_bytes: int, compression_codec: str | None, dtype: str | None) -> tuple[str, dict]:
+    """Write ``df`` into a new directory under ``parent``; return its URL and completion marker."""
+    url = f"{parent}/sparkhvd-{uuid.uuid4().hex}"
+    cast = _float_casts(df, dtype)
+    observed, observation = _observe_list_lengths(cast)
+    block = choose_row_group_bytes(_estimated_bytes(cast), int(row_group_bytes))
+    writer = observed.write.option("parquet.block.size", block)
+    if compression_codec is not None:
+        writer = writer.option("compression", compression_codec)
+    writer.parquet(url)
+    dataset = open_dataset(url, schema_fields=None, filters=None)
+    root = resolve_url(url)[1]
+    marker = {
+        "rows": dataset.num_rows,
+        "list_lengths": _list_lengths(cast, observation),
+        "row_group_bytes": block,
+        "files": [posixpath.relpath(path, root) for path in dataset.files],
+    }
+    _cache.write_marker(url, marker)
+    return url, marker
 
 
 def make_spark_converter(
@@ -80,19 +206,24 @@ def make_spark_converter(
     """Write ``df`` as Parquet under ``parent_cache_dir_url`` and return a converter over it.
 
     ``parent_cache_dir_url``: a URL every worker can read (``file:///dbfs/...``, ``s3://...``);
-    defaults to the Spark conf ``sparkhvd.data.parentCacheDirUrl``. Each call writes a new
-    directory under it; ``converter.delete()`` removes it. ``dtype='float32'`` casts double
-    columns, arrays of double and ML vectors to float32 (``None`` keeps the types).
+    defaults to the Spark conf ``sparkhvd.data.parentCacheDirUrl``, then to Petastorm's
+    ``petastorm.spark.converter.parentCacheDirUrl``. A DataFrame whose plan this process has
+    already written with the same options reuses that directory (see ``_cache.py``);
+    otherwise the call writes a new directory under the parent. ``converter.delete()``
+    removes it. ``dtype='float32'`` casts double columns, arrays of double and ML vectors to
+    float32 (``None`` keeps the types).
+
+    ``parquet_row_group_size_bytes`` caps the row-group size; smaller data sets get smaller
+    row groups, about 64 of them but at least 1 MiB each (see ``choose_row_group_bytes``).
     """
-    parent = parent_cache_dir_url or df.sparkSession.conf.get(PARENT_CACHE_DIR_CONF, None)
-    if not parent:
-        raise ValueError(f"make_spark_converter needs a cache directory: pass parent_cache_dir_url='file:///dbfs/tmp/cache' (a URL every worker can read) or set the Spark conf {PARENT_CACHE_DIR_CONF}.")
-    if "://" not in parent:
-        raise ValueError(f"parent_cache_dir_url={parent!r} is not a URL; use e.g. 'file://{os.path.abspath(parent)}' or 's3://bucket/cache'.")
-    url = parent.rstrip("/") + f"/sparkhvd-{uuid.uuid4().hex}"
-    writer = _float_casts(df, dtype).write.option("parquet.block.size", int(parquet_row_group_size_bytes))
-    if compression_codec is not None:
-        writer = writer.option("compression", compression_codec)
-    writer.parquet(url)
-    size = open_dataset(url, schema_fields=None, filters=None).num_rows
-    return SparkDatasetConverter(url, size)
+    parent = _parent_url(df, parent_cache_dir_url)
+    _check_dtype(dtype)
+    if isinstance(parquet_row_group_size_bytes, bool) or not isinstance(parquet_row_group_size_bytes, int) or parquet_row_group_size_bytes < 1:
+        raise ValueError(f"parquet_row_group_size_bytes must be a positive int, got {parquet_row_group_size_bytes!r}; the default is {DEFAULT_ROW_GROUP_BYTES} (32 MiB).")
+    options = (parent, int(parquet_row_group_size_bytes), compression_codec, dtype)
+    slot = _cache.slot_for(df, options)
+    with slot.lock:
+        marker = _cache.read_complete_marker(slot.url) if slot.url is not None else None
+        if marker is None:
+            slot.url, marker = _materialize(df, parent, parquet_row_group_size_bytes, compression_codec, dtype)
+        return SparkDatasetConverter(slot.url, marker["rows"], marker["list_lengths"])

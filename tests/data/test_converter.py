@@ -1,8 +1,14 @@
-"""make_spark_converter with a real local SparkSession."""
+"""make_spark_converter with a real local SparkSession: round trip, cache reuse, conf keys, row groups."""
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+
+import pyarrow.parquet as pq
 import pytest
+
+from sparkhvd.data._converter import DEFAULT_ROW_GROUP_BYTES, MIN_ROW_GROUP_BYTES, choose_row_group_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -35,12 +41,14 @@ def test_converter_needs_a_cache_dir_url(spark, tmp_path):
     from sparkhvd.data import make_spark_converter
 
     df = spark.range(3)
-    with pytest.raises(ValueError, match=r"make_spark_converter needs a cache directory: pass parent_cache_dir_url=.* or set the Spark conf sparkhvd.data.parentCacheDirUrl"):
+    with pytest.raises(ValueError, match=r"make_spark_converter needs a cache directory: pass parent_cache_dir_url=.* or set the Spark conf sparkhvd.data.parentCacheDirUrl \(or Petastorm's petastorm.spark.converter.parentCacheDirUrl\)"):
         make_spark_converter(df)
     with pytest.raises(ValueError, match=r"parent_cache_dir_url='/tmp/x' is not a URL; use e.g. 'file:///tmp/x'"):
         make_spark_converter(df, parent_cache_dir_url="/tmp/x")
     with pytest.raises(ValueError, match=r"dtype must be 'float32', 'float64' or None, got 'int8'"):
         make_spark_converter(df, parent_cache_dir_url=tmp_path.as_uri(), dtype="int8")
+    with pytest.raises(ValueError, match=r"parquet_row_group_size_bytes must be a positive int, got 0; the default is 33554432 \(32 MiB\)"):
+        make_spark_converter(df, parent_cache_dir_url=tmp_path.as_uri(), parquet_row_group_size_bytes=0)
 
 
 @pytest.mark.timeout(180)
@@ -67,3 +75,126 @@ def test_each_rank_reads_its_shard_under_horovod_runner(spark, tmp_path):
     assert sorted(all_ids) == list(range(103))  # every row exactly once
     assert values[0]["steps"] == values[1]["steps"] == 6  # 52 and 51 rows -> 6 batches each
     converter.delete()
+
+
+def _frame(spark, n=103, extra="0"):
+    # Built afresh on each call, as a notebook cell would: equal plans, distinct DataFrame objects.
+    return spark.range(0, n, numPartitions=2).selectExpr("id", f"cast(id as double) + {extra} as x")
+
+
+def _dirs(path):
+    return sorted(p.name for p in path.iterdir())
+
+
+def _part_mtimes(url):
+    return {p.name: p.stat().st_mtime_ns for p in Path(url.removeprefix("file://")).iterdir()}
+
+
+def test_same_plan_reuses_the_directory_and_another_plan_does_not(spark, tmp_path):
+    from sparkhvd.data import make_spark_converter
+
+    parent = tmp_path.as_uri()
+    first = make_spark_converter(_frame(spark), parent_cache_dir_url=parent)
+    written = _part_mtimes(first.cache_dir_url)
+    again = make_spark_converter(_frame(spark), parent_cache_dir_url=parent)
+    assert again.cache_dir_url == first.cache_dir_url and len(again) == 103
+    assert _part_mtimes(first.cache_dir_url) == written  # not written a second time
+    assert len(_dirs(tmp_path)) == 1
+    other_plan = make_spark_converter(_frame(spark, extra="1"), parent_cache_dir_url=parent)
+    other_dtype = make_spark_converter(_frame(spark), parent_cache_dir_url=parent, dtype=None)
+    assert len({first.cache_dir_url, other_plan.cache_dir_url, other_dtype.cache_dir_url}) == 3
+    assert len(_dirs(tmp_path)) == 3
+    for converter in (first, other_plan, other_dtype):
+        converter.delete()
+
+
+def test_an_incomplete_directory_is_not_reused(spark, tmp_path):
+    from sparkhvd.data import make_spark_converter
+
+    first = make_spark_converter(_frame(spark), parent_cache_dir_url=tmp_path.as_uri())
+    root = tmp_path / first.cache_dir_url.rsplit("/", 1)[1]
+    (root / "_sparkhvd.json").unlink()  # as if the write had stopped before the marker
+    second = make_spark_converter(_frame(spark), parent_cache_dir_url=tmp_path.as_uri())
+    assert second.cache_dir_url != first.cache_dir_url
+    part = next((tmp_path / second.cache_dir_url.rsplit("/", 1)[1]).glob("part-*.parquet"))
+    part.unlink()  # marker present, a data file gone
+    third = make_spark_converter(_frame(spark), parent_cache_dir_url=tmp_path.as_uri())
+    assert third.cache_dir_url not in (first.cache_dir_url, second.cache_dir_url) and len(third) == 103
+    third.delete()
+
+
+def test_delete_removes_the_directory_and_forgets_it(spark, tmp_path):
+    from sparkhvd.data import make_spark_converter
+
+    first = make_spark_converter(_frame(spark), parent_cache_dir_url=tmp_path.as_uri())
+    first.delete()
+    assert _dirs(tmp_path) == []
+    second = make_spark_converter(_frame(spark), parent_cache_dir_url=tmp_path.as_uri())
+    assert second.cache_dir_url != first.cache_dir_url and len(second) == 103
+    with second.make_torch_dataloader(batch_size=None, num_epochs=1, cur_shard=0, shard_count=1) as loader:
+        assert sorted(int(i) for b in loader for i in b["id"]) == list(range(103))
+    second.delete()
+
+
+def test_concurrent_calls_on_one_plan_write_once(spark, tmp_path):
+    from sparkhvd.data import make_spark_converter
+
+    urls, errors = [], []
+
+    def convert():
+        try:
+            urls.append(make_spark_converter(_frame(spark), parent_cache_dir_url=tmp_path.as_uri()).cache_dir_url)
+        except Exception as exc:  # surfaced by the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=convert) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(urls) == 2 and urls[0] == urls[1]
+    assert len(_dirs(tmp_path)) == 1
+
+
+@pytest.mark.parametrize("key", ["sparkhvd.data.parentCacheDirUrl", "petastorm.spark.converter.parentCacheDirUrl"])
+def test_the_cache_dir_comes_from_the_spark_conf(spark, tmp_path, key):
+    from sparkhvd.data import make_spark_converter
+
+    spark.conf.set(key, tmp_path.as_uri())
+    try:
+        converter = make_spark_converter(_frame(spark, n=10))
+    finally:
+        spark.conf.unset(key)
+    assert converter.cache_dir_url.startswith(tmp_path.as_uri() + "/sparkhvd-") and len(converter) == 10
+    converter.delete()
+
+
+def test_row_group_rule():
+    mib = 1024 * 1024
+    assert choose_row_group_bytes(None, DEFAULT_ROW_GROUP_BYTES) == DEFAULT_ROW_GROUP_BYTES  # size unknown: the cap
+    assert choose_row_group_bytes(64 * 1024 * mib, DEFAULT_ROW_GROUP_BYTES) == DEFAULT_ROW_GROUP_BYTES  # 64 GiB: the cap
+    assert choose_row_group_bytes(640 * mib, DEFAULT_ROW_GROUP_BYTES) == 10 * mib  # 64 row groups
+    assert choose_row_group_bytes(10 * mib, DEFAULT_ROW_GROUP_BYTES) == MIN_ROW_GROUP_BYTES  # floor
+    assert choose_row_group_bytes(10 * mib, 4096) == 4096  # a cap below the floor wins
+
+
+def _row_groups(converter):
+    return [pq.ParquetFile(url.removeprefix("file://")).num_row_groups for url in converter.file_urls]
+
+
+def test_converter_files_have_several_row_groups(spark, tmp_path):
+    from sparkhvd.data import make_spark_converter
+
+    df = spark.range(0, 4000, numPartitions=2).selectExpr("id", "array(cast(id as double), cast(id as double)) as vec")
+    small = make_spark_converter(df, parent_cache_dir_url=tmp_path.as_uri(), parquet_row_group_size_bytes=16 * 1024)
+    assert len(_row_groups(small)) == 2 and min(_row_groups(small)) > 1
+    shards = []
+    for k in range(3):
+        with small.make_torch_dataloader(batch_size=None, num_epochs=1, cur_shard=k, shard_count=3) as loader:
+            shards.append([int(i) for b in loader for i in b["id"]])
+    assert [len(s) for s in shards] == [1334, 1333, 1333] and sorted(sum(shards, [])) == list(range(4000))
+    small.delete()
+    # The default cap (32 MiB) would make one row group per file; the rule aims at 64 of 1 MiB or more.
+    big = make_spark_converter(spark.range(0, 400_000, numPartitions=1).selectExpr("id", "cast(id as double) as x"), parent_cache_dir_url=tmp_path.as_uri(), dtype=None)
+    assert _row_groups(big)[0] > 1
+    big.delete()

@@ -1,9 +1,6 @@
-"""The torch adapter, and that sparkhvd.data itself stays free of torch and pyspark."""
+"""The torch adapter (import weight and the TensorFlow guard: test_data_imports.py)."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -42,9 +39,3 @@ def test_loader_rejects_a_reader_with_another_batch_size_or_options(dataset):
     with pytest.raises(TypeError, match=r"make_torch_loader got reader options \['num_epochs'\] with an existing Reader"):
         make_torch_loader(reader, batch_size=10, num_epochs=2)
     reader.stop()
-
-
-def test_import_sparkhvd_data_imports_neither_torch_nor_pyspark():
-    code = "import sys, sparkhvd.data; print('torch' in sys.modules, 'pyspark' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "False"]
