@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 
 import torch
@@ -10,6 +11,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ._compression import Compression
+from ._fusion import GradientBuckets, finish_allreduce, fusion_threshold, launch_allreduce
 from ._ops import Average, ReduceOp, Sum, _resolve_op
 from ._process_sets import global_process_set
 
@@ -28,17 +30,54 @@ class _DistributedMixin:
         self._hvd_compression = compression
         self._hvd_sparse_as_dense = bool(sparse_as_dense)
         self._hvd_process_set = process_set
+        self._hvd_buckets = None
+        size = process_set.size()
+        trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        if size > 1 and trainable:
+            average = op == Average
+            self._hvd_buckets = GradientBuckets(
+                trainable, threshold=fusion_threshold(), passes=self._hvd_backward_passes,
+                reduce_launch=functools.partial(launch_allreduce, op_is_average=average,
+                                                predivide=self._hvd_predivide, compression=compression,
+                                                group=process_set.group),
+                reduce_finish=functools.partial(finish_allreduce, op_is_average=average,
+                                                predivide=self._hvd_predivide, size=size, compression=compression))
 
     def synchronize(self) -> None:
-        """Reduce every gradient now (``step()`` then skips it, e.g. after gradient clipping)."""
-        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        """Finish reducing every gradient now (``step()`` then skips it, e.g. after gradient clipping)."""
+        self._hvd_check_sparse()
+        buckets = self._hvd_buckets
+        if buckets is None:
+            self._reduce_reference(self._hvd_trainable())
+        else:
+            buckets.finish()
+            late = [p for p in self._hvd_trainable() if id(p) not in buckets._where]
+            if late:  # parameters made trainable after wrapping: the reference path
+                self._reduce_reference(late)
+        self._hvd_synchronized = True
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._hvd_buckets is not None and self._hvd_buckets.in_flight():
+            raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
+                               "or optimizer.synchronize(), while gradients were being reduced; call zero_grad() "
+                               "before the backward pass (with backward_passes_per_step=N, after the N-th step).")
+        return super().zero_grad(set_to_none=set_to_none)
+
+    def _hvd_trainable(self) -> list:
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    def _hvd_check_sparse(self) -> None:
+        for p in self._hvd_trainable():
+            if p.grad is not None and p.grad.is_sparse and not self._hvd_sparse_as_dense:
+                raise ValueError(f"parameter {self._hvd_names.get(id(p))!r} has a sparse gradient; pass "
+                                 "sparse_as_dense=True to DistributedOptimizer to reduce it as a dense tensor.")
+
+    def _reduce_reference(self, params: list) -> None:
+        """The readable reference: at step time, one fused allreduce per dtype and device."""
         for p in params:
             if p.grad is None:  # every rank must take part in every reduction
                 p.grad = torch.zeros_like(p)
             elif p.grad.is_sparse:
-                if not self._hvd_sparse_as_dense:
-                    raise ValueError(f"parameter {self._hvd_names.get(id(p))!r} has a sparse gradient; pass "
-                                     "sparse_as_dense=True to DistributedOptimizer to reduce it as a dense tensor.")
                 p.grad = p.grad.to_dense()
         size = self._hvd_process_set.size()
         if size > 1:
@@ -48,7 +87,6 @@ class _DistributedMixin:
             for grads in buckets.values():
                 _reduce_bucket(grads, self._hvd_op, self._hvd_predivide, size, self._hvd_compression,
                                self._hvd_process_set.group)
-        self._hvd_synchronized = True
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -89,11 +127,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          process_set=global_process_set):
     """Wrap ``optimizer`` so that ``step()`` first averages gradients across ranks.
 
+    Gradients are reduced while backward runs: hooks fill buckets of up to
+    ``$HOROVOD_FUSION_THRESHOLD`` bytes (64 MB), launched in a fixed order on every rank.
     Returns ``optimizer`` itself, its class now a subclass of its own class with the
     distributed ``step`` (Horovod returns a new object; one object keeps LR schedulers and
-    ``load_state_dict`` consistent). Gradients are reduced when ``step()`` (or ``synchronize()``) is called,
-    once per step, fused into one buffer per dtype; ``backward_passes_per_step`` gradient
-    accumulation needs nothing more (call ``step()`` after the last backward pass).
+    ``load_state_dict`` consistent). ``step()`` (or ``synchronize()``) waits for the reductions;
+    with ``backward_passes_per_step=N`` a bucket is reduced after each parameter's N-th
+    gradient, so call ``step()`` after every N backward passes.
     ``compression`` casts the fused buffers for the wire; ``num_groups``/``groups`` are
     accepted for compatibility (buckets are per dtype and device).
     """

@@ -1,0 +1,150 @@
+"""Gradient buckets: reduce while backward is still running, fused, in a fixed order.
+
+At wrap time the parameters are cut into buckets of at most ``threshold`` bytes (one dtype
+and device per bucket), in reverse registration order, since backward produces gradients
+roughly last layer first. A hook on each parameter counts its gradient accumulations; when
+every parameter of a bucket has its ``backward_passes_per_step``-th gradient, the bucket is
+ready. Buckets are launched strictly in index order: a ready bucket waits for the ones
+before it, so every rank issues the same collectives in the same order whatever order its
+hooks fire in. ``finish()`` launches what backward did not (unused parameters contribute
+zeros), waits, and writes the averaged gradients back.
+
+The readable reference is ``_reduce_reference`` in ``_optimizer.py``: one step-time
+reduction per dtype; tests check that both give the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_THRESHOLD = 64 * 1024 * 1024
+ENV_THRESHOLD = "HOROVOD_FUSION_THRESHOLD"
+
+
+def fusion_threshold() -> int:
+    """Bucket size in bytes: ``$HOROVOD_FUSION_THRESHOLD`` or 64 MB."""
+    raw = os.environ.get(ENV_THRESHOLD)
+    if raw is None:
+        return DEFAULT_THRESHOLD
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_THRESHOLD}={raw!r} is not a number of bytes; set it to e.g. 67108864 "
+                         "(64 MB), or 0 to reduce each gradient on its own.") from None
+    if value < 0:
+        raise ValueError(f"{ENV_THRESHOLD}={value} must be 0 or more bytes.")
+    return value
+
+
+class _Bucket:
+    __slots__ = ("params", "flat", "pending", "work", "ctx")
+
+    def __init__(self, params: list):
+        self.params = params
+        self.flat = None
+        self.pending = set(range(len(params)))
+        self.work = None
+        self.ctx = None
+
+
+class GradientBuckets:
+    """The buckets of one DistributedOptimizer, and the hooks that fill them."""
+
+    def __init__(self, params: list, *, threshold: int, passes: int, reduce_launch, reduce_finish):
+        self._passes = passes
+        self._launch_fn = reduce_launch  # (flat tensor) -> (work, ctx)
+        self._finish_fn = reduce_finish  # (flat tensor, ctx) -> reduced flat tensor
+        self.buckets: list[_Bucket] = []
+        current, size, key = [], 0, None
+        for p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            pkey = (p.dtype, p.device)
+            if current and (pkey != key or size + nbytes > threshold):
+                self.buckets.append(_Bucket(current))
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+            key = pkey
+        if current:
+            self.buckets.append(_Bucket(current))
+        self._where = {id(p): (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
+        self._counts = {id(p): 0 for p in params}
+        self._next = 0  # the next bucket to launch
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def in_flight(self) -> bool:
+        return self._next > 0 or any(c for c in self._counts.values())
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if id(p) not in self._where:
+            return
+        self._counts[id(p)] += 1
+        if self._counts[id(p)] > self._passes:
+            raise RuntimeError(f"gradients were computed {self._counts[id(p)]} times before optimizer.step(), more "
+                               f"than backward_passes_per_step={self._passes}; pass backward_passes_per_step="
+                               f"{self._counts[id(p)]} to DistributedOptimizer to accumulate them locally.")
+        if self._counts[id(p)] != self._passes:
+            return
+        b, i = self._where[id(p)]
+        self.buckets[b].pending.discard(i)
+        while self._next < len(self.buckets) and not self.buckets[self._next].pending:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        grads = []
+        for p in bucket.params:
+            if p.grad is None or not p.requires_grad:
+                grads.append(torch.zeros_like(p))  # every rank takes part in every reduction
+            else:
+                grads.append(p.grad.to_dense() if p.grad.is_sparse else p.grad)
+        with torch.no_grad():
+            bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+        bucket.work, bucket.ctx = self._launch_fn(bucket.flat)
+
+    def finish(self) -> None:
+        """Launch the rest in order, wait for every bucket, and write the gradients back."""
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+        with torch.no_grad():
+            for bucket in self.buckets:
+                if bucket.work is not None:
+                    bucket.work.wait()
+                flat = self._finish_fn(bucket.flat, bucket.ctx)
+                offset = 0
+                for p in bucket.params:
+                    n = p.numel()
+                    if p.requires_grad:
+                        reduced = flat[offset:offset + n].view_as(p)
+                        if p.grad is None or p.grad.is_sparse:
+                            p.grad = reduced.clone()
+                        else:
+                            p.grad.copy_(reduced)
+                    offset += n
+                bucket.flat, bucket.work, bucket.ctx = None, None, None
+                bucket.pending = set(range(len(bucket.params)))
+        self._counts = dict.fromkeys(self._counts, 0)
+        self._next = 0
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def launch_allreduce(flat: torch.Tensor, *, op_is_average: bool, predivide: float, compression, group):
+    """Start one bucket's reduction: returns (work, context for finish_allreduce)."""
+    wire, ctx = compression.compress(flat)
+    if op_is_average and predivide != 1.0:
+        wire.mul_(1.0 / predivide)
+    return dist.all_reduce(wire, group=group, async_op=True), (wire, ctx)
+
+
+def finish_allreduce(flat: torch.Tensor, ctx, *, op_is_average: bool, predivide: float, size: int, compression):
+    wire, cctx = ctx
+    if op_is_average:
+        wire.mul_(predivide / size) if wire.is_floating_point() else wire.floor_divide_(size)
+    return compression.decompress(wire, cctx)
