@@ -142,7 +142,11 @@ def test_errors_name_the_values_and_the_fix(two_ranks):
     assert "broadcast_parameters takes a state_dict" in errors["params"]
     assert "'w' is a int, not a tensor; broadcast non-tensor values with hvd.broadcast_object" in errors["params_value"]
     assert "broadcast_optimizer_state takes a torch.optim.Optimizer, got str" in errors["opt"]
-    assert "same number of dimensions on every rank; got [1, 2] dimensions" in errors["allgather_dims"]
+    assert errors["allgather_dims"] == (
+        "ValueError: ranks disagree on a collective: rank 0: allgather(float32[*] on cpu); rank 1: "
+        "allgather(float32[*, 2] on cpu)."
+        " Every rank must call the same collectives in the same order, with the same dtype, device and dimensions "
+        "after the first (and the same op and root_rank).")
     assert errors.keys() == two_ranks[1]["errors"].keys()
 
 

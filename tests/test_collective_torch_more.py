@@ -255,3 +255,60 @@ def test_process_sets_at_np3():
     assert values[0]["bad_set"] == "process set ranks [0, 7] must be a non-empty list of ranks in 0..2."
     assert all(v["removed"] is True for v in values)
     assert "has not been added; call hvd.add_process_set() on every rank first" in values[0]["after_remove"]
+
+
+def _disagreements():
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    cases = {
+        "shape": lambda: hvd.allreduce(torch.ones(4 + r)),
+        "dtype": lambda: hvd.allreduce(torch.ones(4, dtype=torch.float32 if r == 0 else torch.float64)),
+        "op": lambda: hvd.allreduce(torch.ones(4), op=hvd.Sum if r == 0 else hvd.Max),
+        "broadcast_shape": lambda: hvd.broadcast(torch.ones(4 + r), root_rank=0),
+        "broadcast_root": lambda: hvd.broadcast(torch.ones(4), root_rank=r),
+        "grouped": lambda: hvd.grouped_allreduce([torch.ones(2)] * (1 + r)),
+        "allgather_dtype": lambda: hvd.allgather(torch.ones(r + 1, dtype=torch.int32 if r else torch.int64)),
+        "reducescatter": lambda: hvd.reducescatter(torch.ones(4 + r)),
+        "alltoall": lambda: hvd.alltoall(torch.ones(2, 1 + r)),
+    }
+    out = {}
+    for key, call in cases.items():
+        try:
+            call()
+            out[key] = "no error"
+        except ValueError as exc:
+            out[key] = str(exc)
+    out["still_works"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
+    return out
+
+
+def test_ranks_that_disagree_get_the_same_clear_error():
+    v0, v1 = HorovodRunner(np=-2).run_all(_disagreements).values
+    assert v0 == v1  # every rank raises the same error
+    rule = "Every rank must call the same collectives in the same order, with the same dtype, device and shape"
+    assert v0["shape"] == (f"ranks disagree on a collective: rank 0: allreduce(op=Average: float32[4] on cpu); "
+                           f"rank 1: allreduce(op=Average: float32[5] on cpu). {rule} (and the same op and root_rank).")
+    assert "rank 0: allreduce(op=Average: float32[4] on cpu); rank 1: allreduce(op=Average: float64[4] on cpu)" in v0["dtype"]
+    assert "rank 0: allreduce(op=Sum: float32[4] on cpu); rank 1: allreduce(op=Max: float32[4] on cpu)" in v0["op"]
+    assert "rank 0: broadcast(root_rank=0: float32[4] on cpu); rank 1: broadcast(root_rank=0: float32[5] on cpu)" in \
+        v0["broadcast_shape"]
+    assert "rank 0: broadcast(root_rank=0: float32[4] on cpu); rank 1: broadcast(root_rank=1: float32[4] on cpu)" in \
+        v0["broadcast_root"]
+    assert "rank 1: grouped_allreduce(op=Average: float32[2] on cpu, float32[2] on cpu)" in v0["grouped"]
+    assert "rank 0: allgather(int64[*] on cpu); rank 1: allgather(int32[*] on cpu)" in v0["allgather_dtype"]
+    assert "rank 0: reducescatter(op=Average: float32[4] on cpu)" in v0["reducescatter"]
+    assert "rank 0: alltoall(float32[*, 1] on cpu); rank 1: alltoall(float32[*, 2] on cpu)" in v0["alltoall"]
+    assert v0["still_works"] == 2.0
+
+
+def test_the_check_can_be_turned_off(monkeypatch):
+    from sparkhvd.collective.torch import _check
+
+    monkeypatch.setenv("SPARKHVD_CHECK_COLLECTIVES", "0")
+    assert _check.enabled() is False
+    monkeypatch.setenv("SPARKHVD_CHECK_COLLECTIVES", "1")
+    assert _check.enabled() is True

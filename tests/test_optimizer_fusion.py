@@ -163,3 +163,22 @@ def test_bad_fusion_threshold_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "-1")
     with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD=-1 must be 0 or more bytes"):
         fusion_threshold()
+
+
+def test_ranks_with_different_models_fail_at_wrap_time():
+    def train():
+        import torch
+
+        import sparkhvd.collective.torch as hvd
+
+        hvd.init()
+        model = torch.nn.Linear(3, 2 + hvd.rank())  # rank 1 built a different model
+        try:
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        except ValueError as exc:
+            return str(exc)
+
+    v0, v1 = HorovodRunner(np=-2).run_all(train).values
+    assert v0 == v1
+    assert ("rank 0: DistributedOptimizer(op=Average: float32[2, 3] on cpu, float32[2] on cpu); "
+            "rank 1: DistributedOptimizer(op=Average: float32[3, 3] on cpu, float32[3] on cpu)") in v0

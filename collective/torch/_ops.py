@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import _engine
+from ._check import verify
 from ._handles import Handle, register, synchronize
 from ._process_sets import ProcessSet, global_process_set
 
@@ -89,7 +90,7 @@ def _scale_after(tensor: torch.Tensor, op: ReduceOp, size: int, postscale: float
 # ---- allreduce ----------------------------------------------------------------------------
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                     process_set=global_process_set) -> Handle:
+                     process_set=global_process_set, _what: str = "allreduce", _check: bool = True) -> Handle:
     """Start reducing ``tensor`` in place; returns a handle for ``synchronize``.
 
     ``op=Average`` (the default) divides the sum by the set's size; on integer tensors that
@@ -97,7 +98,9 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     """
     _check_tensor(tensor, "allreduce")
     op = _resolve_op(op, average)
-    group = _group(process_set, "allreduce")
+    group = _group(process_set, _what)
+    if _check:
+        verify(_what, [tensor], process_set, extra=f"op={op.name}")
     size = process_set.size()
     with torch.no_grad():
         if prescale_factor != 1.0:
@@ -113,20 +116,22 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                    process_set=global_process_set) -> Handle:
+                    process_set=global_process_set, _what: str = "allreduce") -> Handle:
     """Start reducing a copy of ``tensor`` (the input is unchanged)."""
     _check_tensor(tensor, "allreduce")
     op = _resolve_op(op, average)
+    _group(process_set, _what)
     size = process_set.size()
     if op == Average and tensor.is_floating_point() and size & (size - 1) == 0:
         # Scaling by 1/size is exact when size is a power of two, so the copy, the prescale and
         # the average can be one pass instead of three, with a bit-identical result.
         with torch.no_grad():
             scaled = torch.mul(tensor.detach(), prescale_factor / size)
+        verify(_what, [tensor], process_set, extra=f"op={op.name}")  # as the user called it
         return allreduce_async_(scaled, name=name, op=Sum, postscale_factor=postscale_factor,
-                                process_set=process_set)
+                                process_set=process_set, _check=False)
     return allreduce_async_(tensor.detach().clone(), None, name, op, prescale_factor, postscale_factor,
-                            process_set)
+                            process_set, _what)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -143,6 +148,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
         _check_tensor(t, "grouped_allreduce")
     op = _resolve_op(op, average)
     group = _group(process_set, "grouped_allreduce")
+    verify("grouped_allreduce", tensors, process_set, extra=f"op={op.name}")
     size = process_set.size()
     buckets: dict = {}
     for t in tensors:
@@ -188,6 +194,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     _check_tensor(tensor, "broadcast")
     group = _group(process_set, "broadcast")
     src = _check_root(root_rank, process_set)
+    verify("broadcast", [tensor], process_set, extra=f"root_rank={root_rank}")
     with torch.no_grad():
         work = dist.broadcast(tensor, src=src, group=group, async_op=True)
     return register(Handle([work], lambda: tensor, name))
@@ -223,10 +230,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle
     _check_tensor(tensor, "allgather")
     _group(process_set, "allgather")
     t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
-    ndims = gather_ints([t.dim()], t.device, process_set)
-    if len(set(ndims)) > 1:
-        raise ValueError(f"allgather needs tensors with the same number of dimensions on every rank; "
-                         f"got {[n[0] for n in ndims]} dimensions on ranks 0..{len(ndims) - 1}.")
+    verify("allgather", [t], process_set, skip_first_dim=True)
     shapes = gather_ints(list(t.shape), t.device, process_set)
     if len({s[1:] for s in shapes}) > 1:
         raise ValueError(f"allgather needs tensors whose dimensions after the first match on every rank; "
@@ -249,6 +253,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     n = process_set.size()
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension; got a scalar.")
+    verify("alltoall", [tensor], process_set, skip_first_dim=True)
     rows = tensor.shape[0]
     if splits is None:
         if rows % n:
@@ -289,7 +294,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension; got a scalar.")
     handle = allreduce_async(tensor, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                             process_set=process_set)
+                             process_set=process_set, _what="reducescatter")
     counts = reducescatter_rows(tensor.shape[0], process_set.size())
     start = sum(counts[:process_set.rank()])
     mine = counts[process_set.rank()]

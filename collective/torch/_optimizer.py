@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ._check import verify
 from ._compression import Compression
 from ._fusion import GradientBuckets, finish_allreduce, fusion_threshold, launch_allreduce
 from ._ops import Average, ReduceOp, Sum, _resolve_op
@@ -33,6 +34,7 @@ class _DistributedMixin:
         self._hvd_buckets = None
         size = process_set.size()
         trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        verify("DistributedOptimizer", trainable, process_set, extra=f"op={op.name}")  # the same model everywhere
         if size > 1 and trainable:
             average = op == Average
             self._hvd_buckets = GradientBuckets(
