@@ -22,6 +22,7 @@ from ._ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_
                    reducescatter_async)
 from ._optimizer import DistributedOptimizer
 from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from ._sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -34,7 +35,7 @@ __all__ = [
     "synchronize", "poll", "barrier",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "Compression", "DistributedOptimizer",
+    "Compression", "DistributedOptimizer", "SyncBatchNorm",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
 ]
 
