@@ -35,7 +35,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
         total = head[-1]
         if total.item() < 2:
             raise ValueError(f"SyncBatchNorm needs more than one value per channel across all ranks in training, "
-                             f"got input of size {list(x.shape)} in total {int(total.item())}.")
+                             f"got {int(total.item())} in total; use larger batches, or eval mode to normalize "
+                             "with the running statistics.")
         mean = head[:-1] / total
         var = _sum_all(((xa - mean.view(shape)) ** 2).sum(dims)) / total
         invstd = torch.rsqrt(var + eps)
