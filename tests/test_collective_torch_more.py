@@ -9,6 +9,9 @@ import torch
 from sparkhvd import HorovodRunner
 
 
+DTYPES = (torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _ops():
     import torch
 
@@ -57,6 +60,13 @@ def _ops():
         except Exception as exc:  # noqa: BLE001 - recorded: which dtypes gloo carries
             half[str(dtype)] = f"{type(exc).__name__}: {exc}"[:200]
     out["half"] = half
+    matrix = {}
+    for dtype in DTYPES:
+        for dims in (1, 2, 3):
+            x = (torch.arange(2 ** dims) + 1 + r).to(dtype).reshape([2] * dims)
+            matrix[(str(dtype), dims)] = (hvd.allreduce(x, op=hvd.Sum), hvd.allreduce(x),
+                                          hvd.broadcast(x, root_rank=n - 1), hvd.allgather(x))
+    out["matrix"] = matrix
     errors = {}
     for key, call in {
         "alltoall_indivisible": lambda: hvd.alltoall(torch.arange(2 * n + 1)),
@@ -135,6 +145,23 @@ def _process_sets():
 @pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
 def ranks(request):
     return HorovodRunner(np=-request.param).run_all(_ops).values
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_every_cpu_dtype_and_rank(ranks, dtype, dims):
+    n = len(ranks)
+    base = (torch.arange(2 ** dims) + 1).reshape([2] * dims)
+    inputs = [(base + r).to(dtype) for r in range(n)]
+    total = sum((base + r) for r in range(n)).to(dtype)  # small integers: exact in every dtype
+    average = total.floor_divide(n) if not dtype.is_floating_point else total / n
+    for v in ranks:
+        summed, averaged, bcast, gathered = v["matrix"][(str(dtype), dims)]
+        assert summed.dtype == averaged.dtype == bcast.dtype == gathered.dtype == dtype
+        assert torch.equal(summed, total)
+        assert torch.equal(averaged, average)
+        assert torch.equal(bcast, inputs[-1])
+        assert torch.equal(gathered, torch.cat(inputs))
 
 
 def test_topology_flags(ranks):
