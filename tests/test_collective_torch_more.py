@@ -339,3 +339,33 @@ def test_the_check_can_be_turned_off(monkeypatch):
     assert _check.enabled() is False
     monkeypatch.setenv("SPARKHVD_CHECK_COLLECTIVES", "1")
     assert _check.enabled() is True
+
+
+def test_timeline_records_each_op_with_its_bytes(tmp_path):
+    def train(folder):
+        import json
+
+        import torch
+
+        import sparkhvd.collective.torch as hvd
+
+        hvd.init()
+        path = f"{folder}/timeline-{hvd.rank()}.json"
+        hvd.start_timeline(path)
+        hvd.allreduce(torch.ones(256), name="grads")
+        hvd.synchronize(hvd.broadcast_async(torch.ones(8, dtype=torch.float64), root_rank=0))
+        hvd.stop_timeline()
+        hvd.allreduce(torch.ones(4))  # after stop: not recorded
+        error = None
+        try:
+            hvd.start_timeline(f"{folder}/missing/trace.json")
+        except ValueError as exc:
+            error = str(exc)
+        with open(path) as f:
+            return json.load(f), error
+
+    (events, error), _ = HorovodRunner(np=-2).run_all(train, folder=str(tmp_path)).values
+    assert [(e["name"], e["args"]["bytes"], e["ph"], e["pid"]) for e in events] == [
+        ("allreduce grads", 1024, "X", 0), ("broadcast", 64, "X", 0)]
+    assert all(e["dur"] >= 0 for e in events)
+    assert error == f"start_timeline: the folder {tmp_path}/missing does not exist; create it or pick another path."

@@ -23,6 +23,7 @@ from ._ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_
 from ._optimizer import DistributedOptimizer
 from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from ._sync_batch_norm import SyncBatchNorm
+from ._timeline import start_timeline, stop_timeline
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -35,7 +36,7 @@ __all__ = [
     "synchronize", "poll", "barrier",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "Compression", "DistributedOptimizer", "SyncBatchNorm",
+    "Compression", "DistributedOptimizer", "SyncBatchNorm", "start_timeline", "stop_timeline",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
 ]
 

@@ -18,15 +18,15 @@ from ._process_sets import global_process_set
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, prescale, postscale, process_set):
+    def forward(ctx, tensor, op, prescale, postscale, process_set, name=None):
         ctx.args = (op, prescale, postscale, process_set)
-        return synchronize(_ops.allreduce_async(tensor, op=op, prescale_factor=prescale,
+        return synchronize(_ops.allreduce_async(tensor, name=name, op=op, prescale_factor=prescale,
                                                 postscale_factor=postscale, process_set=process_set))
 
     @staticmethod
     def backward(ctx, grad):
         op, prescale, postscale, process_set = ctx.args
-        return _Allreduce.apply(grad, op, prescale, postscale, process_set), None, None, None, None
+        return _Allreduce.apply(grad, op, prescale, postscale, process_set), None, None, None, None, None
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
@@ -39,7 +39,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     _ops._check_tensor(tensor, "allreduce")
     op = _ops._resolve_op(op, average)
     wire, ctx = compression.compress(tensor)
-    out = _Allreduce.apply(wire, op, prescale_factor, postscale_factor, process_set)
+    out = _Allreduce.apply(wire, op, prescale_factor, postscale_factor, process_set, name)
     return compression.decompress(out, ctx)
 
 
@@ -66,41 +66,41 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, root_rank, process_set):
+    def forward(ctx, tensor, root_rank, process_set, name=None):
         ctx.args = (root_rank, process_set)
-        return synchronize(_ops.broadcast_async(tensor, root_rank, process_set=process_set))
+        return synchronize(_ops.broadcast_async(tensor, root_rank, name=name, process_set=process_set))
 
     @staticmethod
     def backward(ctx, grad):
         root_rank, process_set = ctx.args
         summed = _Allreduce.apply(grad, _ops.Sum, 1.0, 1.0, process_set)
-        return (summed if process_set.rank() == root_rank else torch.zeros_like(summed)), None, None
+        return (summed if process_set.rank() == root_rank else torch.zeros_like(summed)), None, None, None
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
     """Rank ``root_rank``'s value of ``tensor`` (counted within the process set), as a new tensor."""
     _ops._check_tensor(tensor, "broadcast")
-    return _Broadcast.apply(tensor, root_rank, process_set)
+    return _Broadcast.apply(tensor, root_rank, process_set, name)
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, process_set):
+    def forward(ctx, tensor, process_set, name=None):
         ctx.args = (tensor.shape[0] if tensor.dim() else 1, process_set)
-        return synchronize(_ops.allgather_async(tensor, process_set=process_set))
+        return synchronize(_ops.allgather_async(tensor, name=name, process_set=process_set))
 
     @staticmethod
     def backward(ctx, grad):
         rows, process_set = ctx.args
         summed = _Allreduce.apply(grad, _ops.Sum, 1.0, 1.0, process_set)
         counts = [c[0] for c in _ops.gather_ints([rows], grad.device, process_set)]
-        return summed.narrow(0, sum(counts[:process_set.rank()]), rows), None
+        return summed.narrow(0, sum(counts[:process_set.rank()]), rows), None, None
 
 
 def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along the first dimension (which may differ), in rank order."""
     _ops._check_tensor(tensor, "allgather")
-    return _Allgather.apply(tensor, process_set)
+    return _Allgather.apply(tensor, process_set, name)
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:

@@ -4,20 +4,26 @@ from __future__ import annotations
 
 from typing import Callable
 
+from . import _timeline
+
 _in_flight: dict = {}  # name -> Handle, for this rank's unfinished named operations
 
 
 class Handle:
     """An operation in flight: c10d works to wait for, then a step that produces the result."""
 
-    __slots__ = ("_works", "_finish", "_result", "_done", "name")
+    __slots__ = ("_works", "_finish", "_result", "_done", "name", "kind", "nbytes", "started")
 
-    def __init__(self, works: list, finish: Callable[[], object], name: str | None = None):
+    def __init__(self, works: list, finish: Callable[[], object], name: str | None = None, *, kind: str = "op",
+                 nbytes: int = 0):
         self._works = works
         self._finish = finish
         self._result = None
         self._done = False
         self.name = name
+        self.kind = kind
+        self.nbytes = nbytes
+        self.started = _timeline.now_us()
 
     def wait(self):
         if not self._done:
@@ -25,6 +31,7 @@ class Handle:
                 work.wait()
             self._result = self._finish()
             self._done = True
+            _timeline.record(self.kind, self.name, self.started, self.nbytes)
         return self._result
 
     def is_completed(self) -> bool:

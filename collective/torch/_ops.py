@@ -112,7 +112,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
             _scale_after(tensor, op, size, postscale_factor)
         return tensor
 
-    return register(Handle([work], finish, name))
+    return register(Handle([work], finish, name, kind="allreduce", nbytes=_nbytes(tensor)))
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -170,7 +170,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                     t.copy_(reduced)
         return tensors
 
-    return register(Handle(works, finish, name))
+    return register(Handle(works, finish, name, kind="grouped_allreduce", nbytes=sum(map(_nbytes, tensors))))
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -197,7 +197,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     verify("broadcast", [tensor], process_set, extra=f"root_rank={root_rank}")
     with torch.no_grad():
         work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-    return register(Handle([work], lambda: tensor, name))
+    return register(Handle([work], lambda: tensor, name, kind="broadcast", nbytes=_nbytes(tensor)))
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
@@ -241,7 +241,8 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle
         [t, t.new_zeros((longest - t.shape[0],) + tuple(t.shape[1:]))])
     gathered = [torch.empty_like(padded) for _ in rows]
     work = dist.all_gather(gathered, padded.contiguous(), group=process_set.group, async_op=True)
-    return register(Handle([work], lambda: torch.cat([g[:n] for g, n in zip(gathered, rows)]), name))
+    return register(Handle([work], lambda: torch.cat([g[:n] for g, n in zip(gathered, rows)]), name,
+                           kind="allgather", nbytes=_nbytes(padded) * len(rows)))
 
 
 # ---- alltoall, reducescatter --------------------------------------------------------------
@@ -272,7 +273,8 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     work = dist.all_to_all_single(output, tensor.detach().contiguous(), output_split_sizes=received,
                                   input_split_sizes=splits, group=process_set.group, async_op=True)
     received_splits = torch.tensor(received, dtype=torch.int32)
-    return register(Handle([work], lambda: (output, received_splits), name))
+    return register(Handle([work], lambda: (output, received_splits), name, kind="alltoall",
+                           nbytes=_nbytes(tensor)))
 
 
 def reducescatter_rows(rows: int, size: int) -> list:
@@ -298,7 +300,12 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     counts = reducescatter_rows(tensor.shape[0], process_set.size())
     start = sum(counts[:process_set.rank()])
     mine = counts[process_set.rank()]
-    return register(Handle([], lambda: synchronize(handle).narrow(0, start, mine).clone(), name))
+    return register(Handle([], lambda: synchronize(handle).narrow(0, start, mine).clone(), name,
+                           kind="reducescatter", nbytes=_nbytes(tensor)))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def barrier(process_set=global_process_set) -> None:
