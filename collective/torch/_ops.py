@@ -285,9 +285,10 @@ def reducescatter_rows(rows: int, size: int) -> list:
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                         postscale_factor=1.0) -> Handle:
-    """Start reducing ``tensor`` and keeping this rank's part of the first dimension.
+    """Start reducing ``tensor`` and keeping this rank's rows of the result.
 
-    Reference implementation: a full allreduce, then this rank's rows.
+    The first dimension is divided as evenly as possible; lower ranks take the extra rows
+    (uneven shares are padded to the largest for the wire).
     """
     _check_tensor(tensor, "reducescatter")
     op = _resolve_op(op, None)
@@ -295,13 +296,32 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
         raise ValueError(f"reducescatter supports op=hvd.Average or hvd.Sum, got {op.name}.")
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension; got a scalar.")
-    handle = allreduce_async(tensor, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                             process_set=process_set, _what="reducescatter")
-    counts = reducescatter_rows(tensor.shape[0], process_set.size())
-    start = sum(counts[:process_set.rank()])
-    mine = counts[process_set.rank()]
-    return register(Handle([], lambda: synchronize(handle).narrow(0, start, mine).clone(), name,
-                           kind="reducescatter", nbytes=_nbytes(tensor)))
+    group = _group(process_set, "reducescatter")
+    verify("reducescatter", [tensor], process_set, extra=f"op={op.name}")
+    n, me = process_set.size(), process_set.rank()
+    counts = reducescatter_rows(tensor.shape[0], n)
+    longest, trailing = counts[0], tuple(tensor.shape[1:])
+    with torch.no_grad():
+        src = tensor.detach()
+        if len(set(counts)) > 1:  # pad every share to the largest
+            padded = src.new_zeros((n * longest,) + trailing)
+            start = 0
+            for r, c in enumerate(counts):
+                padded[r * longest:r * longest + c] = src[start:start + c]
+                start += c
+            src = padded
+        if prescale_factor != 1.0:
+            src = src * prescale_factor
+        out = src.new_empty((longest,) + trailing)
+        work = dist.reduce_scatter_tensor(out, src.contiguous(), op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+    def finish():
+        mine = out[:counts[me]]
+        with torch.no_grad():
+            _scale_after(mine, op, n, postscale_factor)
+        return mine
+
+    return register(Handle([work], finish, name, kind="reducescatter", nbytes=_nbytes(tensor)))
 
 
 def _nbytes(t: torch.Tensor) -> int:
