@@ -325,7 +325,7 @@ def test_ranks_that_disagree_get_the_same_clear_error():
         v0["broadcast_shape"]
     assert "rank 0: broadcast(root_rank=0: float32[4] on cpu); rank 1: broadcast(root_rank=1: float32[4] on cpu)" in \
         v0["broadcast_root"]
-    assert "rank 1: grouped_allreduce(op=Average: float32[2] on cpu, float32[2] on cpu)" in v0["grouped"]
+    assert "rank 1: grouped_allreduce(op=Average, bucket 0 of 1: float32[2] on cpu, float32[2] on cpu)" in v0["grouped"]
     assert "rank 0: allgather(int64[*] on cpu); rank 1: allgather(int32[*] on cpu)" in v0["allgather_dtype"]
     assert "rank 0: reducescatter(op=Average: float32[4] on cpu)" in v0["reducescatter"]
     assert "rank 0: alltoall(float32[*, 1] on cpu); rank 1: alltoall(float32[*, 2] on cpu)" in v0["alltoall"]

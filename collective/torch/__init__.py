@@ -10,7 +10,7 @@ import torch as _torch
 import torch.distributed as _dist
 
 from .. import _engine
-from . import _process_sets
+from . import _check, _process_sets
 from ._autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
                         grouped_reducescatter, reducescatter)
 from ._compression import Compression
@@ -33,7 +33,7 @@ __all__ = [
     "allgather", "allgather_async", "grouped_allgather",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
-    "synchronize", "poll", "barrier",
+    "synchronize", "poll", "barrier", "join",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "Compression", "DistributedOptimizer", "SyncBatchNorm", "start_timeline", "stop_timeline",
@@ -49,6 +49,19 @@ def init(process_sets=None) -> None:
     _engine.init()
     for ps in process_sets or ():
         add_process_set(ps)
+
+
+def join(device: int = -1) -> int:
+    """This rank has run out of data: stand in for it, with zeros, in the other ranks' reductions.
+
+    Blocks until every rank has called ``join()`` and returns the rank that called it last (the
+    highest of those that joined together last). While some ranks have joined, the others may
+    run ``allreduce`` / ``grouped_allreduce`` with ``op=Average`` or ``Sum``, DistributedOptimizer
+    steps and SyncBatchNorm; the joined ranks contribute zeros, and Average still divides by
+    ``size()``. Any other collective then fails on every rank with a clear error. ``device`` is
+    accepted for Horovod compatibility (the zeros go where the others' tensors are).
+    """
+    return _check.join(global_process_set)
 
 
 def shutdown() -> None:

@@ -1,12 +1,14 @@
-"""Errors, not hangs or garbage, when ranks disagree on a collective.
+"""The control exchange before each collective: errors, not hangs or garbage; and ``join``.
 
-Before each op the ranks of the set exchange a fingerprint of what they are about to do
-(op, dtype, device, shape, root, reduction): one allgather of three int64s over gloo. When
-they differ, every rank sees it, the ranks exchange readable descriptions, and every rank
-raises the same ValueError naming what each rank passed. Without this, gloo aborts the
-process on a size mismatch and a broadcast between tensors of different shapes returns
-garbage. ``SPARKHVD_CHECK_COLLECTIVES=0`` skips the check (for small-op throughput once a
-program is known to be right).
+Before each op the ranks of the set exchange a fixed-size control vector: a fingerprint of
+what they are about to do (op, dtype, device, shape, root, reduction), a "joined" flag, and,
+for a reduction that takes part in ``join``, what its single data op will carry (dtype,
+element count, device). When the fingerprints of the ranks still working differ, every rank
+sees it, the ranks exchange readable descriptions, and every rank raises the same
+ValueError. A rank inside ``join()`` answers each exchange with the flag set and mirrors the
+data op with zeros. Without the check, gloo aborts the process on a size mismatch and a
+broadcast between tensors of different shapes returns garbage.
+``SPARKHVD_CHECK_COLLECTIVES=0`` skips it (and with it, ``join``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ import torch
 import torch.distributed as dist
 
 ENV_CHECK = "SPARKHVD_CHECK_COLLECTIVES"
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+           torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
+_JOINED, _WHAT, _TEXT, _COUNT, _MIRROR, _DTYPE, _NUMEL, _CUDA = range(8)
+_last_joined: list | None = None  # the joined flags of the latest exchange, for join()'s answer
 
 
 def enabled() -> bool:
@@ -30,22 +36,47 @@ def describe(t: torch.Tensor, skip_first_dim: bool = False) -> str:
     return f"{str(t.dtype).replace('torch.', '')}{dims} on {t.device.type}"
 
 
-def verify(what: str, tensors: list, process_set, *, skip_first_dim: bool = False, extra: str = "") -> None:
-    """Raise ValueError on every rank of the set unless all ranks pass matching tensors."""
+def verify(what: str, tensors: list, process_set, *, skip_first_dim: bool = False, extra: str = "",
+           mirror: torch.Tensor | None = None) -> None:
+    """Raise ValueError on every rank of the set unless all working ranks pass matching tensors.
+
+    ``mirror``: the one tensor the following data op all-reduces with SUM, which a rank in
+    ``join()`` can stand in for with zeros; None for ops that cannot run while a rank has joined.
+    """
     if not enabled() or process_set.size() == 1:
         return
     text = f"{extra}: " if extra else ""
     text += ", ".join(describe(t, skip_first_dim) for t in tensors)
-    fingerprint = torch.tensor([zlib.crc32(what.encode()), zlib.crc32(text.encode()), len(tensors)],
-                               dtype=torch.int64)
-    gathered = [torch.empty_like(fingerprint) for _ in range(process_set.size())]
-    dist.all_gather(gathered, fingerprint, group=process_set.group)
-    if all(torch.equal(g, gathered[0]) for g in gathered):
+    row = [0, zlib.crc32(what.encode()), zlib.crc32(text.encode()), len(tensors), 0, 0, 0, 0]
+    if mirror is not None:
+        row[_MIRROR:] = [1, _DTYPES.index(mirror.dtype), mirror.numel(), int(mirror.is_cuda)]
+    rows = exchange(row, process_set)
+    joined = [r for r, v in enumerate(rows) if v[_JOINED]]
+    if joined and mirror is None:
+        raise ValueError(f"{what} cannot run while ranks {','.join(map(str, joined))} have called hvd.join(); "
+                         "only allreduce and grouped_allreduce with op=Average or Sum, and DistributedOptimizer, "
+                         "take part in join.")
+    check_agreement(rows, process_set, f"{what}({_short(text)})", skip_first_dim)
+
+
+def exchange(row: list, process_set) -> list:
+    """Every rank's control vector, in set-rank order."""
+    global _last_joined
+    mine = torch.tensor(row, dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(process_set.size())]
+    dist.all_gather(gathered, mine, group=process_set.group)
+    rows = [g.tolist() for g in gathered]
+    _last_joined = [v[_JOINED] for v in rows]
+    return rows
+
+
+def check_agreement(rows: list, process_set, mine: str, skip_first_dim: bool) -> None:
+    """Raise the same ValueError on every rank when the working ranks' fingerprints differ."""
+    working = [v[_WHAT:_COUNT + 1] + v[_MIRROR:] for v in rows if not v[_JOINED]]
+    if all(w == working[0] for w in working):
         return
-    # Every rank got here: exchange the readable descriptions and fail the same way everywhere.
-    names = [None] * process_set.size()
-    readable = text if len(text) <= 300 else text[:300] + "..."
-    dist.all_gather_object(names, f"{what}({readable})", group=process_set.group)
+    names = [None] * process_set.size()  # every rank got here: joined ones too
+    dist.all_gather_object(names, mine, group=process_set.group)
     groups: dict = {}
     for rank, name in enumerate(names):
         groups.setdefault(name, []).append(rank)
@@ -55,3 +86,35 @@ def verify(what: str, tensors: list, process_set, *, skip_first_dim: bool = Fals
             else "the same dtype, device and shape")
     raise ValueError(f"ranks disagree on a collective: {listing}. Every rank must call the same collectives in "
                      f"the same order, with {rule} (and the same op and root_rank).")
+
+
+def join(process_set) -> int:
+    """Stand in for this rank in the others' reductions until every rank has joined."""
+    global _last_joined
+    if process_set.size() == 1:
+        return 0
+    if not enabled():
+        raise ValueError(f"hvd.join() needs the collective check, which {ENV_CHECK}=0 turned off; unset it.")
+    previous = _last_joined  # who had joined at the latest exchange before this call
+    while True:
+        rows = exchange([1, 0, 0, 0, 0, 0, 0, 0], process_set)
+        flags = [v[_JOINED] for v in rows]
+        if all(flags):
+            last = [r for r in range(len(rows)) if previous is None or not previous[r]]
+            _last_joined = None
+            return max(last)
+        previous = flags
+        check_agreement(rows, process_set, "join()", False)
+        working = next(v for v in rows if not v[_JOINED])
+        if not working[_MIRROR]:
+            joined = [r for r, f in enumerate(flags) if f]
+            raise ValueError(f"an operation that cannot take part in join ran while ranks "
+                             f"{','.join(map(str, joined))} had called hvd.join(); only allreduce and "
+                             "grouped_allreduce with op=Average or Sum, and DistributedOptimizer, take part in join.")
+        device = torch.device("cuda", torch.cuda.current_device()) if working[_CUDA] else torch.device("cpu")
+        zeros = torch.zeros(working[_NUMEL], dtype=_DTYPES[working[_DTYPE]], device=device)
+        dist.all_reduce(zeros, group=process_set.group)  # this rank's contribution: zeros
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 300 else text[:300] + "..."

@@ -7,6 +7,7 @@ import io
 import torch
 import torch.distributed as dist
 
+from ._check import verify
 from ._ops import _check_root, _group, broadcast_, gather_ints
 from ._process_sets import global_process_set
 
@@ -17,6 +18,7 @@ def broadcast_object(obj=None, root_rank: int = 0, name=None, process_set=global
 
     group = _group(process_set, "broadcast_object")
     src = _check_root(root_rank, process_set)
+    verify("broadcast_object", [], process_set, extra=f"root_rank={root_rank}")
     rank = process_set.rank()
     if rank == root_rank:
         buf = io.BytesIO()
@@ -39,6 +41,7 @@ def allgather_object(obj, name=None, process_set=global_process_set) -> list:
     import cloudpickle
 
     group = _group(process_set, "allgather_object")
+    verify("allgather_object", [], process_set)
     data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
     lengths = [n[0] for n in gather_ints([data.numel()], data.device, process_set)]
     padded = torch.zeros(max(lengths), dtype=torch.uint8)

@@ -20,6 +20,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from ._check import verify
+
 DEFAULT_THRESHOLD = 64 * 1024 * 1024
 ENV_THRESHOLD = "HOROVOD_FUSION_THRESHOLD"
 
@@ -135,12 +137,13 @@ class GradientBuckets:
             hook.remove()
 
 
-def launch_allreduce(flat: torch.Tensor, *, op_is_average: bool, predivide: float, compression, group):
+def launch_allreduce(flat: torch.Tensor, *, op_is_average: bool, predivide: float, compression, process_set):
     """Start one bucket's reduction: returns (work, context for finish_allreduce)."""
     wire, ctx = compression.compress(flat)
+    verify("DistributedOptimizer bucket", [wire], process_set, mirror=wire)  # a joined rank mirrors it
     if op_is_average and predivide != 1.0:
         wire.mul_(1.0 / predivide)
-    return dist.all_reduce(wire, group=group, async_op=True), (wire, ctx)
+    return dist.all_reduce(wire, group=process_set.group, async_op=True), (wire, ctx)
 
 
 def finish_allreduce(flat: torch.Tensor, ctx, *, op_is_average: bool, predivide: float, size: int, compression):

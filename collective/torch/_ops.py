@@ -100,7 +100,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     op = _resolve_op(op, average)
     group = _group(process_set, _what)
     if _check:
-        verify(_what, [tensor], process_set, extra=f"op={op.name}")
+        verify(_what, [tensor], process_set, extra=f"op={op.name}", mirror=_joinable(tensor, op))
     size = process_set.size()
     with torch.no_grad():
         if prescale_factor != 1.0:
@@ -127,7 +127,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
         # the average can be one pass instead of three, with a bit-identical result.
         with torch.no_grad():
             scaled = torch.mul(tensor.detach(), prescale_factor / size)
-        verify(_what, [tensor], process_set, extra=f"op={op.name}")  # as the user called it
+        verify(_what, [tensor], process_set, extra=f"op={op.name}", mirror=tensor)  # as the user called it
         return allreduce_async_(scaled, name=name, op=Sum, postscale_factor=postscale_factor,
                                 process_set=process_set, _check=False)
     return allreduce_async_(tensor.detach().clone(), None, name, op, prescale_factor, postscale_factor,
@@ -148,15 +148,16 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
         _check_tensor(t, "grouped_allreduce")
     op = _resolve_op(op, average)
     group = _group(process_set, "grouped_allreduce")
-    verify("grouped_allreduce", tensors, process_set, extra=f"op={op.name}")
     size = process_set.size()
     buckets: dict = {}
     for t in tensors:
         buckets.setdefault((t.dtype, t.device), []).append(t)
     works, flats = [], []
     with torch.no_grad():
-        for members in buckets.values():
+        for i, members in enumerate(buckets.values()):
             flat = _flatten_dense_tensors([m.detach() for m in members])
+            verify("grouped_allreduce", tensors, process_set, extra=f"op={op.name}, bucket {i} of {len(buckets)}",
+                   mirror=_joinable(flat, op))
             if prescale_factor != 1.0:
                 flat.mul_(prescale_factor)
             works.append(dist.all_reduce(flat, op=_C10D_OPS[op], group=group, async_op=True))
@@ -324,6 +325,11 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     return register(Handle([work], finish, name, kind="reducescatter", nbytes=_nbytes(tensor)))
 
 
+def _joinable(tensor: torch.Tensor, op: ReduceOp):
+    """The tensor a joined rank stands in for with zeros, for reductions where zeros are neutral."""
+    return tensor if op in (Sum, Average) else None
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -331,4 +337,5 @@ def _nbytes(t: torch.Tensor) -> int:
 def barrier(process_set=global_process_set) -> None:
     """Wait until every rank of the set has reached this call."""
     _group(process_set, "barrier")
+    verify("barrier", [], process_set)
     dist.barrier(group=process_set.group)

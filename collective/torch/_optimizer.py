@@ -41,7 +41,7 @@ class _DistributedMixin:
                 trainable, threshold=fusion_threshold(), passes=self._hvd_backward_passes,
                 reduce_launch=functools.partial(launch_allreduce, op_is_average=average,
                                                 predivide=self._hvd_predivide, compression=compression,
-                                                group=process_set.group),
+                                                process_set=process_set),
                 reduce_finish=functools.partial(finish_allreduce, op_is_average=average,
                                                 predivide=self._hvd_predivide, size=size, compression=compression))
 
@@ -88,7 +88,7 @@ class _DistributedMixin:
                 buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
             for grads in buckets.values():
                 _reduce_bucket(grads, self._hvd_op, self._hvd_predivide, size, self._hvd_compression,
-                               self._hvd_process_set.group)
+                               self._hvd_process_set)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -110,12 +110,13 @@ class _DistributedMixin:
     step.hooked = True
 
 
-def _reduce_bucket(grads: list, op: ReduceOp, predivide: float, size: int, compression, group) -> None:
+def _reduce_bucket(grads: list, op: ReduceOp, predivide: float, size: int, compression, process_set) -> None:
     """One allreduce for a list of same-dtype gradients, through a flat buffer."""
     flat, ctx = compression.compress(_flatten_dense_tensors(grads))
+    verify("DistributedOptimizer bucket", [flat], process_set, mirror=flat)
     if op == Average and predivide != 1.0:
         flat.mul_(1.0 / predivide)
-    dist.all_reduce(flat, group=group)
+    dist.all_reduce(flat, group=process_set.group)
     if op == Average:
         flat.mul_(predivide / size) if flat.is_floating_point() else flat.floor_divide_(size)
     flat = compression.decompress(flat, ctx)

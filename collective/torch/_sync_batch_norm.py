@@ -16,9 +16,12 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import _engine
+from ._check import verify
+from ._process_sets import global_process_set
 
 
 def _sum_all(t: torch.Tensor) -> torch.Tensor:
+    verify("SyncBatchNorm", [t], global_process_set, mirror=t)  # a joined rank adds zeros: a count of 0
     dist.all_reduce(t)
     return t
 
