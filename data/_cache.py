@@ -15,6 +15,10 @@ and reuse checks the marker and every listed file. A directory being written by 
 thread is never handed out: callers for the same key wait on the key's lock, then reuse.
 As with Petastorm, a DataFrame over files that were rewritten since has the same plan, so it
 reuses the old data: call ``converter.delete()`` after changing the source.
+
+Reuse is within one SparkSession of one process: a slot keeps its DataFrame (the plan to
+compare against, which keeps its session alive), and is dropped when its session has been
+stopped, when its write failed, or when ``delete()`` removes its directory.
 """
 
 from __future__ import annotations
@@ -40,8 +44,15 @@ class Slot:
     options: tuple
     semantic_hash: int
     lock: threading.Lock = field(default_factory=threading.Lock)
-    marker: dict | None = None  # the marker of the directory written for this key
-    url: str | None = None
+    url: str | None = None  # the directory written for this key, once written
+
+
+def session_stopped(session) -> bool:
+    """Whether ``session`` has been stopped: its SparkContext let go of the JVM's (or, under Spark Connect, it says so)."""
+    context = getattr(session, "_sc", None)
+    if context is not None:
+        return getattr(context, "_jsc", None) is None  # SparkContext.stop() sets _jsc to None
+    return bool(getattr(session, "is_stopped", False))
 
 
 _slots: list[Slot] = []
@@ -52,6 +63,8 @@ def slot_for(df, options: tuple) -> Slot:
     """The slot of ``df``'s plan with ``options``: an existing one when the plans match, else a new one."""
     semantic_hash = df.semanticHash()
     with _slots_lock:
+        # Slots of stopped sessions can never match (nor compare plans): drop them, and their DataFrames.
+        _slots[:] = [slot for slot in _slots if not session_stopped(slot.df.sparkSession)]
         for slot in _slots:
             if (slot.options == options and slot.semantic_hash == semantic_hash
                     and slot.df.sparkSession is df.sparkSession and df.sameSemantics(slot.df)):
@@ -65,6 +78,25 @@ def forget(url: str) -> None:
     """Drop every slot whose directory is ``url`` (after ``delete()``)."""
     with _slots_lock:
         _slots[:] = [slot for slot in _slots if slot.url != url]
+
+
+def drop(slot: Slot) -> None:
+    """Drop ``slot``: its write failed, so it names no directory worth keeping its DataFrame for."""
+    with _slots_lock:
+        _slots[:] = [other for other in _slots if other is not slot]
+
+
+def keep(slot: Slot) -> None:
+    """Keep ``slot`` after its write succeeded (again, if a failed write of another thread dropped it meanwhile)."""
+    with _slots_lock:
+        if not any(other is slot for other in _slots):
+            _slots.append(slot)
+
+
+def slots_with_url(url: str) -> list[Slot]:
+    """The slots whose directory is ``url``."""
+    with _slots_lock:
+        return [slot for slot in _slots if slot.url == url]
 
 
 def write_marker(url: str, marker: dict) -> None:

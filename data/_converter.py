@@ -7,10 +7,13 @@ torch or TensorFlow, for the loaders) only when called. The cache rule is in ``_
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import uuid
 from typing import Any
+
+import pyarrow.fs as pafs
 
 from . import _cache
 from ._metadata import list_files, open_dataset, resolve_url
@@ -28,7 +31,7 @@ def choose_row_group_bytes(estimated_bytes: int | None, max_bytes: int) -> int:
     Shards balance by rows whatever the row groups (the reader splits row groups), so this
     buys the rest: a reader reads, shuffles and prefetches whole row groups, so row groups
     much smaller than a shard keep its prefetch threads busy, give ``shuffle_row_groups``
-    something to shuffle, bound memory (a reader holds ``workers_count + 2`` of them) and
+    something to shuffle, bound memory (a reader holds ``workers_count + 3`` of them) and
     limit the rows read and dropped where a row group straddles two shards. The rule:
     ``estimated_bytes / MIN_ROW_GROUPS``, at most ``max_bytes`` and at least
     ``MIN_ROW_GROUP_BYTES`` (1 MiB; smaller row groups cost footer and page overhead, and a
@@ -130,7 +133,9 @@ class SparkDatasetConverter:
         """A torch loader over one shard (``cur_shard``/``shard_count`` default to the communicator's).
 
         As in Petastorm, ``num_epochs=None`` (the default) reads forever. Other keyword
-        arguments go to make_batch_reader. Use it in ``with``: leaving it stops the reader.
+        arguments go to make_batch_reader. Each iteration of the loader reads afresh
+        (``num_epochs`` epochs, in a new order), as make_torch_loader over a URL does. Use it
+        in ``with``: leaving it stops the reader.
         """
         from .torch import make_torch_loader
 
@@ -153,11 +158,13 @@ class SparkDatasetConverter:
 
         Converters returned for the same plan share the directory, so it is gone for them too.
         """
-        import pyarrow.fs as pafs
-
         fs, path = pafs.FileSystem.from_uri(self.cache_dir_url)
-        _cache.forget(self.cache_dir_url)
-        fs.delete_dir(path)
+        with contextlib.ExitStack() as held:
+            # Under the slot's lock, so that make_spark_converter never hands out the directory being deleted.
+            for slot in _cache.slots_with_url(self.cache_dir_url):
+                held.enter_context(slot.lock)
+            _cache.forget(self.cache_dir_url)
+            fs.delete_dir(path)
 
 
 def _parent_url(df, parent_cache_dir_url: str | None) -> str:
@@ -182,16 +189,25 @@ def _materialize(df, parent: str, row_group_bytes: int, compression_codec: str |
     writer = observed.write.option("parquet.block.size", block)
     if compression_codec is not None:
         writer = writer.option("compression", compression_codec)
-    writer.parquet(url)
-    dataset = open_dataset(url, schema_fields=None, filters=None)
-    root = resolve_url(url)[1]
-    marker = {
-        "rows": dataset.num_rows,
-        "list_lengths": _list_lengths(cast, observation),
-        "row_group_bytes": block,
-        "files": [posixpath.relpath(path, root) for path in dataset.files],
-    }
-    _cache.write_marker(url, marker)
+    fs, root = resolve_url(url)
+    try:
+        writer.parquet(url)
+        dataset = open_dataset(url, schema_fields=None, filters=None)
+        marker = {
+            "rows": dataset.num_rows,
+            "list_lengths": _list_lengths(cast, observation),
+            "row_group_bytes": block,
+            "files": [posixpath.relpath(path, root) for path in dataset.files],
+        }
+        _cache.write_marker(url, marker)
+    except BaseException:
+        # Leave no partly written directory behind: it would never be reused, only take space.
+        try:
+            if fs.get_file_info(root).type != pafs.FileType.NotFound:
+                fs.delete_dir(root)
+        except OSError:
+            pass  # the write's own error, raised below, is the one to report
+        raise
     return url, marker
 
 
@@ -208,8 +224,9 @@ def make_spark_converter(
     ``parent_cache_dir_url``: a URL every worker can read (``file:///dbfs/...``, ``s3://...``);
     defaults to the Spark conf ``sparkhvd.data.parentCacheDirUrl``, then to Petastorm's
     ``petastorm.spark.converter.parentCacheDirUrl``. A DataFrame whose plan this process has
-    already written with the same options reuses that directory (see ``_cache.py``);
-    otherwise the call writes a new directory under the parent. ``converter.delete()``
+    already written with the same options, in the same SparkSession, reuses that directory
+    (see ``_cache.py``); otherwise the call writes a new directory under the parent (and
+    deletes it again if the write fails). ``converter.delete()``
     removes it. ``dtype='float32'`` casts double columns, arrays of double and ML vectors to
     float32 (``None`` keeps the types).
 
@@ -225,5 +242,10 @@ def make_spark_converter(
     with slot.lock:
         marker = _cache.read_complete_marker(slot.url) if slot.url is not None else None
         if marker is None:
-            slot.url, marker = _materialize(df, parent, parquet_row_group_size_bytes, compression_codec, dtype)
+            try:
+                slot.url, marker = _materialize(df, parent, parquet_row_group_size_bytes, compression_codec, dtype)
+            except BaseException:
+                _cache.drop(slot)
+                raise
+            _cache.keep(slot)
         return SparkDatasetConverter(slot.url, marker["rows"], marker["list_lengths"])

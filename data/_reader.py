@@ -6,7 +6,9 @@ import operator
 import os
 import sys
 import threading
+import weakref
 from concurrent.futures import CancelledError
+from dataclasses import dataclass
 from itertools import islice
 from typing import Iterator, Sequence
 
@@ -68,51 +70,35 @@ def _check_positive(name: str, value, allow_none: bool, fix: str) -> int | None:
     return value
 
 
-class Reader:
-    """Iterator over the batches of one shard; also a context manager. Build it with make_batch_reader."""
+@dataclass(frozen=True)
+class _Shard:
+    """What one shard reads: the dataset and the plan's settings. Holds no reference to its Reader.
 
-    def __init__(
-        self,
-        dataset: Dataset,
-        *,
-        cur_shard: int,
-        shard_count: int,
-        num_epochs: int | None,
-        shuffle_row_groups: bool,
-        shuffle_rows: bool,
-        seed: int,
-        batch_size: int | None,
-        equal_steps: bool,
-        workers_count: int,
-        step_rows: int | None = None,
-    ):
-        self.dataset = dataset
-        self.cur_shard, self.shard_count = cur_shard, shard_count
-        self.num_epochs, self.seed = num_epochs, seed
-        self.shuffle_row_groups, self.shuffle_rows = shuffle_row_groups, shuffle_rows
-        self.batch_size, self.equal_steps = batch_size, equal_steps
-        self.workers_count = workers_count
-        self._step_rows = step_rows
-        self.batch_type = batch_type(dataset.schema.names)
-        self._prefetcher: Prefetcher | None = None
-        self._stopped = False
-        self._lock = threading.Lock()
-        self._batches = self._generate()
+    The prefetch threads and the batch generator use only this, so that a Reader nobody
+    references any longer is freed at once (no reference cycle waits for the garbage
+    collector) and its finalizer stops the threads.
+    """
 
-    @property
-    def schema(self) -> pa.Schema:
-        """The Arrow schema of the columns this reader yields, in order."""
-        return self.dataset.schema
+    dataset: Dataset
+    cur_shard: int
+    shard_count: int
+    num_epochs: int | None
+    seed: int
+    shuffle_row_groups: bool
+    shuffle_rows: bool
+    batch_size: int | None
+    equal_steps: bool
+    step_rows: int | None
 
     def plan(self, epoch: int) -> EpochPlan:
-        """This shard's plan for ``epoch``: its row-group slices and batch sizes."""
         return plan_epoch(
             self.dataset.pieces, shard_count=self.shard_count, cur_shard=self.cur_shard, epoch=epoch, seed=self.seed,
             shuffle_row_groups=self.shuffle_row_groups, batch_size=self.batch_size, equal_steps=self.equal_steps,
-            step_rows=self._step_rows,
+            step_rows=self.step_rows,
         )
 
-    def _read(self, task: tuple[int, int, Slice]) -> pa.Table:
+    def read(self, task: tuple[int, int, Slice]) -> pa.Table:
+        """One row-group slice of the plan, read (and row-shuffled) in a prefetch thread."""
         epoch, position, piece_slice = task
         piece = self.dataset.pieces[piece_slice.piece]
         columns = self.dataset.schema.names
@@ -141,36 +127,109 @@ class Reader:
             table = table.take(rng.permutation(table.num_rows))
         return table
 
-    def _tasks(self) -> Iterator[tuple[int, int, Slice]]:
+    def tasks(self) -> Iterator[tuple[int, int, Slice]]:
         for epoch in iter_epochs(self.num_epochs):
             for position, piece_slice in enumerate(self.plan(epoch).slices):
                 yield epoch, position, piece_slice
 
-    def _generate(self) -> Iterator[tuple]:
+
+def _batches(shard: _Shard, tables: Prefetcher) -> Iterator[pa.Table]:
+    """The shard's batches as Arrow tables, epoch by epoch, cut from the prefetched ones (a function, not a method: see _Shard)."""
+    for epoch in iter_epochs(shard.num_epochs):
+        plan = shard.plan(epoch)
+        yield from rebatch(islice(tables, len(plan.slices)), plan.batch_sizes())
+
+
+class Reader:
+    """Iterator over the batches of one shard; also a context manager. Build it with make_batch_reader.
+
+    Dropping the last reference to a reader stops its prefetch threads (without waiting for
+    a running read) as soon as Python frees it; ``stop()`` or ``with`` stop them and wait.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        cur_shard: int,
+        shard_count: int,
+        num_epochs: int | None,
+        shuffle_row_groups: bool,
+        shuffle_rows: bool,
+        seed: int,
+        batch_size: int | None,
+        equal_steps: bool,
+        workers_count: int,
+        step_rows: int | None = None,
+    ):
+        self.dataset = dataset
+        self.cur_shard, self.shard_count = cur_shard, shard_count
+        self.num_epochs, self.seed = num_epochs, seed
+        self.shuffle_row_groups, self.shuffle_rows = shuffle_row_groups, shuffle_rows
+        self.batch_size, self.equal_steps = batch_size, equal_steps
+        self.workers_count = workers_count
+        self.batch_type = batch_type(dataset.schema.names)
+        self._shard = _Shard(dataset, cur_shard, shard_count, num_epochs, seed, shuffle_row_groups, shuffle_rows,
+                             batch_size, equal_steps, step_rows)
+        self._prefetcher: Prefetcher | None = None
+        self._batches: Iterator[pa.Table] | None = None
+        self._stopped = False
+        self._lock = threading.Lock()
+
+    @property
+    def schema(self) -> pa.Schema:
+        """The Arrow schema of the columns this reader yields, in order."""
+        return self.dataset.schema
+
+    def plan(self, epoch: int) -> EpochPlan:
+        """This shard's plan for ``epoch``: its row-group slices and batch sizes."""
+        return self._shard.plan(epoch)
+
+    def _start(self) -> Iterator[pa.Table] | None:
+        """The batch generator, starting the prefetch threads on the first call; None once stopped."""
         with self._lock:
             if self._stopped:
-                return
-            self._prefetcher = Prefetcher(self._read, self._tasks(), workers=self.workers_count, depth=self.workers_count + 2)
-        tables = self._prefetcher
-        for epoch in iter_epochs(self.num_epochs):
-            plan = self.plan(epoch)
-            for table in rebatch(islice(tables, len(plan.slices)), plan.batch_sizes()):
-                yield table_to_batch(table, self.batch_type)
-        self.stop()
+                return None
+            if self._batches is None:
+                # The pipeline references only self._shard, never self: see _Shard.
+                self._prefetcher = Prefetcher(self._shard.read, self._shard.tasks(), workers=self.workers_count, depth=self.workers_count + 2)
+                # When the reader is freed (on any thread, the garbage collector's included): stop without waiting.
+                weakref.finalize(self, self._prefetcher.close, False)
+                self._batches = _batches(self._shard, self._prefetcher)
+            return self._batches
 
     def __iter__(self) -> Reader:
         return self
 
     def __next__(self) -> tuple:
-        if self._stopped:
+        table = self._next_table()
+        try:
+            return table_to_batch(table, self.batch_type)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _arrow_batches(self) -> Iterator[pa.Table]:
+        """The batches as Arrow tables, for adapters that need what NumPy hides (a float column's nulls)."""
+        while True:
+            try:
+                table = self._next_table()
+            except StopIteration:
+                return
+            yield table
+
+    def _next_table(self) -> pa.Table:
+        batches = self._start()
+        if batches is None:
             raise StopIteration
         try:
-            return next(self._batches)
+            return next(batches)
         except CancelledError:
             if self._stopped:  # stop() from another thread cancelled the read we waited for
                 raise StopIteration from None
+            self.stop()
             raise
-        except BaseException:
+        except BaseException:  # StopIteration (the last epoch is read) included: end the threads
             self.stop()
             raise
 
@@ -192,12 +251,6 @@ class Reader:
     def __exit__(self, *exc_info) -> None:
         self.stop()
         self.join()
-
-    def __del__(self):
-        # The garbage collector may run this on any thread, a prefetch thread included: do not wait.
-        prefetcher = getattr(self, "_prefetcher", None)
-        if prefetcher is not None:
-            prefetcher.close(wait=False)
 
 
 def _build(
@@ -266,8 +319,9 @@ def make_batch_reader(
     read, in the order yielded (default all). ``filters``: a ``pyarrow.dataset`` expression or a
     DNF list as in ``pyarrow.parquet`` (``[('label', '=', 3)]``); they are evaluated once when
     the reader is built (reading only the filter's columns) so the plan balances the rows that
-    pass. ``workers_count``: threads that prefetch row groups (at most ``workers_count + 2``
-    row groups are held in memory).
+    pass. ``workers_count``: threads that prefetch row groups; the reader holds at most
+    ``workers_count + 3`` row groups in memory (``workers_count + 2`` read ahead and the one
+    being cut into batches), plus those a batch spans when batches are larger than row groups.
 
     Batches and ``equal_steps`` (let ``m = rows_after_filters // shard_count``; shards hold
     ``m`` or ``m + 1`` rows each epoch):
@@ -292,7 +346,8 @@ def make_batch_reader(
 
     Use it as an iterator, preferably in ``with``: ``with make_batch_reader(url) as reader:
     for batch in reader: ...``. ``stop()`` ends the prefetch threads; an error in one is
-    raised in the consuming thread.
+    raised in the consuming thread. A reader is read once; dropping the last reference to it
+    also ends its threads.
     """
     return _build(
         dataset_url_or_urls, cur_shard=cur_shard, shard_count=shard_count, num_epochs=num_epochs,

@@ -25,6 +25,7 @@ except ModuleNotFoundError as exc:
         raise
     raise ModuleNotFoundError("TensorFlow isn't installed: pip install 'sparkhvd[tensorflow]'", name="tensorflow") from None
 
+from ._arrow import table_to_batch
 from ._plan import resolve_seed
 from ._reader import Reader, make_batch_reader
 
@@ -83,8 +84,22 @@ def _has_none(column: np.ndarray) -> bool:
     return any(value is None for value in column.flat)
 
 
-def to_tensor_input(name: str, column: np.ndarray, spec: tf.TensorSpec) -> np.ndarray:
-    """A reader's column checked against its TensorSpec, with errors that say what to change in the data."""
+def leaf_nulls(column: pa.Array | pa.ChunkedArray) -> int:
+    """The nulls in an Arrow column at any depth: null rows, and null values inside its lists."""
+    if isinstance(column, pa.ChunkedArray):
+        return sum(leaf_nulls(chunk) for chunk in column.chunks)
+    nulls = column.null_count
+    if _is_list(column.type):
+        nulls += leaf_nulls(column.flatten())
+    return nulls
+
+
+def to_tensor_input(name: str, column: np.ndarray, spec: tf.TensorSpec, has_nulls: bool = False) -> np.ndarray:
+    """A reader's column checked against its TensorSpec, with errors that say what to change in the data.
+
+    ``has_nulls``: whether the Arrow column had nulls (``leaf_nulls``). Pass it: NumPy turns a
+    float column's nulls into NaN, which this function cannot tell from data.
+    """
     rank = len(spec.shape)
     if rank > 1 and (column.ndim != rank or (column.dtype == object and spec.dtype != tf.string)):
         raise ValueError(
@@ -98,7 +113,7 @@ def to_tensor_input(name: str, column: np.ndarray, spec: tf.TensorSpec) -> np.nd
                 f"{tuple(spec.shape)}; fix list_lengths, or the data."
             )
     nulls = _has_none(column) if column.dtype == object else spec.dtype != tf.string and column.dtype != spec.dtype.as_numpy_dtype
-    if nulls:
+    if nulls or has_nulls:
         raise ValueError(
             f"Column {name!r} has null values in a batch; tf.data tensors cannot hold nulls. Fill them in Spark "
             "(df.fillna(...)), or leave the column out with schema_fields."
@@ -135,8 +150,10 @@ class _Source:
         try:
             with reader:
                 names = reader.schema.names
-                for batch in reader:
-                    yield {name: to_tensor_input(name, column, self._signature[name]) for name, column in zip(names, batch)}
+                for table in reader._arrow_batches():  # Arrow's null counts, before NumPy turns float nulls into NaN
+                    batch = table_to_batch(table, reader.batch_type)
+                    yield {name: to_tensor_input(name, column, self._signature[name], leaf_nulls(arrow) > 0)
+                           for name, column, arrow in zip(names, batch, table.columns)}
         finally:
             with self._lock:
                 self._live.discard(reader)
@@ -179,8 +196,8 @@ def make_tf_dataset(reader_or_url, batch_size: int | None = None, *, list_length
     batches. Every shard yields the same number of batches per epoch (``equal_steps``).
 
     ``list_lengths``: ``{column: L}`` for list columns whose rows all have length L, giving
-    them static shape ``(None, L)``. Errors in the data (ragged lists, nulls, a wrong length)
-    are raised while iterating, inside TensorFlow's ``InvalidArgumentError``.
+    them static shape ``(None, L)``. Errors in the data (ragged lists, nulls, float columns'
+    included, a wrong length) are raised while iterating, inside TensorFlow's ``InvalidArgumentError``.
     """
     return _build(reader_or_url, batch_size, list_lengths, reader_kwargs)[0]
 

@@ -5,11 +5,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import threading
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
+from ._plan import resolve_seed
 from ._reader import Reader, make_batch_reader
 
 __all__ = ["TorchLoader", "make_torch_loader"]
@@ -26,35 +28,70 @@ def to_tensor(column: np.ndarray) -> Any:
         return column
 
 
-class TorchLoader:
-    """Iterable of ``{column: tensor}`` batches from a Reader; a context manager that stops the reader."""
+def _tensors(reader: Reader, owned: bool) -> Iterator[dict[str, Any]]:
+    """One pass over ``reader`` as dicts of tensors; stops an ``owned`` reader when the pass ends or is left.
 
-    def __init__(self, reader: Reader):
-        self.reader = reader
+    A function, not a method, so that a pass holds no reference to its loader.
+    """
+    names = reader.schema.names
+    try:
+        for batch in reader:
+            yield {name: to_tensor(column) for name, column in zip(names, batch)}
+    finally:
+        if owned:  # a loop left with break: the pass's reader is not read again, end its threads now
+            reader.stop()
+
+
+class TorchLoader:
+    """Iterable of ``{column: tensor}`` batches; a context manager that stops the reader in use.
+
+    With ``again`` (a loader built from a URL), each iteration reads afresh: the first with
+    ``reader``, iteration k with ``again(k)``. Without it, ``reader`` is read once, and a
+    second iteration raises RuntimeError rather than silently yielding nothing.
+    """
+
+    def __init__(self, reader: Reader, again: Callable[[int], Reader] | None = None):
+        self.reader = reader  # the reader of the latest iteration
+        self._again = again
+        self._iterations = 0
+        self._lock = threading.Lock()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        names = self.reader.schema.names
-        for batch in self.reader:
-            yield {name: to_tensor(column) for name, column in zip(names, batch)}
+        with self._lock:
+            k, self._iterations = self._iterations, self._iterations + 1
+        if k and self._again is None:
+            raise RuntimeError(
+                "This TorchLoader wraps a Reader, which can be read once, and is being iterated a second time (as in "
+                "'for epoch in range(E): for batch in loader'); pass a dataset URL to make_torch_loader so that each "
+                "iteration builds a fresh reader, or make a new reader with make_batch_reader for each pass."
+            )
+        reader = self.reader if k == 0 else self._again(k)
+        with self._lock:
+            self.reader = reader
+        return _tensors(reader, owned=self._again is not None)
 
     def stop(self) -> None:
-        """Stop the reader and its prefetch threads."""
+        """Stop the reader in use and its prefetch threads."""
         self.reader.stop()
 
     def __enter__(self) -> TorchLoader:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self.reader.stop()
+        self.stop()
 
 
 def make_torch_loader(reader_or_url, batch_size: int | None = 32, **reader_kwargs) -> TorchLoader:
     """A loader yielding dicts of tensors with ``batch_size`` rows per batch.
 
     ``reader_or_url``: a dataset URL, path or list (then ``reader_kwargs`` go to
-    make_batch_reader: ``cur_shard``, ``shard_count``, ``num_epochs``, ``equal_steps``, ...), or
-    a Reader built with the same ``batch_size`` (or pass ``batch_size=None`` to keep the
-    reader's). Every shard yields the same number of batches per epoch (``equal_steps``).
+    make_batch_reader: ``cur_shard``, ``shard_count``, ``num_epochs``, ``seed``, ...), and each
+    iteration of the loader builds a fresh reader, iteration k with ``seed + k`` (a new order
+    each pass, the same on every rank; ``num_epochs`` counts epochs per iteration), so
+    ``for epoch in range(E): for batch in loader`` reads E passes; or a Reader built with the
+    same ``batch_size`` (or pass ``batch_size=None`` to keep the reader's), which can be
+    iterated once (a second iteration raises RuntimeError). Every shard yields the same
+    number of batches per epoch (``equal_steps``).
     """
     if isinstance(reader_or_url, Reader):
         if reader_kwargs:
@@ -62,4 +99,11 @@ def make_torch_loader(reader_or_url, batch_size: int | None = 32, **reader_kwarg
         if batch_size is not None and batch_size != reader_or_url.batch_size:
             raise ValueError(f"make_torch_loader(batch_size={batch_size}) was given a Reader built with batch_size={reader_or_url.batch_size}; build the reader with make_batch_reader(..., batch_size={batch_size}), or pass batch_size=None to keep the reader's batches.")
         return TorchLoader(reader_or_url)
-    return TorchLoader(make_batch_reader(reader_or_url, batch_size=batch_size, **reader_kwargs))
+    first = make_batch_reader(reader_or_url, batch_size=batch_size, **reader_kwargs)
+    seed = resolve_seed(reader_kwargs.get("seed"))
+
+    def again(k: int) -> Reader:
+        # Iteration k reads with seed + k: a new order each pass, the same on every rank (as the tf.data adapter).
+        return make_batch_reader(reader_or_url, batch_size=batch_size, **{**reader_kwargs, "seed": seed + k})
+
+    return TorchLoader(first, again)

@@ -198,3 +198,97 @@ def test_converter_files_have_several_row_groups(spark, tmp_path):
     big = make_spark_converter(spark.range(0, 400_000, numPartitions=1).selectExpr("id", "cast(id as double) as x"), parent_cache_dir_url=tmp_path.as_uri(), dtype=None)
     assert _row_groups(big)[0] > 1
     big.delete()
+
+
+def test_converter_torch_dataloader_reads_afresh_on_each_iteration(spark, tmp_path):
+    from sparkhvd.data import make_spark_converter
+
+    converter = make_spark_converter(_frame(spark), parent_cache_dir_url=tmp_path.as_uri())
+    with converter.make_torch_dataloader(batch_size=10, num_epochs=1, cur_shard=0, shard_count=1) as loader:
+        passes = [[int(i) for b in loader for i in b["id"]] for _ in range(2)]  # for epoch in range(2): for batch in loader
+    assert sorted(passes[0]) == sorted(passes[1]) == list(range(103))
+    converter.delete()
+
+
+def test_delete_waits_for_the_slot_lock(spark, tmp_path):
+    from sparkhvd.data import _cache, make_spark_converter
+
+    df = _frame(spark)
+    converter = make_spark_converter(df, parent_cache_dir_url=tmp_path.as_uri())
+    (slot,) = [slot for slot in _cache._slots if slot.url == converter.cache_dir_url]
+    root = tmp_path / converter.cache_dir_url.rsplit("/", 1)[1]
+    with slot.lock:  # as make_spark_converter holds it while it checks and hands out the directory
+        deleter = threading.Thread(target=converter.delete)
+        deleter.start()
+        deleter.join(0.5)
+        assert deleter.is_alive() and root.is_dir()  # delete() waits for the lock
+    deleter.join(30)
+    assert not deleter.is_alive() and not root.exists()
+    assert all(slot.url != converter.cache_dir_url for slot in _cache._slots)  # forgotten
+
+
+def test_a_failed_write_leaves_no_directory(spark, tmp_path):
+    from sparkhvd.data import _cache, make_spark_converter
+
+    # Rows 60.. fail inside the write's tasks (one partition writes, the other fails), as a bad UDF would.
+    failing = spark.range(0, 103, numPartitions=2).selectExpr("id", "if(id >= 60, raise_error('bad row'), cast(id as double)) as x")
+    with pytest.raises(Exception, match=r"bad row"):
+        make_spark_converter(failing, parent_cache_dir_url=tmp_path.as_uri())
+    assert _dirs(tmp_path) == []
+    assert not any(slot.df is failing for slot in _cache._slots)  # nor a cache entry holding the DataFrame
+    good = make_spark_converter(_frame(spark), parent_cache_dir_url=tmp_path.as_uri())  # the parent is still usable
+    assert len(good) == 103 and len(_dirs(tmp_path)) == 1
+    good.delete()
+
+
+def test_slots_of_a_live_session_are_kept(spark, tmp_path):
+    from sparkhvd.data import _cache, make_spark_converter
+
+    assert not _cache.session_stopped(spark)
+    converter = make_spark_converter(_frame(spark), parent_cache_dir_url=tmp_path.as_uri())
+    again = make_spark_converter(_frame(spark), parent_cache_dir_url=tmp_path.as_uri())  # scans, and prunes
+    assert again.cache_dir_url == converter.cache_dir_url and len(_cache.slots_with_url(converter.cache_dir_url)) == 1
+    converter.delete()
+
+
+_STOPPED_SESSION_SCRIPT = r"""
+import sys, weakref
+from pyspark.sql import SparkSession
+from sparkhvd.data import _cache, make_spark_converter
+
+parent = sys.argv[1]
+
+def session():
+    return (SparkSession.builder.master("local[1]").config("spark.ui.enabled", "false")
+            .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+
+old = session()
+old.sparkContext.setLogLevel("ERROR")
+first = make_spark_converter(old.range(10), parent_cache_dir_url=parent)
+assert len(_cache._slots) == 1
+old.stop()
+new = session()
+assert new is not old
+second = make_spark_converter(new.range(10), parent_cache_dir_url=parent)
+assert second.cache_dir_url != first.cache_dir_url  # no reuse across sessions
+assert len(_cache._slots) == 1, _cache._slots  # the stopped session's slot was dropped
+assert all(slot.df.sparkSession is new for slot in _cache._slots)
+old_ref = weakref.ref(old)
+del old
+import gc; gc.collect()
+assert old_ref() is None, "the stopped session is still referenced"
+new.stop()
+print("ok")
+"""
+
+
+@pytest.mark.timeout(240)
+def test_slots_of_a_stopped_session_are_dropped(tmp_path):
+    # The shared session cannot be stopped, and one process holds one SparkContext at a time:
+    # a separate process starts a session, stops it, and starts another, as a notebook user might.
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _STOPPED_SESSION_SCRIPT, tmp_path.as_uri()],
+                            capture_output=True, text=True, timeout=220)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

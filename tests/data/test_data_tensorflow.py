@@ -117,12 +117,21 @@ def test_leaving_the_context_stops_the_readers_still_running(url, no_leaked_thre
         (pa.array([[1.0, 2.0], None], pa.list_(pa.float32())), r"Column 'c' has lists of different lengths, or null lists"),
         (pa.array([1, None], pa.int64()), r"Column 'c' has null values in a batch; tf.data tensors cannot hold nulls"),
         (pa.array(["a", None], pa.string()), r"Column 'c' has null values in a batch"),
+        (pa.array([1.5, None], pa.float64()), r"Column 'c' has null values in a batch"),  # NumPy would make it NaN
+        (pa.array([2.5, None], pa.float32()), r"Column 'c' has null values in a batch"),
+        (pa.array([[1.0, None], [2.0, 3.0]], pa.list_(pa.float32())), r"Column 'c' has null values in a batch"),
     ],
 )
 def test_data_that_tf_cannot_hold_is_an_error_that_names_the_column(tmp_path, column, match):
     pq.write_table(pa.table({"c": column}), tmp_path / "part.parquet")
     with pytest.raises(tf.errors.InvalidArgumentError, match=match):
         _read(make_tf_dataset(str(tmp_path), batch_size=2))
+
+
+def test_nan_in_a_float_column_is_data_not_a_null(tmp_path):
+    pq.write_table(pa.table({"c": pa.array([1.5, float("nan")], pa.float64())}), tmp_path / "part.parquet")
+    (batch,) = _read(make_tf_dataset(str(tmp_path), batch_size=2))
+    assert batch["c"][0] == 1.5 and np.isnan(batch["c"][1])
 
 
 def test_a_type_tf_cannot_hold_is_refused_when_the_dataset_is_made(tmp_path):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
+import time
 import types
 
 import pyarrow as pa
@@ -12,6 +14,7 @@ import pytest
 
 from sparkhvd.data import ReadError, make_batch_reader
 from sparkhvd.data._reader import _default_shard
+from sparkhvd.data.torch import make_torch_loader
 
 
 def reader_threads():
@@ -26,6 +29,66 @@ def test_stop_mid_epoch_leaves_no_thread(dataset, no_leaked_threads):
     reader.join()
     assert not reader_threads()
     assert list(reader) == []  # a stopped reader yields nothing more
+
+
+@pytest.fixture
+def no_cycle_collector():
+    """Turn Python's cycle collector off for the test: what must end has to end by reference counting alone."""
+    gc.disable()
+    yield
+    gc.enable()
+
+
+def join_within(threads, seconds):
+    """Join ``threads`` within ``seconds`` in all; return the reader threads still alive."""
+    deadline = time.monotonic() + seconds
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return reader_threads()
+
+
+def test_dropping_a_reader_ends_its_threads_without_the_cycle_collector(dataset, no_cycle_collector, no_leaked_threads):
+    reader = make_batch_reader(dataset, num_epochs=None, batch_size=5, workers_count=3)
+    next(reader)
+    threads = reader_threads()
+    assert threads
+    del reader  # no stop(), no with, no gc.collect()
+    assert join_within(threads, 2.0) == []
+
+
+def test_dropping_a_reader_another_object_wraps_ends_its_threads(dataset, no_cycle_collector, no_leaked_threads):
+    reader = make_batch_reader(dataset, num_epochs=None, batch_size=5, workers_count=2)
+    loader = make_torch_loader(reader, batch_size=None)
+    for i, _ in enumerate(loader):
+        if i == 1:
+            break
+    threads = reader_threads()
+    assert threads  # the user's Reader is not stopped by leaving the loop
+    del loader, reader
+    assert join_within(threads, 2.0) == []
+
+
+def test_leaving_a_torch_loop_with_break_and_dropping_the_loader_ends_its_threads(dataset, no_cycle_collector, no_leaked_threads):
+    for _ in range(3):  # as an abandoned loader per epoch would
+        loader = make_torch_loader(dataset, batch_size=5, num_epochs=None, workers_count=2)
+        for i, _ in enumerate(loader):
+            if i == 2:
+                threads = reader_threads()
+                assert threads
+                break
+        del loader
+        assert join_within(threads, 2.0) == []
+
+
+def test_a_reader_holds_at_most_workers_count_plus_3_row_groups(dataset, no_leaked_threads):
+    workers = 2
+    with make_batch_reader(dataset, num_epochs=None, equal_steps=False, workers_count=workers) as reader:
+        held = next(reader)  # one row group per batch: this one is held by us
+        pending = list(reader._prefetcher._pending)  # read ahead, running or done
+        for future in pending:
+            future.result()
+        assert len(pending) + 1 == workers + 3  # the bound make_batch_reader's docstring states
+        assert len(held.id) > 0
 
 
 def test_leaving_with_early_leaves_no_thread(dataset, no_leaked_threads):

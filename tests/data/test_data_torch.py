@@ -39,3 +39,36 @@ def test_loader_rejects_a_reader_with_another_batch_size_or_options(dataset):
     with pytest.raises(TypeError, match=r"make_torch_loader got reader options \['num_epochs'\] with an existing Reader"):
         make_torch_loader(reader, batch_size=10, num_epochs=2)
     reader.stop()
+
+
+def _pass_ids(loader):
+    return [int(i) for batch in loader for i in batch["id"]]
+
+
+def test_each_iteration_of_a_url_loader_reads_afresh_in_a_new_order_the_same_on_every_rank(dataset):
+    # for epoch in range(E): for batch in loader  -- every epoch must read its rows, not yield nothing.
+    loaders = [make_torch_loader(dataset, batch_size=8, cur_shard=k, shard_count=2, seed=3) for k in range(2)]
+    passes = [[_pass_ids(loader) for _ in range(3)] for loader in loaders]
+    for k in range(3):
+        assert sorted(passes[0][k] + passes[1][k]) == list(range(100))  # each pass: every row once over the ranks
+        assert len(passes[0][k]) == len(passes[1][k]) == 50
+    assert passes[0][0] != passes[0][1] != passes[0][2]  # a new order each pass
+    again = make_torch_loader(dataset, batch_size=8, cur_shard=0, shard_count=2, seed=3)
+    assert [_pass_ids(again) for _ in range(3)] == passes[0]  # pass k reads with seed + k, so ranks agree
+    first_of_seed_4 = make_torch_loader(dataset, batch_size=8, cur_shard=0, shard_count=2, seed=4)
+    assert _pass_ids(first_of_seed_4) == passes[0][1]
+
+
+def test_num_epochs_counts_epochs_per_iteration_of_a_url_loader(dataset):
+    loader = make_torch_loader(dataset, batch_size=10, num_epochs=2, cur_shard=0, shard_count=1)
+    for _ in range(2):
+        ids = _pass_ids(loader)
+        assert len(ids) == 200 and sorted(ids) == sorted(list(range(100)) * 2)
+
+
+def test_a_loader_over_a_reader_refuses_a_second_iteration(dataset, no_leaked_threads):
+    reader = make_batch_reader(dataset, batch_size=10)
+    loader = make_torch_loader(reader, batch_size=None)
+    assert sorted(_pass_ids(loader)) == list(range(100))
+    with pytest.raises(RuntimeError, match=r"This TorchLoader wraps a Reader, which can be read once, and is being iterated a second time .*; pass a dataset URL to make_torch_loader so that each iteration builds a fresh reader, or make a new reader with make_batch_reader for each pass\."):
+        iter(loader)
