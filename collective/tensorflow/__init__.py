@@ -1,0 +1,30 @@
+"""The Horovod API for TensorFlow 2: ``import sparkhvd.collective.tensorflow as hvd``.
+
+The same communicator as ``sparkhvd.collective.torch`` (one c10d process group per process);
+tf.Tensors reach it through NumPy. Ops work eagerly and inside ``tf.function``, keep static
+shapes where they are known, and have gradients.
+"""
+
+from __future__ import annotations
+
+try:
+    import tensorflow as _tf  # noqa: F401
+except ModuleNotFoundError as _exc:  # Ray Train's guard: one sentence, the install command
+    if _exc.name != "tensorflow":
+        raise
+    raise ModuleNotFoundError("TensorFlow isn't installed: pip install 'sparkhvd[tensorflow]'",
+                              name="tensorflow") from None
+
+from ..torch import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_object, broadcast_object,
+                     cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank, local_size, rank,
+                     shutdown, size)
+from ._ops import (Compression, DistributedGradientTape, allgather, allreduce, broadcast, broadcast_variables,
+                   grouped_allreduce)
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
+    "cross_size", "is_homogeneous",
+    "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_variables",
+    "broadcast_object", "allgather_object", "DistributedGradientTape", "Compression",
+    "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
+]
