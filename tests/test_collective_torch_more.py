@@ -350,10 +350,11 @@ def test_timeline_records_each_op_with_its_bytes(tmp_path):
         import sparkhvd.collective.torch as hvd
 
         hvd.init()
-        path = f"{folder}/timeline-{hvd.rank()}.json"
-        hvd.start_timeline(path)
+        hvd.start_timeline(f"{folder}/trace.json")  # one path for the job: rank 1 writes trace.rank1.json
+        path = f"{folder}/trace.json" if hvd.rank() == 0 else f"{folder}/trace.rank1.json"
         hvd.allreduce(torch.ones(256), name="grads")
         hvd.synchronize(hvd.broadcast_async(torch.ones(8, dtype=torch.float64), root_rank=0))
+        hvd.barrier()
         hvd.stop_timeline()
         hvd.allreduce(torch.ones(4))  # after stop: not recorded
         error = None
@@ -364,8 +365,64 @@ def test_timeline_records_each_op_with_its_bytes(tmp_path):
         with open(path) as f:
             return json.load(f), error
 
-    (events, error), _ = HorovodRunner(np=-2).run_all(train, folder=str(tmp_path)).values
+    (events, error), (events1, _) = HorovodRunner(np=-2).run_all(train, folder=str(tmp_path)).values
     assert [(e["name"], e["args"]["bytes"], e["ph"], e["pid"]) for e in events] == [
-        ("allreduce grads", 1024, "X", 0), ("broadcast", 64, "X", 0)]
+        ("allreduce grads", 1024, "X", 0), ("broadcast", 64, "X", 0), ("barrier", 0, "X", 0)]
+    assert [e["pid"] for e in events1] == [1, 1, 1]
     assert all(e["dur"] >= 0 for e in events)
     assert error == f"start_timeline: the folder {tmp_path}/missing does not exist; create it or pick another path."
+
+
+def _one_rank_wrong():
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    out = {}
+    for key, call in {
+        # only rank 0 has a first dimension the ranks cannot divide
+        "alltoall": lambda: hvd.alltoall(torch.ones(6 if r else 5)),
+        "root": lambda: hvd.broadcast(torch.ones(2), root_rank=0 if r else 9),
+        # every rank has "n" in flight; rank 0 reuses the name while the others start "m"
+        "name": lambda: hvd.allreduce_async(torch.ones(1), name="n" if r == 0 else "m"),
+    }.items():
+        if key == "name":
+            first = hvd.allreduce_async(torch.ones(1), name="n")
+        try:
+            call()
+            out[key] = "no error"
+        except ValueError as exc:
+            out[key] = str(exc)
+    out["first"] = hvd.synchronize(first).item()
+    out["after"] = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()  # the ranks are still in step
+    pair = hvd.add_process_set([1, 2])
+    if r in (1, 2):
+        hvd.allreduce(torch.ones(1), process_set=pair)
+    out["last"] = hvd.join()  # process-set exchanges do not confuse join's bookkeeping
+    bn = hvd.SyncBatchNorm(1, affine=False, track_running_stats=False).eval()
+    out["bn_eval"] = bn(torch.tensor([[float(r)]]))  # no running stats: batch stats over all ranks
+    model = torch.nn.Linear(1, 1)
+    dup = torch.optim.SGD([model.weight, model.weight, model.bias], lr=0.1)
+    opt = hvd.DistributedOptimizer(dup)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(1, 1)).sum().backward()
+        opt.step()
+    out["dup_param"] = len(opt._hvd_buckets._where)
+    return out
+
+
+def test_a_problem_on_one_rank_fails_every_rank_without_a_hang():
+    v = HorovodRunner(np=-3).run_all(_one_rank_wrong).values
+    assert v[0]["alltoall"] == v[1]["alltoall"] == v[2]["alltoall"] == (
+        "rank 0: alltoall without splits needs the first dimension (5) to be divisible by the number of ranks (3); "
+        "pass splits= to send uneven parts.")
+    assert v[1]["root"] == "rank 0: root_rank=9 is outside the ranks 0..2 of this job."
+    assert v[2]["name"].startswith("rank 0: an operation named 'n' is already in flight on this rank")
+    assert [x["after"] for x in v] == [3.0, 3.0, 3.0] and [x["first"] for x in v] == [1.0, 1.0, 1.0]
+    assert [x["last"] for x in v] == [2, 2, 2]
+    expected = (torch.tensor([0.0, 1.0, 2.0]) - 1.0) / torch.sqrt(torch.tensor(2 / 3 + 1e-5))
+    torch.testing.assert_close(torch.cat([x["bn_eval"] for x in v]).flatten(), expected)
+    assert v[0]["dup_param"] == 2

@@ -22,7 +22,7 @@ import torch.distributed as dist
 ENV_CHECK = "SPARKHVD_CHECK_COLLECTIVES"
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
            torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
-_JOINED, _WHAT, _TEXT, _COUNT, _MIRROR, _DTYPE, _NUMEL, _CUDA = range(8)
+_JOINED, _WHAT, _TEXT, _COUNT, _MIRROR, _DTYPE, _NUMEL, _CUDA, _PROBLEM = range(9)
 _last_joined: list | None = None  # the joined flags of the latest exchange, for join()'s answer
 
 
@@ -37,26 +37,42 @@ def describe(t: torch.Tensor, skip_first_dim: bool = False) -> str:
 
 
 def verify(what: str, tensors: list, process_set, *, skip_first_dim: bool = False, extra: str = "",
-           mirror: torch.Tensor | None = None) -> None:
+           mirror: torch.Tensor | None = None, problem: str | None = None) -> None:
     """Raise ValueError on every rank of the set unless all working ranks pass matching tensors.
 
     ``mirror``: the one tensor the following data op all-reduces with SUM, which a rank in
     ``join()`` can stand in for with zeros; None for ops that cannot run while a rank has joined.
+    ``problem``: what is wrong with this rank's arguments (bad splits, say); every rank then
+    raises, instead of this one raising while the others wait in the op.
     """
     if not enabled() or process_set.size() == 1:
+        if problem is not None:
+            raise ValueError(problem)
         return
     text = f"{extra}: " if extra else ""
     text += ", ".join(describe(t, skip_first_dim) for t in tensors)
-    row = [0, zlib.crc32(what.encode()), zlib.crc32(text.encode()), len(tensors), 0, 0, 0, 0]
+    row = [0, zlib.crc32(what.encode()), zlib.crc32(text.encode()), len(tensors), 0, 0, 0, 0, int(bool(problem))]
     if mirror is not None:
-        row[_MIRROR:] = [1, _DTYPES.index(mirror.dtype), mirror.numel(), int(mirror.is_cuda)]
+        row[_MIRROR:_PROBLEM] = [1, _DTYPES.index(mirror.dtype), mirror.numel(), int(mirror.is_cuda)]
     rows = exchange(row, process_set)
+    if any(v[_PROBLEM] for v in rows):
+        _raise_problems(problem, process_set)
+    check_agreement(rows, process_set, f"{what}({_short(text)})", skip_first_dim)  # first: every rank alike
     joined = [r for r, v in enumerate(rows) if v[_JOINED]]
     if joined and mirror is None:
         raise ValueError(f"{what} cannot run while ranks {','.join(map(str, joined))} have called hvd.join(); "
                          "only allreduce and grouped_allreduce with op=Average or Sum, and DistributedOptimizer, "
                          "take part in join.")
-    check_agreement(rows, process_set, f"{what}({_short(text)})", skip_first_dim)
+
+
+def _raise_problems(problem: str | None, process_set) -> None:
+    """Every rank raises: one message if all ranks hit the same problem, else each rank's."""
+    messages = [None] * process_set.size()
+    dist.all_gather_object(messages, problem, group=process_set.group)
+    found = {m for m in messages if m is not None}
+    if len(found) == 1 and all(m is not None for m in messages):
+        raise ValueError(found.pop())
+    raise ValueError("; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None))
 
 
 def exchange(row: list, process_set) -> list:
@@ -66,7 +82,8 @@ def exchange(row: list, process_set) -> list:
     gathered = [torch.empty_like(mine) for _ in range(process_set.size())]
     dist.all_gather(gathered, mine, group=process_set.group)
     rows = [g.tolist() for g in gathered]
-    _last_joined = [v[_JOINED] for v in rows]
+    if process_set.group is None:  # join() works on the global set: only its exchanges count
+        _last_joined = [v[_JOINED] for v in rows]
     return rows
 
 
@@ -97,13 +114,15 @@ def join(process_set) -> int:
         raise ValueError(f"hvd.join() needs the collective check, which {ENV_CHECK}=0 turned off; unset it.")
     previous = _last_joined  # who had joined at the latest exchange before this call
     while True:
-        rows = exchange([1, 0, 0, 0, 0, 0, 0, 0], process_set)
+        rows = exchange([1, 0, 0, 0, 0, 0, 0, 0, 0], process_set)
         flags = [v[_JOINED] for v in rows]
         if all(flags):
             last = [r for r in range(len(rows)) if previous is None or not previous[r]]
             _last_joined = None
             return max(last)
         previous = flags
+        if any(v[_PROBLEM] for v in rows):
+            _raise_problems(None, process_set)
         check_agreement(rows, process_set, "join()", False)
         working = next(v for v in rows if not v[_JOINED])
         if not working[_MIRROR]:

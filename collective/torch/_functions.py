@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ._check import verify
-from ._ops import _check_root, _group, broadcast_, gather_ints
+from ._ops import _group, _root_problem, broadcast_, gather_ints
 from ._process_sets import global_process_set
 
 
@@ -17,8 +17,9 @@ def broadcast_object(obj=None, root_rank: int = 0, name=None, process_set=global
     import cloudpickle
 
     group = _group(process_set, "broadcast_object")
-    src = _check_root(root_rank, process_set)
-    verify("broadcast_object", [], process_set, extra=f"root_rank={root_rank}")
+    verify("broadcast_object", [], process_set, extra=f"root_rank={root_rank}",
+           problem=_root_problem(root_rank, process_set))
+    src = process_set.global_rank(root_rank)
     rank = process_set.rank()
     if rank == root_rank:
         buf = io.BytesIO()

@@ -16,10 +16,12 @@ reduction per dtype; tests check that both give the same weights.
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
 
+from . import _timeline
 from ._check import verify
 
 DEFAULT_THRESHOLD = 64 * 1024 * 1024
@@ -42,7 +44,7 @@ def fusion_threshold() -> int:
 
 
 class _Bucket:
-    __slots__ = ("params", "flat", "pending", "work", "ctx")
+    __slots__ = ("params", "flat", "pending", "work", "ctx", "started")
 
     def __init__(self, params: list):
         self.params = params
@@ -50,6 +52,7 @@ class _Bucket:
         self.pending = set(range(len(params)))
         self.work = None
         self.ctx = None
+        self.started = 0.0
 
 
 class GradientBuckets:
@@ -60,6 +63,7 @@ class GradientBuckets:
         self._launch_fn = reduce_launch  # (flat tensor) -> (work, ctx)
         self._finish_fn = reduce_finish  # (flat tensor, ctx) -> reduced flat tensor
         self.buckets: list[_Bucket] = []
+        params = list({id(p): p for p in params}.values())  # a parameter listed twice is one parameter
         current, size, key = [], 0, None
         for p in reversed(params):
             nbytes = p.numel() * p.element_size()
@@ -75,7 +79,14 @@ class GradientBuckets:
         self._where = {id(p): (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
         self._counts = {id(p): 0 for p in params}
         self._next = 0  # the next bucket to launch
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        ref = weakref.ref(self)  # the hooks must not keep a dropped optimizer's buckets alive
+
+        def hook(p, ref=ref):
+            buckets = ref()
+            if buckets is not None:
+                buckets._on_grad(p)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in params]
 
     def in_flight(self) -> bool:
         return self._next > 0 or any(c for c in self._counts.values())
@@ -105,10 +116,21 @@ class GradientBuckets:
                 grads.append(p.grad.to_dense() if p.grad.is_sparse else p.grad)
         with torch.no_grad():
             bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+        bucket.started = _timeline.now_us()
         bucket.work, bucket.ctx = self._launch_fn(bucket.flat)
 
     def finish(self) -> None:
         """Launch the rest in order, wait for every bucket, and write the gradients back."""
+        try:
+            self._finish_all()
+        finally:  # whatever happened, the next step starts clean
+            for bucket in self.buckets:
+                bucket.flat, bucket.work, bucket.ctx = None, None, None
+                bucket.pending = set(range(len(bucket.params)))
+            self._counts = dict.fromkeys(self._counts, 0)
+            self._next = 0
+
+    def _finish_all(self) -> None:
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
             self._next += 1
@@ -117,6 +139,7 @@ class GradientBuckets:
                 if bucket.work is not None:
                     bucket.work.wait()
                 flat = self._finish_fn(bucket.flat, bucket.ctx)
+                _timeline.record("DistributedOptimizer bucket", None, bucket.started, flat.numel() * flat.element_size())
                 offset = 0
                 for p in bucket.params:
                     n = p.numel()
@@ -127,10 +150,6 @@ class GradientBuckets:
                         else:
                             p.grad.copy_(reduced)
                     offset += n
-                bucket.flat, bucket.work, bucket.ctx = None, None, None
-                bucket.pending = set(range(len(bucket.params)))
-        self._counts = dict.fromkeys(self._counts, 0)
-        self._next = 0
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:

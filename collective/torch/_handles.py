@@ -42,6 +42,14 @@ class Handle:
         return f"<sparkhvd handle {self.name or ''} {state}>"
 
 
+def name_problem(name: str | None) -> str | None:
+    """Why ``name`` cannot start another op now (checked before the op starts), or None."""
+    if name is not None and name in _in_flight:
+        return (f"an operation named {name!r} is already in flight on this rank; synchronize it before reusing "
+                "the name, or give this one another name.")
+    return None
+
+
 def register(handle: Handle) -> Handle:
     """Track a named handle; a name may have one operation in flight at a time."""
     if handle.name is not None:

@@ -14,8 +14,9 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import _engine
+from . import _timeline
 from ._check import verify
-from ._handles import Handle, register, synchronize
+from ._handles import Handle, name_problem, register, synchronize
 from ._process_sets import ProcessSet, global_process_set
 
 
@@ -68,12 +69,19 @@ def _group(process_set: ProcessSet, what: str):
     return process_set.group
 
 
-def _check_root(root_rank, process_set: ProcessSet) -> int:
-    """The job-wide rank of ``root_rank`` (counted within the process set)."""
+def _root_problem(root_rank, process_set: ProcessSet) -> str | None:
     size = process_set.size()
     if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < size:
         where = "this job" if process_set is global_process_set else f"process set {process_set.ranks}"
-        raise ValueError(f"root_rank={root_rank!r} is outside the ranks 0..{size - 1} of {where}.")
+        return f"root_rank={root_rank!r} is outside the ranks 0..{size - 1} of {where}."
+    return None
+
+
+def _check_root(root_rank, process_set: ProcessSet) -> int:
+    """The job-wide rank of ``root_rank`` (counted within the process set); every rank fails alike."""
+    problem = _root_problem(root_rank, process_set)
+    if problem is not None:
+        verify("root_rank", [], process_set, problem=problem)
     return process_set.global_rank(root_rank)
 
 
@@ -100,7 +108,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     op = _resolve_op(op, average)
     group = _group(process_set, _what)
     if _check:
-        verify(_what, [tensor], process_set, extra=f"op={op.name}", mirror=_joinable(tensor, op))
+        verify(_what, [tensor], process_set, extra=f"op={op.name}", mirror=_joinable(tensor, op),
+               problem=name_problem(name))
     size = process_set.size()
     with torch.no_grad():
         if prescale_factor != 1.0:
@@ -127,7 +136,8 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
         # the average can be one pass instead of three, with a bit-identical result.
         with torch.no_grad():
             scaled = torch.mul(tensor.detach(), prescale_factor / size)
-        verify(_what, [tensor], process_set, extra=f"op={op.name}", mirror=tensor)  # as the user called it
+        verify(_what, [tensor], process_set, extra=f"op={op.name}", mirror=tensor,  # as the user called it
+               problem=name_problem(name))
         return allreduce_async_(scaled, name=name, op=Sum, postscale_factor=postscale_factor,
                                 process_set=process_set, _check=False)
     return allreduce_async_(tensor.detach().clone(), None, name, op, prescale_factor, postscale_factor,
@@ -157,7 +167,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
         for i, members in enumerate(buckets.values()):
             flat = _flatten_dense_tensors([m.detach() for m in members])
             verify("grouped_allreduce", tensors, process_set, extra=f"op={op.name}, bucket {i} of {len(buckets)}",
-                   mirror=_joinable(flat, op))
+                   mirror=_joinable(flat, op), problem=name_problem(name))
             if prescale_factor != 1.0:
                 flat.mul_(prescale_factor)
             works.append(dist.all_reduce(flat, op=_C10D_OPS[op], group=group, async_op=True))
@@ -194,8 +204,9 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     """Start overwriting ``tensor`` with rank ``root_rank``'s value, in place."""
     _check_tensor(tensor, "broadcast")
     group = _group(process_set, "broadcast")
-    src = _check_root(root_rank, process_set)
-    verify("broadcast", [tensor], process_set, extra=f"root_rank={root_rank}")
+    problem = _root_problem(root_rank, process_set) or name_problem(name)
+    verify("broadcast", [tensor], process_set, extra=f"root_rank={root_rank}", problem=problem)
+    src = process_set.global_rank(root_rank)
     with torch.no_grad():
         work = dist.broadcast(tensor, src=src, group=group, async_op=True)
     return register(Handle([work], lambda: tensor, name, kind="broadcast", nbytes=_nbytes(tensor)))
@@ -231,7 +242,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle
     _check_tensor(tensor, "allgather")
     _group(process_set, "allgather")
     t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
-    verify("allgather", [t], process_set, skip_first_dim=True)
+    verify("allgather", [t], process_set, skip_first_dim=True, problem=name_problem(name))
     shapes = gather_ints(list(t.shape), t.device, process_set)
     if len({s[1:] for s in shapes}) > 1:
         raise ValueError(f"allgather needs tensors whose dimensions after the first match on every rank; "
@@ -255,17 +266,18 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     n = process_set.size()
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension; got a scalar.")
-    verify("alltoall", [tensor], process_set, skip_first_dim=True)
     rows = tensor.shape[0]
+    problem = None
     if splits is None:
         if rows % n:
-            raise ValueError(f"alltoall without splits needs the first dimension ({rows}) to be divisible by the "
-                             f"number of ranks ({n}); pass splits= to send uneven parts.")
+            problem = (f"alltoall without splits needs the first dimension ({rows}) to be divisible by the "
+                       f"number of ranks ({n}); pass splits= to send uneven parts.")
         splits = [rows // n] * n
     splits = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
-        raise ValueError(f"alltoall splits {splits} must be {n} non-negative counts (one per rank) that add up "
-                         f"to the first dimension ({rows}).")
+    if problem is None and (len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows):
+        problem = (f"alltoall splits {splits} must be {n} non-negative counts (one per rank) that add up "
+                   f"to the first dimension ({rows}).")
+    verify("alltoall", [tensor], process_set, skip_first_dim=True, problem=problem or name_problem(name))
     send = torch.tensor(splits, dtype=torch.int64, device=tensor.device)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=process_set.group)
@@ -298,7 +310,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension; got a scalar.")
     group = _group(process_set, "reducescatter")
-    verify("reducescatter", [tensor], process_set, extra=f"op={op.name}")
+    verify("reducescatter", [tensor], process_set, extra=f"op={op.name}", problem=name_problem(name))
     n, me = process_set.size(), process_set.rank()
     counts = reducescatter_rows(tensor.shape[0], n)
     longest, trailing = counts[0], tuple(tensor.shape[1:])
@@ -338,4 +350,6 @@ def barrier(process_set=global_process_set) -> None:
     """Wait until every rank of the set has reached this call."""
     _group(process_set, "barrier")
     verify("barrier", [], process_set)
+    started = _timeline.now_us()
     dist.barrier(group=process_set.group)
+    _timeline.record("barrier", None, started, 0)

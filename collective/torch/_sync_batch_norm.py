@@ -86,13 +86,14 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
-        if not self.training or not _engine.is_initialized() or _engine.topology().size == 1:
+        batch_stats = self.training or not self.track_running_stats  # as torch.nn.SyncBatchNorm
+        if not batch_stats or not _engine.is_initialized() or _engine.topology().size == 1:
             return super().forward(x)
         momentum = 0.0 if self.momentum is None else self.momentum
-        if self.track_running_stats and self.num_batches_tracked is not None:
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:  # a cumulative moving average
                 momentum = 1.0 / float(self.num_batches_tracked)
-        running = self.track_running_stats
+        running = self.training and self.track_running_stats
         return _SyncBatchNormFn.apply(x, self.weight, self.bias, self.running_mean if running else None,
                                       self.running_var if running else None, self.eps, momentum)

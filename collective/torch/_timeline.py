@@ -18,14 +18,22 @@ _path: str | None = None
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Record every collective of this rank until ``stop_timeline``; written to ``file_path``.
+    """Record every collective of this rank until ``stop_timeline``.
 
-    ``mark_cycles`` is accepted for Horovod compatibility (there are no negotiation cycles).
+    Rank 0 writes ``file_path``; rank r > 0 writes ``file_path`` with ``.rank<r>`` before the
+    extension (``trace.json`` -> ``trace.rank1.json``), so ranks that pass the same path do
+    not overwrite each other. ``mark_cycles`` is accepted for Horovod compatibility.
     """
     global _events, _path
     directory = os.path.dirname(os.path.abspath(file_path))
     if not os.path.isdir(directory):
         raise ValueError(f"start_timeline: the folder {directory} does not exist; create it or pick another path.")
+    from .. import _engine
+
+    rank = _engine.topology().rank if _engine.is_initialized() else 0
+    if rank:
+        root, ext = os.path.splitext(file_path)
+        file_path = f"{root}.rank{rank}{ext}"
     with _lock:
         _events, _path = [], file_path
 
