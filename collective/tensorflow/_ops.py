@@ -56,16 +56,28 @@ def allreduce(tensor, average=None, name=None, op=None, compression=Compression.
 
 
 def grouped_allreduce(tensors, average=None, name=None, op=None, compression=Compression.none):
-    """Reduce a list of tensors (one fused reduction per dtype); returns new tensors."""
+    """Reduce a list of tensors in one fused operation (one reduction per dtype); returns new tensors.
+
+    Inside ``tf.function`` the whole group is one ``py_function``.
+    """
     op = _torch_ops._resolve_op(op, average)
-    return [allreduce(t, op=op, compression=compression) for t in tensors] if not tf.executing_eagerly() \
-        else _grouped_eager([tf.convert_to_tensor(t) for t in tensors], op, compression)
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    if tf.executing_eagerly():
+        return _grouped_eager(tensors, op, compression)
+    outs = tf.py_function(lambda *ts: _grouped_eager(list(ts), op, compression), tensors,
+                          Tout=[t.dtype for t in tensors])
+    for out, t in zip(outs, tensors):
+        out.set_shape(t.shape)
+    return list(outs)
 
 
-def _grouped_eager(tensors, op, compression):
+def _grouped_eager(tensors, op, compression, prescale=1.0, postscale=1.0):
     wires = [compression.compress(t) for t in tensors]
     torch_tensors = [to_torch(w).clone() for w, _ in wires]
-    synchronize(_torch_ops.grouped_allreduce_async_(torch_tensors, op=op))
+    synchronize(_torch_ops.grouped_allreduce_async_(torch_tensors, op=op, prescale_factor=prescale,
+                                                    postscale_factor=postscale))
     return [compression.decompress(to_tf(t, w.dtype), c) for t, (w, c) in zip(torch_tensors, wires)]
 
 
@@ -157,11 +169,8 @@ class DistributedGradientTape:
         pre, post = 1.0, 1.0
         if self._op == _torch_ops.Average and self._predivide != 1.0:
             pre, post = 1.0 / self._predivide, self._predivide
-        if tf.executing_eagerly():
-            reduced = _grouped_eager([g * pre if pre != 1.0 else g for g in present], self._op, self._compression)
-            reduced = [r * post if post != 1.0 else r for r in reduced]
-        else:
-            reduced = [allreduce(g, op=self._op, compression=self._compression, prescale_factor=pre,
-                                 postscale_factor=post) for g in present]
+        scaled = [g * pre if pre != 1.0 else g for g in present]
+        reduced = grouped_allreduce(scaled, op=self._op, compression=self._compression)
+        reduced = [r * post if post != 1.0 else r for r in reduced]
         it = iter(reduced)
         return tf.nest.pack_sequence_as(grads, [next(it) if g is not None else None for g in dense])

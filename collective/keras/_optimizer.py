@@ -1,0 +1,62 @@
+"""``DistributedOptimizer`` for Keras 3: gradients averaged across the ranks before each update."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from .. import _engine
+from ..torch._ops import Average, Sum, _resolve_op
+from ..tensorflow._ops import Compression, grouped_allreduce
+
+
+def _in_xla_context() -> bool:
+    try:
+        from tensorflow.python.framework import ops
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - TF internals moved
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()))
+
+
+class _DistributedKerasMixin:
+    """Placed before the user's optimizer class: ``apply`` first averages the gradients."""
+
+    def apply(self, grads, trainable_variables=None):
+        if _engine.is_initialized() and _engine.topology().size > 1 and len(grads):
+            if _in_xla_context():
+                raise RuntimeError(
+                    "model.fit compiled its train step with XLA (jit_compile=True, Keras's default on GPUs), where "
+                    "sparkhvd's gradient averaging cannot run; pass jit_compile=False to model.compile().")
+            dense = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+            present = [g for g in dense if g is not None]
+            reduced = iter(grouped_allreduce(present, op=self._hvd_op, compression=self._hvd_compression))
+            grads = [next(reduced) if g is not None else None for g in dense]
+        return super().apply(grads, trainable_variables)
+
+
+def DistributedOptimizer(optimizer, name=None, compression=Compression.none, backward_passes_per_step=1,
+                         average_aggregated_gradients=False, op=Average, **_unused):
+    """Wrap a Keras 3 optimizer so that every update uses gradients averaged across the ranks.
+
+    Returns ``optimizer`` itself, its class turned into a subclass of its own class. For gradient
+    accumulation use the optimizer's own ``gradient_accumulation_steps`` (each micro-batch's
+    gradients are averaged across ranks, then accumulated).
+    """
+    import keras
+
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(f"DistributedOptimizer wraps a Keras optimizer, got {type(optimizer).__name__}.")
+    if isinstance(optimizer, _DistributedKerasMixin):
+        raise ValueError("this optimizer is already a DistributedOptimizer; wrap the original optimizer once.")
+    op = _resolve_op(op, None)
+    if op not in (Average, Sum):
+        raise ValueError(f"DistributedOptimizer reduces gradients with op=hvd.Average or hvd.Sum, got {op.name}.")
+    if backward_passes_per_step != 1:
+        raise NotImplementedError(
+            f"backward_passes_per_step={backward_passes_per_step} is not implemented for Keras; create the optimizer "
+            f"with gradient_accumulation_steps={backward_passes_per_step} instead (Keras 3 accumulates itself).")
+    base = type(optimizer)
+    optimizer.__class__ = type(base.__name__, (_DistributedKerasMixin, base), {})
+    optimizer._hvd_op = op
+    optimizer._hvd_compression = compression
+    return optimizer

@@ -1,0 +1,76 @@
+"""sparkhvd.collective.keras: model.fit under HorovodRunner(np=2) against single-process Keras."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from sparkhvd import HorovodRunner  # noqa: E402
+
+
+def _data(rank, rows=32):
+    rng = np.random.default_rng(rank)
+    x = rng.normal(size=(rows, 3)).astype("float32")
+    return x, (x @ np.array([[1.0], [-2.0], [0.5]], dtype="float32") + 0.3).astype("float32")
+
+
+def _model(seed):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+    return model
+
+
+def _fit():
+    import keras
+
+    import sparkhvd.collective.keras as hvd
+
+    hvd.init()
+    model = _model(seed=hvd.rank())  # different on each rank: the callback makes them equal
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.1))
+    model.compile(optimizer=opt, loss="mse")
+    x, y = _data(hvd.rank())
+    history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+                        callbacks=[hvd.BroadcastGlobalVariablesCallback(0), hvd.MetricAverageCallback()])
+    errors = []
+    try:
+        hvd.DistributedOptimizer("sgd")
+    except ValueError as exc:
+        errors.append(str(exc))
+    try:
+        hvd.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=2)
+    except NotImplementedError as exc:
+        errors.append(str(exc))
+    xla = _model(seed=0)
+    xla.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=True)
+    try:
+        xla.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        errors.append("no error")
+    except Exception as exc:  # noqa: BLE001 - Keras may wrap it
+        errors.append(str(exc))
+    return [w.tolist() for w in model.get_weights()], history.history["loss"], errors
+
+
+def test_model_fit_averages_gradients_like_training_on_the_whole_batch():
+    import keras
+
+    (w0, loss0, errors), (w1, loss1, _) = HorovodRunner(np=-2).run_all(_fit).values
+    for a, b in zip(w0, w1):
+        np.testing.assert_array_equal(a, b)  # identical on both ranks
+    assert loss0 == loss1 and loss0[-1] < loss0[0]  # metrics averaged over the ranks; it learns
+    # The same steps in one process: each step's batch is both ranks' batches together.
+    (x0, y0), (x1, y1) = _data(0), _data(1)
+    x = np.concatenate([np.concatenate([x0[i:i + 8], x1[i:i + 8]]) for i in range(0, 32, 8)])
+    y = np.concatenate([np.concatenate([y0[i:i + 8], y1[i:i + 8]]) for i in range(0, 32, 8)])
+    model = _model(seed=0)
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.1), loss="mse")
+    model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    for got, want in zip(w0, model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert errors[0] == "DistributedOptimizer wraps a Keras optimizer, got str."
+    assert "create the optimizer with gradient_accumulation_steps=2 instead" in errors[1]
+    assert "pass jit_compile=False to model.compile()" in errors[2]
