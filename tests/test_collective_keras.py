@@ -74,3 +74,46 @@ def test_model_fit_averages_gradients_like_training_on_the_whole_batch():
     assert errors[0] == "DistributedOptimizer wraps a Keras optimizer, got str."
     assert "create the optimizer with gradient_accumulation_steps=2 instead" in errors[1]
     assert "pass jit_compile=False to model.compile()" in errors[2]
+
+
+def _callbacks(folder):
+    import keras
+
+    import sparkhvd.collective.keras as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    x, y = _data(r)
+    out = {}
+    model = _model(seed=0)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=3, verbose=0,
+                        callbacks=[hvd.LearningRateWarmupCallback(initial_lr=0.1, warmup_epochs=2)])
+    out["warmup"] = history.history["lr"]
+    model = _model(seed=0)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=3, verbose=0,
+                        callbacks=[hvd.LearningRateScheduleCallback(0.1, multiplier=lambda e: 0.5 ** e)])
+    out["schedule"] = history.history["lr"]
+    path = f"{folder}/best-{r}.keras"  # a path per rank, to see who writes
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, validation_data=(x, y),
+              callbacks=[hvd.BestModelCheckpoint(path, monitor="val_loss")])
+    import os
+
+    out["written"] = os.path.exists(path)
+    hvd.broadcast_object(None)  # wait until rank 0 has written
+    loaded = hvd.load_model(f"{folder}/best-0.keras")
+    out["rewrapped"] = type(loaded.optimizer).__mro__[1].__name__
+    history = loaded.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[hvd.MetricAverageCallback()])
+    out["after_load"] = ([w.tolist() for w in loaded.get_weights()], history.history["loss"])
+    return out
+
+
+def test_learning_rate_callbacks_checkpoint_and_load_model(tmp_path):
+    v0, v1 = HorovodRunner(np=-2).run_all(_callbacks, folder=str(tmp_path)).values
+    # size 2, 4 steps per epoch: lr = 0.1 / 2 * (e * 1 / 2 + 1) with e = 1 and 2 at the epochs' ends
+    np.testing.assert_allclose(v0["warmup"], [0.075, 0.1, 0.1], rtol=1e-6)
+    np.testing.assert_allclose(v0["schedule"], [0.1, 0.05, 0.025], rtol=1e-6)
+    assert (v0["written"], v1["written"]) == (True, False)  # rank 0 only
+    assert v0["rewrapped"] == "_DistributedKerasMixin"
+    assert v0["after_load"] == v1["after_load"]  # still averaging after load_model

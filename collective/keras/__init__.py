@@ -10,12 +10,14 @@ from __future__ import annotations
 from ..tensorflow import (Average, Compression, Max, Min, Product, Sum, allgather, allgather_object, allreduce,
                           broadcast, broadcast_object, broadcast_variables, cross_rank, cross_size, init,
                           is_initialized, local_rank, local_size, rank, shutdown, size)
-from ._callbacks import BroadcastGlobalVariablesCallback, MetricAverageCallback
-from ._optimizer import DistributedOptimizer
+from ._callbacks import (BestModelCheckpoint, BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
+                         LearningRateWarmupCallback, MetricAverageCallback)
+from ._optimizer import DistributedOptimizer, load_model
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
     "allreduce", "allgather", "broadcast", "broadcast_variables", "broadcast_object", "allgather_object",
-    "DistributedOptimizer", "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "Compression",
+    "DistributedOptimizer", "load_model", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
+    "LearningRateWarmupCallback", "LearningRateScheduleCallback", "BestModelCheckpoint", "Compression",
     "Average", "Sum", "Min", "Max", "Product",
 ]

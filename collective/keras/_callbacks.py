@@ -37,3 +37,84 @@ class MetricAverageCallback(keras.callbacks.Callback):
         gathered = allgather_object(values)
         for i, k in enumerate(names):
             logs[k] = float(np.mean([g[i] for g in gathered]))
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Sets the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch`` to ``end_epoch``.
+
+    ``multiplier`` is a number or a function of the epoch; with ``staircase=False`` the epoch is
+    fractional (``epoch + batch / steps_per_epoch``) and the rate changes every batch. The rate
+    is logged as ``lr`` at each epoch's end. ``momentum_correction`` is accepted for Horovod
+    compatibility; Keras 3 compiles momentum into the train step, so it is not adjusted.
+    """
+
+    def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
+                 momentum_correction=True, steps_per_epoch=None):
+        super().__init__()
+        self.initial_lr = float(initial_lr)
+        self.multiplier = multiplier if callable(multiplier) else (lambda epoch, m=multiplier: m)
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
+        self.staircase = staircase
+        self.steps_per_epoch = steps_per_epoch
+        self.current_epoch = 0
+
+    def _steps(self) -> int:
+        steps = self.steps_per_epoch or (self.params or {}).get("steps")
+        if not steps:
+            raise ValueError("the learning-rate callback needs the number of steps per epoch; pass steps_per_epoch=.")
+        return int(steps)
+
+    def _set(self, epoch: float) -> None:
+        self.model.optimizer.learning_rate.assign(self.initial_lr * self.multiplier(epoch))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.current_epoch < self.start_epoch or (self.end_epoch is not None and self.current_epoch >= self.end_epoch):
+            return
+        if self.staircase:
+            if batch == 0:
+                self._set(self.current_epoch)
+        else:
+            self._set(self.current_epoch + batch / self._steps())
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["lr"] = float(np.asarray(self.model.optimizer.learning_rate))
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Ramps the learning rate from ``initial_lr / size()`` to ``initial_lr`` over ``warmup_epochs``.
+
+    Horovod's rule (Goyal et al., 2017): at fractional epoch e, ``initial_lr / size() *
+    (e * (size() - 1) / warmup_epochs + 1)``, counted so that each epoch ends on a round value.
+    Pass the learning rate already scaled by ``size()`` as ``initial_lr``.
+    """
+
+    def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None, verbose=0):
+        from ..torch import size
+
+        def multiplier(epoch):
+            epoch += 1.0 / self._steps()  # end each epoch on a round value, as Horovod does
+            return 1.0 / size() * (epoch * (size() - 1) / warmup_epochs + 1)
+
+        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
+                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch)
+        self.verbose = verbose
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Keras's ModelCheckpoint with ``save_best_only=True``, written by rank 0 only."""
+
+    def __init__(self, filepath, monitor="val_loss", verbose=0, mode="auto", save_freq="epoch"):
+        super().__init__(filepath, monitor=monitor, verbose=verbose, save_best_only=True, mode=mode,
+                         save_freq=save_freq)
+
+    def _save_model(self, *args, **kwargs):
+        from ..torch import rank
+
+        if rank() == 0:
+            return super()._save_model(*args, **kwargs)
+        return None

@@ -56,7 +56,27 @@ def DistributedOptimizer(optimizer, name=None, compression=Compression.none, bac
             f"backward_passes_per_step={backward_passes_per_step} is not implemented for Keras; create the optimizer "
             f"with gradient_accumulation_steps={backward_passes_per_step} instead (Keras 3 accumulates itself).")
     base = type(optimizer)
-    optimizer.__class__ = type(base.__name__, (_DistributedKerasMixin, base), {})
+    # Saved models name the base class (Keras records __module__), so they load as the plain optimizer,
+    # which load_model() wraps again.
+    optimizer.__class__ = type(base.__name__, (_DistributedKerasMixin, base),
+                               {"__module__": base.__module__, "__qualname__": base.__qualname__})
     optimizer._hvd_op = op
     optimizer._hvd_compression = compression
     return optimizer
+
+
+def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none, op=Average):
+    """``keras.models.load_model``, with the model's optimizer wrapped in DistributedOptimizer again.
+
+    Keras saves a DistributedOptimizer as its base class (SGD, Adam, ...), so a loaded model's
+    optimizer would otherwise stop averaging gradients.
+    """
+    import keras
+
+    objects = dict(custom_objects or {})
+    for cls in custom_optimizers or ():
+        objects[cls.__name__] = cls
+    model = keras.models.load_model(filepath, custom_objects=objects or None)
+    if getattr(model, "optimizer", None) is not None and not isinstance(model.optimizer, _DistributedKerasMixin):
+        DistributedOptimizer(model.optimizer, compression=compression, op=op)
+    return model
