@@ -156,11 +156,11 @@ class Channel:
         header += self._header_tag(self._send_dir, header)
         tag = self._tag(self._send_dir, header[:_HEADER.size], meta_bytes, blob)
         self._send_seq += 1
-        self.sock.sendall(b"".join((header, meta_bytes, blob, tag)) if len(blob) < (1 << 20)
-                          else header + meta_bytes)
-        if len(blob) >= (1 << 20):  # avoid copying large payloads into one buffer
-            self.sock.sendall(blob)
-            self.sock.sendall(tag)
+        if len(blob) < (1 << 20):
+            self.sock.sendall(b"".join((header, meta_bytes, blob, tag)))  # one write for small frames
+        else:
+            for part in (header + meta_bytes, blob, tag):  # no copy of a large payload
+                self.sock.sendall(part)
 
     def recv(self) -> Message:
         header = _recv_exactly(self.sock, _HEADER.size, at_boundary=True)

@@ -90,7 +90,6 @@ class SparkLauncher(Launcher):
         self._thread = None
         self._error: str | None = None
         self._stopped = False
-        self.rows: list[dict] = []
 
     def start(self, spec: TaskSpec) -> None:
         self._group = f"sparkhvd-{spec.run_id}"
@@ -110,7 +109,7 @@ class SparkLauncher(Launcher):
                 cpus = int(sc.getConf().get("spark.task.cpus", "1"))
                 requests = TaskResourceRequests().cpus(cpus).resource("gpu", 1.0)
                 rdd = rdd.withResources(ResourceProfileBuilder().require(requests).build)
-            self.rows = rdd.collect()
+            rdd.collect()  # the outcome arrives through the driver service
         except Exception as exc:  # noqa: BLE001 - reported through failure()
             if not self._stopped:
                 self._error = f"the Spark job failed: {_first_line(exc)}"

@@ -53,9 +53,9 @@ def name_problem(name: str | None) -> str | None:
 def register(handle: Handle) -> Handle:
     """Track a named handle; a name may have one operation in flight at a time."""
     if handle.name is not None:
-        if handle.name in _in_flight:
-            raise ValueError(f"an operation named {handle.name!r} is already in flight on this rank; "
-                             "synchronize it before reusing the name, or give this one another name.")
+        problem = name_problem(handle.name)  # callers check first; this keeps the registry honest
+        if problem is not None:
+            raise ValueError(problem)
         _in_flight[handle.name] = handle
     return handle
 

@@ -77,14 +77,6 @@ def _root_problem(root_rank, process_set: ProcessSet) -> str | None:
     return None
 
 
-def _check_root(root_rank, process_set: ProcessSet) -> int:
-    """The job-wide rank of ``root_rank`` (counted within the process set); every rank fails alike."""
-    problem = _root_problem(root_rank, process_set)
-    if problem is not None:
-        verify("root_rank", [], process_set, problem=problem)
-    return process_set.global_rank(root_rank)
-
-
 def _scale_after(tensor: torch.Tensor, op: ReduceOp, size: int, postscale: float) -> None:
     if op == Average and size > 1:
         if tensor.is_floating_point() or tensor.is_complex():
