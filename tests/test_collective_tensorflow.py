@@ -31,6 +31,13 @@ def _tf_ops():
     out["broadcast"] = hvd.broadcast(tf.constant([r, r]), root_rank=1).numpy()
     out["allgather"] = hvd.allgather(tf.fill([r + 1, 2], r)).numpy()
     out["grouped"] = [t.numpy() for t in hvd.grouped_allreduce([x, tf.constant([r])], op=hvd.Sum)]
+    out["alltoall_even"] = hvd.alltoall(tf.range(2 * n) + 100 * r).numpy()
+    splits = [k + 1 for k in range(n)]  # rank r sends k + 1 rows to rank k
+    sent, received = hvd.alltoall(tf.fill([sum(splits), 2], r), splits=splits)
+    out["alltoall_splits"] = (sent.numpy(), received.numpy(), received.dtype)
+    rows = 2 * n + 1  # uneven: rank 0 gets the extra row
+    out["reducescatter_sum"] = hvd.reducescatter(tf.reshape(tf.range(rows * 2.0), [rows, 2]) + r, op=hvd.Sum).numpy()
+    out["reducescatter_avg"] = hvd.reducescatter(tf.ones([rows]) * (r + 1)).numpy()
 
     static = {}
 
@@ -44,10 +51,45 @@ def _tf_ops():
 
     s, g, b = graph(x)
     out["graph"] = (s.numpy(), g.numpy(), b.numpy(), static["s"], static["g"])
+
+    @tf.function
+    def graph_more(v):
+        sent, received = hvd.alltoall(tf.fill([sum(splits), 2], r), splits=splits)
+        scattered = hvd.reducescatter(tf.reshape(tf.range(rows * 2.0), [rows, 2]) + r, op=hvd.Sum)
+        grouped = hvd.grouped_allreduce([v, tf.constant([r])], op=hvd.Sum)
+        static["more"] = [t.shape.as_list() for t in (sent, received, scattered, *grouped)]
+        return sent, received, scattered, grouped
+
+    sent, received, scattered, grouped = graph_more(x)
+    out["graph_more"] = (sent.numpy(), received.numpy(), scattered.numpy(), [t.numpy() for t in grouped],
+                         static["more"])
     v = tf.Variable(tf.ones([2]) * (r + 1))
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(hvd.allreduce(v, op=hvd.Sum) * (r + 1))
     out["grad_allreduce"] = tape.gradient(loss, v).numpy()
+    grads = {}
+    ops = {  # each rank's loss weights the op's output by (r + 1)
+        "allgather": lambda t: hvd.allgather(t),
+        "broadcast": lambda t: hvd.broadcast(t, root_rank=1),
+        "alltoall": lambda t: hvd.alltoall(t, splits=splits)[0],
+        "reducescatter_sum": lambda t: hvd.reducescatter(t, op=hvd.Sum),
+        "reducescatter_avg": lambda t: hvd.reducescatter(t, op=hvd.Average),
+    }
+    for key, op in ops.items():
+        t = tf.Variable(tf.ones([sum(splits) if key == "alltoall" else rows]))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(op(t) * (r + 1.0))
+        grads[key] = tape.gradient(loss, t).numpy()
+
+    @tf.function
+    def graph_grad(t):
+        with tf.GradientTape() as tape:
+            tape.watch(t)
+            loss = tf.reduce_sum(hvd.alltoall(t, splits=splits)[0] * (r + 1.0))
+        return tape.gradient(loss, t)
+
+    grads["alltoall_graph"] = graph_grad(tf.ones([sum(splits)])).numpy()
+    out["grads"] = grads
     w = tf.Variable([1.0, 1.0])
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(w * (r + 1.0))
@@ -98,6 +140,28 @@ def test_eager_ops(ranks):
         np.testing.assert_array_equal(v["grouped"][1], [1])
 
 
+def test_alltoall_and_reducescatter(ranks):
+    import numpy as np
+
+    n, rows = len(ranks), 2 * len(ranks) + 1
+    for r, v in enumerate(ranks):
+        np.testing.assert_array_equal(v["alltoall_even"], [100 * k + 2 * r + j for k in range(n) for j in range(2)])
+        sent, received, dtype = v["alltoall_splits"]
+        assert dtype == tf.int32 and received.tolist() == [r + 1] * n
+        np.testing.assert_array_equal(sent, np.concatenate([np.full((r + 1, 2), k) for k in range(n)]))
+        mine = slice(0, 3) if r == 0 else slice(3, 5)  # 5 rows: rank 0 takes the extra one
+        total = np.arange(rows * 2.0).reshape(rows, 2) * n + sum(range(n))
+        np.testing.assert_array_equal(v["reducescatter_sum"], total[mine])
+        np.testing.assert_array_equal(v["reducescatter_avg"], np.full(3 if r == 0 else 2, (n + 1) / 2))
+        sent, received, scattered, grouped, shapes = v["graph_more"]
+        np.testing.assert_array_equal(sent, np.concatenate([np.full((r + 1, 2), k) for k in range(n)]))
+        assert received.tolist() == [r + 1] * n
+        np.testing.assert_array_equal(scattered, total[mine])
+        np.testing.assert_array_equal(grouped[0], [3.0, 5.0, 7.0])
+        np.testing.assert_array_equal(grouped[1], [1])
+        assert shapes == [[None, 2], [n], [None, 2], [3], [1]]
+
+
 def test_ops_inside_tf_function_keep_static_shapes(ranks):
     import numpy as np
 
@@ -112,8 +176,16 @@ def test_ops_inside_tf_function_keep_static_shapes(ranks):
 def test_gradients_and_distributed_gradient_tape(ranks):
     import numpy as np
 
-    for v in ranks:
+    for r, v in enumerate(ranks):
         np.testing.assert_array_equal(v["grad_allreduce"], [3.0, 3.0])  # sum over ranks of (r + 1)
+        g = v["grads"]
+        np.testing.assert_array_equal(g["allgather"], [3.0] * 5)  # every rank's loss reads every row
+        np.testing.assert_array_equal(g["broadcast"], [3.0 if r == 1 else 0.0] * 5)  # the root gets it all
+        sent_to = [k + 1.0 for k in range(2) for _ in range(k + 1)]  # rows sent to rank k carry k + 1
+        np.testing.assert_array_equal(g["alltoall"], sent_to)
+        np.testing.assert_array_equal(g["alltoall_graph"], sent_to)
+        np.testing.assert_array_equal(g["reducescatter_sum"], [1.0, 1.0, 1.0, 2.0, 2.0])  # the owner's weight
+        np.testing.assert_array_equal(g["reducescatter_avg"], [0.5, 0.5, 0.5, 1.0, 1.0])
         np.testing.assert_array_equal(v["tape"], [1.5, 1.5])  # averaged
         np.testing.assert_array_equal(v["tape_sum"], [3.0, 3.0])
         np.testing.assert_array_equal(v["graph_tape"], [1.5, 1.5])
@@ -135,3 +207,42 @@ def test_import_without_tensorflow_says_how_to_install_it():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ))
     assert out.stdout.strip() == "TensorFlow isn't installed: pip install 'sparkhvd[tensorflow]'", out.stderr
+
+
+_MISALIGNED = """
+import sys
+import numpy as np, tensorflow as tf, torch
+from torch.utils import dlpack
+from sparkhvd.collective.tensorflow._bridge import to_tf
+t = torch.from_numpy(np.arange(1 + 64 * 64, dtype=np.float32))[1:]  # 4 bytes past an aligned start
+assert t.data_ptr() % 64, t.data_ptr()
+x = to_tf(t, tf.float32) if sys.argv[1] == "bridge" else tf.experimental.dlpack.from_dlpack(dlpack.to_dlpack(t))
+print(float(tf.reduce_sum(x + 1.0)))
+"""
+
+
+@pytest.mark.parametrize("path", ["bridge", "raw"])
+def test_misaligned_buffer_reaches_tf_aligned(path):
+    # The raw DLPack hand-over is the control: TF aborts the process on the unaligned buffer.
+    out = subprocess.run([sys.executable, "-c", _MISALIGNED, path], capture_output=True, text=True, timeout=120)
+    if path == "bridge":
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert float(out.stdout.strip()) == sum(range(1, 64 * 64 + 1)) + 64 * 64
+    else:
+        assert out.returncode != 0 and "IsAligned" in out.stderr
+
+
+def test_bridge_shares_memory_both_ways():
+    import torch
+
+    from sparkhvd.collective.tensorflow._bridge import to_tf, to_torch
+
+    t = torch.arange(1024, dtype=torch.float32)
+    x = to_tf(t, tf.float32)
+    assert to_torch(x).data_ptr() == t.data_ptr()  # torch -> TF -> torch without a copy
+    for dtype in (tf.bfloat16, tf.float16, tf.int32, tf.int64, tf.bool):
+        value = tf.cast(tf.range(6) % 2, dtype)
+        back = to_tf(to_torch(value), dtype)
+        assert back.dtype == dtype and back.numpy().tolist() == value.numpy().tolist()
+    view = torch.arange(17, dtype=torch.float64)[1:]  # 8 bytes off: copied once, into aligned memory
+    assert to_tf(view, tf.float64).numpy().tolist() == view.tolist()

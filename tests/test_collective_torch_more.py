@@ -199,9 +199,8 @@ def test_grouped_allreduce_variants(ranks):
 def test_alltoall(ranks):
     n = len(ranks)
     for r, v in enumerate(ranks):
-        out, received = v["alltoall_even"]
+        out = v["alltoall_even"]  # without splits, Horovod returns the tensor alone
         assert torch.equal(out, torch.tensor([100 * k + 2 * r + j for k in range(n) for j in range(2)]))
-        assert torch.equal(received, torch.full((n,), 2, dtype=torch.int32))
         out, received = v["alltoall_splits"]
         assert torch.equal(received, torch.full((n,), r + 1, dtype=torch.int32))
         assert torch.equal(out, torch.cat([torch.full((r + 1, 2), k) for k in range(n)]))

@@ -15,16 +15,18 @@ except ModuleNotFoundError as _exc:  # Ray Train's guard: one sentence, the inst
     raise ModuleNotFoundError("TensorFlow isn't installed: pip install 'sparkhvd[tensorflow]'",
                               name="tensorflow") from None
 
-from ..torch import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_object, broadcast_object,
-                     cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank, local_size, rank,
-                     shutdown, size)
-from ._ops import (Compression, DistributedGradientTape, allgather, allreduce, broadcast, broadcast_variables,
-                   grouped_allreduce)
+from ..torch import (Adasum, Average, Max, Min, ProcessSet, Product, ReduceOp, Sum, add_process_set,
+                     allgather_object, broadcast_object, cross_rank, cross_size, global_process_set, init,
+                     is_homogeneous, is_initialized, local_rank, local_size, rank, remove_process_set, shutdown, size)
+from ._ops import (Compression, DistributedGradientTape, allgather, allreduce, alltoall, broadcast,
+                   broadcast_variables, grouped_allreduce, grouped_reducescatter, reducescatter)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "is_homogeneous",
-    "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_variables",
+    "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_variables", "alltoall",
+    "reducescatter", "grouped_reducescatter", "ProcessSet", "global_process_set", "add_process_set",
+    "remove_process_set",
     "broadcast_object", "allgather_object", "DistributedGradientTape", "Compression",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
 ]

@@ -1,38 +1,37 @@
-"""TensorFlow tensors on the shared torch engine: through NumPy, into TF-owned memory on the way back.
+"""TensorFlow tensors on the shared torch engine, both ways through DLPack without copies.
 
-``tensor.numpy()`` becomes a torch tensor without a copy (``torch.from_numpy``; bfloat16 goes
-through a uint16 view, since NumPy has no bfloat16 of its own). The result goes back with
-``tf.convert_to_tensor``, which copies into memory TensorFlow allocated itself, so TF never
-sees a foreign buffer (it aborts the process on DLPack memory that is not 64-byte aligned).
+``to_torch`` views a TF tensor's memory as a torch tensor (callers clone before writing into
+it). ``to_tf`` hands a torch result to TF the same way, after making sure its memory is
+64-byte aligned: TF aborts the whole process (``Check failed: IsAligned()``) the first time an
+op reads an unaligned buffer, and a view into the middle of a torch or NumPy buffer can be
+anywhere. torch's CPU allocator aligns to 64 bytes, so an unaligned result is cloned once.
 Inside ``tf.function`` the op runs through ``tf.py_function`` and the static shape is restored.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import tensorflow as tf
 import torch
+from torch.utils import dlpack as torch_dlpack
+
+ALIGNMENT = 64  # bytes; TF's Tensor::IsAligned (EIGEN_MAX_ALIGN_BYTES)
 
 
 def to_torch(tensor) -> torch.Tensor:
-    """A torch tensor over (a copy of) the TF tensor's values."""
-    # np.asarray keeps 0-d arrays 0-d (np.ascontiguousarray would make them 1-d).
-    array = np.asarray(tensor.numpy() if hasattr(tensor, "numpy") else tensor, order="C")
-    if tensor.dtype == tf.bfloat16:
-        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
-    if array.dtype == np.bool_:
-        return torch.from_numpy(array.astype(np.uint8))
-    return torch.from_numpy(array)
+    """A torch tensor over the TF tensor's own memory (no copy): read it, do not write it."""
+    return torch_dlpack.from_dlpack(tf.experimental.dlpack.to_dlpack(tf.convert_to_tensor(tensor)))
 
 
 def to_tf(t: torch.Tensor, dtype: tf.DType) -> tf.Tensor:
-    """A TF tensor (TF-owned memory) with the torch tensor's values."""
-    t = t.detach().cpu().contiguous()
-    if dtype == tf.bfloat16:
-        array = t.view(torch.uint16).numpy().view(tf.bfloat16.as_numpy_dtype)
-    else:
-        array = t.numpy()
-    return tf.convert_to_tensor(array, dtype=dtype)
+    """A TF tensor over ``t``'s memory (no copy when ``t`` is contiguous and 64-byte aligned).
+
+    TF takes ownership of a reference: the caller must not write into ``t`` afterwards.
+    """
+    t = t.detach()
+    if not t.is_contiguous() or t.data_ptr() % ALIGNMENT:
+        t = t.clone(memory_format=torch.contiguous_format)  # a fresh, aligned allocation
+    out = tf.experimental.dlpack.from_dlpack(torch_dlpack.to_dlpack(t))
+    return out if out.dtype == dtype else tf.cast(out, dtype)
 
 
 def run(fn, tensor, out_shape):

@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from ..torch import _ops as _torch_ops
 from ..torch._handles import synchronize
+from ..torch._process_sets import global_process_set
 from ._bridge import run, to_tf, to_torch
 
 
@@ -33,14 +34,14 @@ class Compression:
             return tensor if ctx is None else tf.cast(tensor, ctx)
 
 
-def _reduce_now(tensor, op, prescale, postscale):
-    t = to_torch(tensor).clone()
-    _torch_ops.allreduce_(t, op=op, prescale_factor=prescale, postscale_factor=postscale)
+def _reduce_now(tensor, op, prescale, postscale, process_set):
+    t = synchronize(_torch_ops.allreduce_async(to_torch(tensor), op=op, prescale_factor=prescale,
+                                               postscale_factor=postscale, process_set=process_set))
     return to_tf(t, tensor.dtype)
 
 
-def allreduce(tensor, average=None, name=None, op=None, compression=Compression.none, prescale_factor=1.0,
-              postscale_factor=1.0):
+def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set):
     """Reduce ``tensor`` across the ranks (default: Average); differentiable."""
     op = _torch_ops._resolve_op(op, average)
     tensor = tf.convert_to_tensor(tensor)
@@ -48,14 +49,16 @@ def allreduce(tensor, average=None, name=None, op=None, compression=Compression.
 
     @tf.custom_gradient
     def reduce(x):
-        out = run(lambda v: _reduce_now(v, op, prescale_factor, postscale_factor), x, x.shape)
+        out = run(lambda v: _reduce_now(v, op, prescale_factor, postscale_factor, process_set), x, x.shape)
         return out, lambda dy: allreduce(dy, op=op, prescale_factor=prescale_factor,
-                                         postscale_factor=postscale_factor)
+                                         postscale_factor=postscale_factor, process_set=process_set)
 
     return compression.decompress(reduce(wire), ctx)
 
 
-def grouped_allreduce(tensors, average=None, name=None, op=None, compression=Compression.none):
+def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
+                      op=None, prescale_factor=1.0, postscale_factor=1.0, name=None,
+                      process_set=global_process_set):
     """Reduce a list of tensors in one fused operation (one reduction per dtype); returns new tensors.
 
     Inside ``tf.function`` the whole group is one ``py_function``.
@@ -64,61 +67,63 @@ def grouped_allreduce(tensors, average=None, name=None, op=None, compression=Com
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
+
+    def now(*ts):
+        wires = [compression.compress(t) for t in ts]
+        torch_tensors = [to_torch(w).clone() for w, _ in wires]
+        synchronize(_torch_ops.grouped_allreduce_async_(torch_tensors, op=op, prescale_factor=prescale_factor,
+                                                        postscale_factor=postscale_factor, process_set=process_set))
+        return [compression.decompress(to_tf(t, w.dtype), c) for t, (w, c) in zip(torch_tensors, wires)]
+
     if tf.executing_eagerly():
-        return _grouped_eager(tensors, op, compression)
-    outs = tf.py_function(lambda *ts: _grouped_eager(list(ts), op, compression), tensors,
-                          Tout=[t.dtype for t in tensors])
+        return now(*tensors)
+    outs = tf.py_function(now, tensors, Tout=[t.dtype for t in tensors])
     for out, t in zip(outs, tensors):
         out.set_shape(t.shape)
     return list(outs)
 
 
-def _grouped_eager(tensors, op, compression, prescale=1.0, postscale=1.0):
-    wires = [compression.compress(t) for t in tensors]
-    torch_tensors = [to_torch(w).clone() for w, _ in wires]
-    synchronize(_torch_ops.grouped_allreduce_async_(torch_tensors, op=op, prescale_factor=prescale,
-                                                    postscale_factor=postscale))
-    return [compression.decompress(to_tf(t, w.dtype), c) for t, (w, c) in zip(torch_tensors, wires)]
-
-
-def broadcast(tensor, root_rank, name=None):
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Rank ``root_rank``'s value of ``tensor``; differentiable (the root gets the summed gradient)."""
     tensor = tf.convert_to_tensor(tensor)
 
     def now(v):
-        t = to_torch(v).clone()
-        _torch_ops.broadcast_(t, root_rank)
-        return to_tf(t, v.dtype)
+        return to_tf(synchronize(_torch_ops.broadcast_async(to_torch(v), root_rank, process_set=process_set)),
+                     v.dtype)
 
     @tf.custom_gradient
     def bcast(x):
         out = run(now, x, x.shape)
 
         def grad(dy):
-            summed = allreduce(dy, op=_torch_ops.Sum)
-            return summed if _torch_ops._engine.topology().rank == root_rank else tf.zeros_like(summed)
+            summed = allreduce(dy, op=_torch_ops.Sum, process_set=process_set)
+            return summed if process_set.rank() == root_rank else tf.zeros_like(summed)
 
         return out, grad
 
     return bcast(tensor)
 
 
-def allgather(tensor, name=None):
+def _first_dim_unknown(shape: tf.TensorShape) -> tf.TensorShape:
+    return tf.TensorShape([None]).concatenate(shape[1:]) if shape.rank else tf.TensorShape([None])
+
+
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Every rank's ``tensor`` concatenated along the first dimension (which may differ)."""
     tensor = tf.convert_to_tensor(tensor)
 
     def now(v):
-        return to_tf(synchronize(_torch_ops.allgather_async(to_torch(v))), v.dtype)
+        return to_tf(synchronize(_torch_ops.allgather_async(to_torch(v), process_set=process_set)), v.dtype)
 
     @tf.custom_gradient
     def gather(x):
-        out = run(now, x, tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else [None])
+        out = run(now, x, _first_dim_unknown(x.shape))
         rows = tf.shape(x)[0] if x.shape.rank else 1
 
         def grad(dy):
-            summed = allreduce(dy, op=_torch_ops.Sum)
-            counts = allgather(tf.reshape(tf.cast(rows, tf.int64), [1]))
-            start = tf.reduce_sum(counts[:_torch_ops._engine.topology().rank])
+            summed = allreduce(dy, op=_torch_ops.Sum, process_set=process_set)
+            counts = allgather(tf.reshape(tf.cast(rows, tf.int64), [1]), process_set=process_set)
+            start = tf.reduce_sum(counts[:process_set.rank()])
             return tf.reshape(summed[start:start + tf.cast(rows, tf.int64)], tf.shape(x))
 
         return out, grad
@@ -126,10 +131,78 @@ def allgather(tensor, name=None):
     return gather(tensor)
 
 
-def broadcast_variables(variables, root_rank: int = 0) -> None:
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Send ``splits[i]`` rows of ``tensor`` to rank i (even parts without splits); differentiable.
+
+    Returns the received tensor (rows from rank 0 first) and, as in Horovod, only when
+    ``splits`` is given, also the received splits (int32): ``(tensor, received_splits)``.
+    """
+    tensor = tf.convert_to_tensor(tensor)
+    given = splits is not None
+    wire_splits = tf.cast(tf.convert_to_tensor(splits if given else [], dtype_hint=tf.int32), tf.int32)
+    received = []
+
+    def now(v, s):
+        out, recv = synchronize(_torch_ops.alltoall_async(to_torch(v), to_torch(s) if given else None,
+                                                          process_set=process_set))
+        return to_tf(out, v.dtype), to_tf(recv, tf.int32)
+
+    @tf.custom_gradient
+    def exchange(x):
+        if tf.executing_eagerly():
+            out, recv = now(x, wire_splits)
+        else:
+            out, recv = tf.py_function(now, [x, wire_splits], Tout=[x.dtype, tf.int32])
+            out.set_shape(_first_dim_unknown(x.shape))
+            recv.set_shape([process_set.size()])
+        received.append(recv)
+        return out, lambda dy: alltoall(dy, splits=recv, process_set=process_set)[0]
+
+    output = exchange(tensor)
+    return (output, received[0]) if given else output
+
+
+def reducescatter(tensor, device_dense="", compression=Compression.none, op=_torch_ops.Average, name=None,
+                  process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0,
+                  postscale_factor=1.0):
+    """Reduce ``tensor`` across the ranks and keep this rank's rows of the result; differentiable.
+
+    The first dimension is divided as evenly as possible; lower ranks take the extra rows.
+    """
+    op = _torch_ops._resolve_op(op, None)
+    tensor = tf.convert_to_tensor(tensor)
+    wire, ctx = compression.compress(tensor)
+
+    def now(v):
+        return to_tf(synchronize(_torch_ops.reducescatter_async(
+            to_torch(v), op=op, process_set=process_set, prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor)), v.dtype)
+
+    @tf.custom_gradient
+    def scatter(x):
+        out = run(now, x, _first_dim_unknown(x.shape))
+
+        def grad(dy):
+            gathered = allgather(dy, process_set=process_set)
+            return gathered / process_set.size() if op == _torch_ops.Average else gathered
+
+        return out, grad
+
+    return compression.decompress(scatter(wire), ctx)
+
+
+def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=_torch_ops.Average, name=None,
+                          process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0,
+                          postscale_factor=1.0):
+    """``reducescatter`` of each tensor in a list."""
+    return [reducescatter(t, compression=compression, op=op, process_set=process_set,
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor) for t in tensors]
+
+
+def broadcast_variables(variables, root_rank: int = 0, process_set=global_process_set) -> None:
     """Assign every rank's variables rank ``root_rank``'s values."""
     for v in variables:
-        v.assign(broadcast(v, root_rank))
+        v.assign(broadcast(v, root_rank, process_set=process_set))
 
 
 class DistributedGradientTape:

@@ -126,10 +126,12 @@ class _Alltoall(torch.autograd.Function):
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     """Send ``splits[i]`` rows of ``tensor`` to rank i (even parts without splits).
 
-    Returns ``(received tensor, received splits)``: rows from rank 0 first.
+    Returns the received tensor (rows from rank 0 first) and, as in Horovod, only when
+    ``splits`` is given, also the received splits: ``(tensor, received_splits)``.
     """
     _ops._check_tensor(tensor, "alltoall")
-    return _Alltoall.apply(tensor, splits, process_set)
+    output, received = _Alltoall.apply(tensor, splits, process_set)
+    return output if splits is None else (output, received)
 
 
 class _Reducescatter(torch.autograd.Function):
