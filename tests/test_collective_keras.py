@@ -45,20 +45,38 @@ def _fit():
         hvd.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=2)
     except NotImplementedError as exc:
         errors.append(str(exc))
-    xla = _model(seed=0)
-    xla.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=True)
-    try:
-        xla.fit(x, y, batch_size=8, epochs=1, verbose=0)
-        errors.append("no error")
-    except Exception as exc:  # noqa: BLE001 - Keras may wrap it
-        errors.append(str(exc))
-    return [w.tolist() for w in model.get_weights()], history.history["loss"], errors
+    variants = {}
+    for key, optimizer_args, compile_args in (("steps_per_execution", {}, {"steps_per_execution": 2}),
+                                              ("accumulation", {"gradient_accumulation_steps": 2}, {})):
+        m = _model(seed=0)
+        m.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, **optimizer_args)), loss="mse",
+                  **compile_args)
+        m.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        variants[key] = [w.tolist() for w in m.get_weights()]
+    errors.append(variants)
+    import warnings
+
+    xla = {}
+    for case in ("callback", "no callback"):
+        m = _model(seed=hvd.rank())
+        m.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse",
+                  jit_compile=True)  # XLA works on CPU too
+        callbacks = [hvd.BroadcastGlobalVariablesCallback(0)] if case == "callback" else []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                m.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=callbacks)
+                outcome = [w.tolist() for w in m.get_weights()]
+            except Exception as exc:  # noqa: BLE001 - Keras may wrap it
+                outcome = str(exc)
+        xla[case] = (outcome, m.jit_compile, [str(w.message) for w in caught if "jit_compile" in str(w.message)])
+    return [w.tolist() for w in model.get_weights()], history.history["loss"], errors, xla
 
 
 def test_model_fit_averages_gradients_like_training_on_the_whole_batch():
     import keras
 
-    (w0, loss0, errors), (w1, loss1, _) = HorovodRunner(np=-2).run_all(_fit).values
+    (w0, loss0, errors, _), (w1, loss1, _, _) = HorovodRunner(np=-2).run_all(_fit).values
     for a, b in zip(w0, w1):
         np.testing.assert_array_equal(a, b)  # identical on both ranks
     assert loss0 == loss1 and loss0[-1] < loss0[0]  # metrics averaged over the ranks; it learns
@@ -71,9 +89,28 @@ def test_model_fit_averages_gradients_like_training_on_the_whole_batch():
     model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
     for got, want in zip(w0, model.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for key, optimizer_args, compile_args in (("steps_per_execution", {}, {"steps_per_execution": 2}),
+                                              ("accumulation", {"gradient_accumulation_steps": 2}, {})):
+        model = _model(seed=0)
+        model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.1, **optimizer_args), loss="mse",
+                      **compile_args)
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        for got, want in zip(errors[2][key], model.get_weights()):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=key)
     assert errors[0] == "DistributedOptimizer wraps a Keras optimizer, got str."
     assert "create the optimizer with gradient_accumulation_steps=2 instead" in errors[1]
-    assert "pass jit_compile=False to model.compile()" in errors[2]
+
+
+def test_xla_is_switched_off_with_a_warning_or_fails_clearly():
+    (*_, xla0), (*_, xla1) = HorovodRunner(np=-2).run_all(_fit).values
+    (w0, jit0, warned), (w1, _, _) = xla0["callback"], xla1["callback"]
+    assert isinstance(w0, list) and w0 == w1  # trained, with the same weights on both ranks
+    assert jit0 is False and len(warned) == 1
+    assert warned[0].startswith("sparkhvd: this model was compiled with jit_compile=True (XLA;")
+    assert "the train step runs without XLA instead" in warned[0]
+    outcome, jit, warned = xla0["no callback"]  # nothing sees fit() start: the train step fails clearly
+    assert "where sparkhvd's gradient averaging cannot run; pass jit_compile=False to model.compile()" in outcome
+    assert jit is True and warned == []
 
 
 def _callbacks(folder):

@@ -7,14 +7,22 @@ import numpy as np
 
 from ..tensorflow._ops import broadcast_variables
 from ..torch import allgather_object
+from ._optimizer import turn_off_xla
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
-    """At the start of training, every rank takes rank ``root_rank``'s weights (and optimizer state)."""
+    """At the start of training, every rank takes rank ``root_rank``'s weights (and optimizer state).
+
+    It also compiles the train step without XLA when the model asked for it (see DistributedOptimizer).
+    """
 
     def __init__(self, root_rank: int = 0, device: str = ""):
         super().__init__()
         self.root_rank = root_rank
+
+    def set_model(self, model):
+        super().set_model(model)
+        turn_off_xla(model)  # fit() sets the model before it makes the train step
 
     def on_train_begin(self, logs=None):
         broadcast_variables(self.model.variables, self.root_rank)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import tensorflow as tf
 
 from .. import _engine
@@ -18,15 +20,34 @@ def _in_xla_context() -> bool:
     return bool(control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()))
 
 
+def _averaging() -> bool:
+    return _engine.is_initialized() and _engine.topology().size > 1
+
+
+def turn_off_xla(model) -> None:
+    """Compile ``model``'s train step without XLA, where the gradient averaging cannot run (size > 1)."""
+    if not (_averaging() and isinstance(getattr(model, "optimizer", None), _DistributedKerasMixin)
+            and model.jit_compile):
+        return
+    warnings.warn(
+        "sparkhvd: this model was compiled with jit_compile=True (XLA; Keras's \"auto\" choice on GPUs), but "
+        "DistributedOptimizer averages gradients in a Python-side collective that XLA cannot compile, so the "
+        "train step runs without XLA instead. Pass jit_compile=False to model.compile() to silence this warning.",
+        stacklevel=3)
+    model.jit_compile = False
+    model.train_function = None  # made again, without XLA, by the next fit()
+
+
 class _DistributedKerasMixin:
     """Placed before the user's optimizer class: ``apply`` first averages the gradients."""
 
     def apply(self, grads, trainable_variables=None):
-        if _engine.is_initialized() and _engine.topology().size > 1 and len(grads):
+        if _averaging() and len(grads):
             if _in_xla_context():
                 raise RuntimeError(
-                    "model.fit compiled its train step with XLA (jit_compile=True, Keras's default on GPUs), where "
-                    "sparkhvd's gradient averaging cannot run; pass jit_compile=False to model.compile().")
+                    "model.fit compiled its train step with XLA (jit_compile=True, Keras's \"auto\" choice on GPUs), "
+                    "where sparkhvd's gradient averaging cannot run; pass jit_compile=False to model.compile(), or "
+                    "add hvd.BroadcastGlobalVariablesCallback(0) to fit()'s callbacks, which switches XLA off.")
             dense = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
             present = [g for g in dense if g is not None]
             reduced = iter(grouped_allreduce(present, op=self._hvd_op, compression=self._hvd_compression))
@@ -79,4 +100,5 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     model = keras.models.load_model(filepath, custom_objects=objects or None)
     if getattr(model, "optimizer", None) is not None and not isinstance(model.optimizer, _DistributedKerasMixin):
         DistributedOptimizer(model.optimizer, compression=compression, op=op)
+    turn_off_xla(model)
     return model
