@@ -103,6 +103,11 @@ def _rank_env(spec: TaskSpec, placement: dict, gpus: list[str] | None) -> dict:
         ENV_PARENT: str(os.getpid()),
         "PYTHONUNBUFFERED": "1",
     })
+    if "OMP_NUM_THREADS" not in env:
+        # As torchrun does: ranks sharing a host split its cores, instead of each starting one OpenMP
+        # thread per core, whose spinning then starves the other ranks (measured: a Keras step at np=2
+        # on 2 cores went from 20 ms to 7 ms).
+        env["OMP_NUM_THREADS"] = str(omp_threads(placement["local_size"]))
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
@@ -110,6 +115,15 @@ def _rank_env(spec: TaskSpec, placement: dict, gpus: list[str] | None) -> dict:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return env
+
+
+def omp_threads(local_size: int) -> int:
+    """The CPU threads each of ``local_size`` ranks on this host gets: an equal share, at least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, local_size))
 
 
 def _pump(client: ServiceClient, rank: int, stream: str, pipe) -> None:

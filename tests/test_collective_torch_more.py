@@ -425,3 +425,48 @@ def test_a_problem_on_one_rank_fails_every_rank_without_a_hang():
     expected = (torch.tensor([0.0, 1.0, 2.0]) - 1.0) / torch.sqrt(torch.tensor(2 / 3 + 1e-5))
     torch.testing.assert_close(torch.cat([x["bn_eval"] for x in v]).flatten(), expected)
     assert v[0]["dup_param"] == 2
+
+
+def _inline_and_wire(numels):
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+    from sparkhvd.collective.torch._check import inline_capacity
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    out = {"capacity": inline_capacity(n)}
+    for numel in numels:  # one that rides in the control exchange, one that does not
+        base = torch.arange(numel, dtype=torch.float64) % 7 + r
+        t = base.clone()
+        hvd.allreduce_(t, op=hvd.Sum, prescale_factor=2.0)
+        out[numel] = {
+            "sum_": t, "avg": hvd.allreduce(base), "min": hvd.allreduce(base, op=hvd.Min),
+            "max": hvd.allreduce(base.float(), op=hvd.Max), "prod": hvd.allreduce(base.int() + 1, op=hvd.Product),
+            "post": hvd.allreduce(base, op=hvd.Sum, postscale_factor=0.5),
+            "grouped": hvd.grouped_allreduce([base, base.float(), base.long()], op=hvd.Average),
+            "async": hvd.synchronize(hvd.allreduce_async(base.half(), op=hvd.Sum)),
+        }
+    return out
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_reductions_inside_and_beyond_the_control_frame(np_):
+    numels = [1000, 40_000]  # 8 KB and 320 KB of float64: under and over every set's frame
+    values = HorovodRunner(np=-np_).run_all(_inline_and_wire, numels=numels).values
+    assert 1000 * 8 <= values[0]["capacity"] < 40_000 * 8
+    for numel in numels:
+        per_rank = [torch.arange(numel, dtype=torch.float64) % 7 + r for r in range(np_)]
+        total = sum(per_rank)
+        for v in values:
+            got = v[numel]
+            assert torch.equal(got["sum_"], total * 2)
+            assert torch.equal(got["avg"], total / np_)
+            assert torch.equal(got["min"], per_rank[0]) and torch.equal(got["max"], per_rank[-1].float())
+            assert torch.equal(got["prod"], torch.stack([p.int() + 1 for p in per_rank]).prod(0).int())
+            assert torch.equal(got["post"], total * 0.5)
+            assert [g.dtype for g in got["grouped"]] == [torch.float64, torch.float32, torch.int64]
+            assert torch.equal(got["grouped"][0], total / np_)
+            assert torch.equal(got["grouped"][1], (total / np_).float())
+            assert torch.equal(got["grouped"][2], total.long() // np_)
+            assert torch.equal(got["async"], total.half())

@@ -68,6 +68,7 @@ def _ops_while_joined():
     out["sum"] = hvd.allreduce(torch.ones(3), op=hvd.Sum)
     out["avg"] = hvd.allreduce(torch.ones(2) * 3)
     out["grouped"] = hvd.grouped_allreduce([torch.ones(2), torch.ones(1, dtype=torch.int64)], op=hvd.Sum)
+    out["large"] = hvd.allreduce(torch.ones(100_000), op=hvd.Sum)  # beyond the control frame: a mirrored op
     bn = hvd.SyncBatchNorm(1, affine=False)
     out["bn"] = bn(torch.tensor([[0.0], [2.0]]) + 10 * r)  # stats over ranks 1 and 2 only
     out["last"] = hvd.join()
@@ -82,6 +83,7 @@ def test_reductions_while_a_rank_has_joined():
         assert torch.equal(v["avg"], torch.full((2,), 2.0))  # (3 + 3 + 0) / 3
         assert torch.equal(v["grouped"][0], torch.full((2,), 2.0))
         assert torch.equal(v["grouped"][1], torch.full((1,), 2, dtype=torch.int64))
+        assert torch.equal(v["large"], torch.full((100_000,), 2.0))
     values = torch.tensor([0.0, 2.0, 10.0, 12.0])  # the batch statistics cover ranks 1 and 2 only
     expected = (values - values.mean()) / torch.sqrt(values.var(unbiased=False) + 1e-5)
     torch.testing.assert_close(torch.cat([v1["bn"], v2["bn"]]).flatten(), expected)

@@ -286,3 +286,20 @@ def test_a_very_long_output_line_reaches_the_log_in_pieces():
     with open(result.log_paths[0], encoding="utf-8") as f:
         text = f.read()
     assert text.count("é") == 300_000 and "after the long line" in text
+
+
+def _threads():
+    import os
+
+    import torch
+
+    return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+
+
+def test_ranks_on_one_host_share_its_cores_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert HorovodRunner(np=-2).run_all(_threads).values == [(share, int(share))] * 2
+    chosen = "2" if share == "1" else "1"  # something else than the share
+    monkeypatch.setenv("OMP_NUM_THREADS", chosen)
+    assert HorovodRunner(np=-2).run_all(_threads).values == [(chosen, int(chosen))] * 2

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import _timeline
-from ._check import verify
+from ._check import inline_fits, verify
 
 DEFAULT_THRESHOLD = 64 * 1024 * 1024
 ENV_THRESHOLD = "HOROVOD_FUSION_THRESHOLD"
@@ -159,9 +159,12 @@ class GradientBuckets:
 def launch_allreduce(flat: torch.Tensor, *, op_is_average: bool, predivide: float, compression, process_set):
     """Start one bucket's reduction: returns (work, context for finish_allreduce)."""
     wire, ctx = compression.compress(flat)
-    verify("DistributedOptimizer bucket", [wire], process_set, mirror=wire)  # a joined rank mirrors it
     if op_is_average and predivide != 1.0:
         wire.mul_(1.0 / predivide)
+    reduced = verify("DistributedOptimizer bucket", [wire], process_set, mirror=wire,  # a joined rank mirrors it
+                     inline=wire if inline_fits(wire, process_set) else None)
+    if reduced is not None:  # a small bucket rode in the check's exchange
+        return None, (reduced, ctx)
     return dist.all_reduce(wire, group=process_set.group, async_op=True), (wire, ctx)
 
 

@@ -15,7 +15,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import _engine
 from . import _timeline
-from ._check import verify
+from ._check import inline_fits, verify
 from ._handles import Handle, name_problem, register, synchronize
 from ._process_sets import ProcessSet, global_process_set
 
@@ -99,21 +99,30 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     _check_tensor(tensor, "allreduce")
     op = _resolve_op(op, average)
     group = _group(process_set, _what)
+    reduced = None
     if _check:
-        verify(_what, [tensor], process_set, extra=f"op={op.name}", mirror=_joinable(tensor, op),
-               problem=name_problem(name))
+        inline = None
+        if inline_fits(tensor, process_set):  # small: the data rides in the check's exchange
+            with torch.no_grad():
+                inline = tensor.detach() * prescale_factor if prescale_factor != 1.0 else tensor.detach()
+        reduced = verify(_what, [tensor], process_set, extra=f"op={op.name}", mirror=_joinable(tensor, op),
+                         problem=name_problem(name), inline=inline, inline_op=_C10D_OPS[op])
     size = process_set.size()
     with torch.no_grad():
-        if prescale_factor != 1.0:
-            tensor.mul_(prescale_factor)
-        work = dist.all_reduce(tensor, op=_C10D_OPS[op], group=group, async_op=True)
+        if reduced is not None:
+            tensor.copy_(reduced.view_as(tensor))
+            works = []
+        else:
+            if prescale_factor != 1.0:
+                tensor.mul_(prescale_factor)
+            works = [dist.all_reduce(tensor, op=_C10D_OPS[op], group=group, async_op=True)]
 
     def finish():
         with torch.no_grad():
             _scale_after(tensor, op, size, postscale_factor)
         return tensor
 
-    return register(Handle([work], finish, name, kind="allreduce", nbytes=_nbytes(tensor)))
+    return register(Handle(works, finish, name, kind="allreduce", nbytes=_nbytes(tensor)))
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -128,8 +137,13 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
         # the average can be one pass instead of three, with a bit-identical result.
         with torch.no_grad():
             scaled = torch.mul(tensor.detach(), prescale_factor / size)
-        verify(_what, [tensor], process_set, extra=f"op={op.name}", mirror=tensor,  # as the user called it
-               problem=name_problem(name))
+        reduced = verify(_what, [tensor], process_set, extra=f"op={op.name}", mirror=tensor,  # as the user called it
+                         problem=name_problem(name), inline=scaled if inline_fits(scaled, process_set) else None)
+        if reduced is not None:  # rode in the exchange: done
+            result = reduced.view_as(tensor)
+            if postscale_factor != 1.0:
+                result.mul_(postscale_factor)
+            return register(Handle([], lambda: result, name, kind="allreduce", nbytes=_nbytes(tensor)))
         return allreduce_async_(scaled, name=name, op=Sum, postscale_factor=postscale_factor,
                                 process_set=process_set, _check=False)
     return allreduce_async_(tensor.detach().clone(), None, name, op, prescale_factor, postscale_factor,
@@ -158,11 +172,16 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     with torch.no_grad():
         for i, members in enumerate(buckets.values()):
             flat = _flatten_dense_tensors([m.detach() for m in members])
-            verify("grouped_allreduce", tensors, process_set, extra=f"op={op.name}, bucket {i} of {len(buckets)}",
-                   mirror=_joinable(flat, op), problem=name_problem(name))
             if prescale_factor != 1.0:
                 flat.mul_(prescale_factor)
-            works.append(dist.all_reduce(flat, op=_C10D_OPS[op], group=group, async_op=True))
+            reduced = verify("grouped_allreduce", members, process_set,
+                             extra=f"op={op.name}, bucket {i} of {len(buckets)}", mirror=_joinable(flat, op),
+                             problem=name_problem(name), inline=flat if inline_fits(flat, process_set) else None,
+                             inline_op=_C10D_OPS[op])
+            if reduced is not None:  # small: it rode in the check's exchange
+                flat = reduced
+            else:
+                works.append(dist.all_reduce(flat, op=_C10D_OPS[op], group=group, async_op=True))
             flats.append((flat, members))
 
     def finish():
