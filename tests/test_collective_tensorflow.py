@@ -74,6 +74,8 @@ def _tf_ops():
         "alltoall": lambda t: hvd.alltoall(t, splits=splits)[0],
         "reducescatter_sum": lambda t: hvd.reducescatter(t, op=hvd.Sum),
         "reducescatter_avg": lambda t: hvd.reducescatter(t, op=hvd.Average),
+        "reducescatter_scaled": lambda t: hvd.reducescatter(t, op=hvd.Sum, prescale_factor=3.0,
+                                                            postscale_factor=0.5),
     }
     for key, op in ops.items():
         t = tf.Variable(tf.ones([sum(splits) if key == "alltoall" else rows]))
@@ -186,6 +188,7 @@ def test_gradients_and_distributed_gradient_tape(ranks):
         np.testing.assert_array_equal(g["alltoall_graph"], sent_to)
         np.testing.assert_array_equal(g["reducescatter_sum"], [1.0, 1.0, 1.0, 2.0, 2.0])  # the owner's weight
         np.testing.assert_array_equal(g["reducescatter_avg"], [0.5, 0.5, 0.5, 1.0, 1.0])
+        np.testing.assert_array_equal(g["reducescatter_scaled"], [1.5, 1.5, 1.5, 3.0, 3.0])
         np.testing.assert_array_equal(v["tape"], [1.5, 1.5])  # averaged
         np.testing.assert_array_equal(v["tape_sum"], [3.0, 3.0])
         np.testing.assert_array_equal(v["graph_tape"], [1.5, 1.5])

@@ -470,3 +470,52 @@ def test_reductions_inside_and_beyond_the_control_frame(np_):
             assert torch.equal(got["grouped"][1], (total / np_).float())
             assert torch.equal(got["grouped"][2], total.long() // np_)
             assert torch.equal(got["async"], total.half())
+
+
+def _review_cases():
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    out = {}
+    pair = hvd.add_process_set([1, 2])
+    model = torch.nn.Linear(2, 1)
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), process_set=pair)
+        out["outsider"] = "no error" if r == 0 else "wrapped"
+    except ValueError as exc:
+        out["outsider"] = str(exc)
+    t = torch.ones(3 + r)  # the ranks disagree: the op fails, and the tensor must stay as it was
+    try:
+        hvd.grouped_allreduce_([t], op=hvd.Sum, prescale_factor=2.0)
+    except ValueError:
+        pass
+    out["untouched"] = t
+    for numel in (4, 100_000):  # inside and beyond the control frame
+        try:
+            hvd.allreduce_(torch.full((numel,), 3, dtype=torch.int64), op=hvd.Sum, prescale_factor=0.5)
+            out[f"int_prescale_{numel}"] = "no error"
+        except ValueError as exc:
+            out[f"int_prescale_{numel}"] = str(exc)
+    x = torch.ones(2 * hvd.size() + 1, requires_grad=True)
+    (hvd.reducescatter(x, op=hvd.Sum, prescale_factor=3.0, postscale_factor=0.5) * (r + 1)).sum().backward()
+    out["rs_grad"] = x.grad
+    return out
+
+
+def test_outsiders_untouched_inputs_integer_scaling_and_scaled_gradients():
+    values = HorovodRunner(np=-3).run_all(_review_cases).values
+    assert values[0]["outsider"] == ("DistributedOptimizer: rank 0 is not in process set [1, 2]; call a process "
+                                     "set's collectives only on its members.")
+    assert values[1]["outsider"] == values[2]["outsider"] == "wrapped"
+    for r, v in enumerate(values):
+        assert torch.equal(v["untouched"], torch.ones(3 + r))
+        for numel in (4, 100_000):
+            assert v[f"int_prescale_{numel}"] == (
+                "prescale_factor=0.5 and postscale_factor=1.0 need a floating-point tensor, got int64; scale "
+                "integer tensors yourself, or leave both at 1.0.")
+        # 7 rows over 3 ranks: 3, 2, 2; each row's gradient is its owner's weight times the scales
+        owner_weight = torch.tensor([1.0] * 3 + [2.0] * 2 + [3.0] * 2)
+        assert torch.equal(v["rs_grad"], owner_weight * 1.5)

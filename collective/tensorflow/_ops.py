@@ -183,7 +183,7 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=_tor
         out = run(now, x, _first_dim_unknown(x.shape))
 
         def grad(dy):
-            gathered = allgather(dy, process_set=process_set)
+            gathered = allgather(dy, process_set=process_set) * (prescale_factor * postscale_factor)
             return gathered / process_set.size() if op == _torch_ops.Average else gathered
 
         return out, grad

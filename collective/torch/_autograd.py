@@ -137,14 +137,14 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, prescale, postscale, process_set):
-        ctx.args = (op, process_set)
+        ctx.args = (op, process_set, prescale * postscale)
         return synchronize(_ops.reducescatter_async(tensor, op=op, process_set=process_set,
                                                     prescale_factor=prescale, postscale_factor=postscale))
 
     @staticmethod
     def backward(ctx, grad):
-        op, process_set = ctx.args
-        gathered = _Allgather.apply(grad.contiguous(), process_set)
+        op, process_set, scale = ctx.args
+        gathered = _Allgather.apply(grad.contiguous(), process_set) * scale
         return (gathered / process_set.size() if op == _ops.Average else gathered), None, None, None, None
 
 

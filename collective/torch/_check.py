@@ -26,6 +26,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from ._process_sets import require_member
+
 ENV_CHECK = "SPARKHVD_CHECK_COLLECTIVES"
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
            torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
@@ -44,8 +46,9 @@ def enabled() -> bool:
 
 
 def inline_capacity(size: int) -> int:
-    """Payload bytes a control frame carries: 256 KB over the set, at least 4 KB per rank."""
-    return max(4096, (256 * 1024 // size) // 64 * 64)
+    """Payload bytes a control frame carries: 256 KB over the set (none below 1 KB a rank)."""
+    per_rank = (256 * 1024 // size) // 64 * 64
+    return per_rank if per_rank >= 1024 else 0
 
 
 def inline_fits(tensor: torch.Tensor, process_set) -> bool:
@@ -73,6 +76,7 @@ def verify(what: str, tensors: list, process_set, *, skip_first_dim: bool = Fals
     the exchange and the reduced result (a new flat tensor; ``inline_op`` over the working
     ranks, in rank order) is returned, and the caller runs no data op. Otherwise returns None.
     """
+    require_member(process_set, what)
     if not enabled() or process_set.size() == 1:
         if problem is not None:
             raise ValueError(problem)
@@ -115,6 +119,10 @@ def _raise_problems(problem: str | None, process_set) -> None:
     raise ValueError("; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None))
 
 
+# torch 2.13 renamed all_gather_into_tensor (which now warns) to all_gather_single.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def exchange(row: list, process_set) -> list:
     """Every rank's control vector, in set-rank order."""
     return _exchange(row, process_set, None)[0]
@@ -132,7 +140,7 @@ def _exchange(row: list, process_set, payload: torch.Tensor | None):
     if payload is not None:
         nbytes = payload.numel() * payload.element_size()
         send[_HEADER_BYTES:_HEADER_BYTES + nbytes].view(payload.dtype).copy_(payload.reshape(-1))
-    dist.all_gather_into_tensor(receive, send, group=process_set.group)
+    _all_gather_single(receive, send, group=process_set.group)
     frames = receive.view(n, -1)
     rows = frames[:, :_HEADER_BYTES].view(torch.int64).tolist()
     if process_set.group is None:  # join() works on the global set: only its exchanges count

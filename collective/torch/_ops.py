@@ -17,7 +17,7 @@ from .. import _engine
 from . import _timeline
 from ._check import inline_fits, verify
 from ._handles import Handle, name_problem, register, synchronize
-from ._process_sets import ProcessSet, global_process_set
+from ._process_sets import ProcessSet, global_process_set, require_member
 
 
 class ReduceOp(enum.IntEnum):
@@ -61,11 +61,7 @@ def _check_tensor(tensor, what: str) -> None:
 
 def _group(process_set: ProcessSet, what: str):
     """The c10d group of ``process_set``; this rank must be a member."""
-    if not isinstance(process_set, ProcessSet):
-        raise ValueError(f"process_set must be a ProcessSet, got {type(process_set).__name__}.")
-    if not process_set.included():
-        raise ValueError(f"{what}: rank {_engine.topology().rank} is not in process set {process_set.ranks}; "
-                         "call a process set's collectives only on its members.")
+    require_member(process_set, what)
     return process_set.group
 
 
@@ -74,6 +70,13 @@ def _root_problem(root_rank, process_set: ProcessSet) -> str | None:
     if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < size:
         where = "this job" if process_set is global_process_set else f"process set {process_set.ranks}"
         return f"root_rank={root_rank!r} is outside the ranks 0..{size - 1} of {where}."
+    return None
+
+
+def _scale_problem(tensor: torch.Tensor, prescale: float, postscale: float) -> str | None:
+    if (prescale != 1.0 or postscale != 1.0) and not (tensor.is_floating_point() or tensor.is_complex()):
+        return (f"prescale_factor={prescale} and postscale_factor={postscale} need a floating-point tensor, got "
+                f"{str(tensor.dtype).replace('torch.', '')}; scale integer tensors yourself, or leave both at 1.0.")
     return None
 
 
@@ -101,12 +104,13 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     group = _group(process_set, _what)
     reduced = None
     if _check:
+        problem = _scale_problem(tensor, prescale_factor, postscale_factor) or name_problem(name)
         inline = None
-        if inline_fits(tensor, process_set):  # small: the data rides in the check's exchange
+        if problem is None and inline_fits(tensor, process_set):  # small: the data rides in the exchange
             with torch.no_grad():
                 inline = tensor.detach() * prescale_factor if prescale_factor != 1.0 else tensor.detach()
         reduced = verify(_what, [tensor], process_set, extra=f"op={op.name}", mirror=_joinable(tensor, op),
-                         problem=name_problem(name), inline=inline, inline_op=_C10D_OPS[op])
+                         problem=problem, inline=inline, inline_op=_C10D_OPS[op])
     size = process_set.size()
     with torch.no_grad():
         if reduced is not None:
@@ -172,11 +176,12 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     with torch.no_grad():
         for i, members in enumerate(buckets.values()):
             flat = _flatten_dense_tensors([m.detach() for m in members])
-            if prescale_factor != 1.0:
-                flat.mul_(prescale_factor)
+            problem = _scale_problem(flat, prescale_factor, postscale_factor) or name_problem(name)
+            if prescale_factor != 1.0 and problem is None:
+                flat = flat * prescale_factor  # not in place: flat may be a view of the only member
             reduced = verify("grouped_allreduce", members, process_set,
                              extra=f"op={op.name}, bucket {i} of {len(buckets)}", mirror=_joinable(flat, op),
-                             problem=name_problem(name), inline=flat if inline_fits(flat, process_set) else None,
+                             problem=problem, inline=flat if inline_fits(flat, process_set) else None,
                              inline_op=_C10D_OPS[op])
             if reduced is not None:  # small: it rode in the check's exchange
                 flat = reduced

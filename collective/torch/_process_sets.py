@@ -74,6 +74,15 @@ def add_process_set(process_set) -> ProcessSet:
     return ps
 
 
+def require_member(process_set: ProcessSet, what: str) -> None:
+    """Raise unless this process is a member of ``process_set``."""
+    if not isinstance(process_set, ProcessSet):
+        raise ValueError(f"process_set must be a ProcessSet, got {type(process_set).__name__}.")
+    if not process_set.included():
+        raise ValueError(f"{what}: rank {_engine.topology().rank} is not in process set {process_set.ranks}; "
+                         "call a process set's collectives only on its members.")
+
+
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set on this rank. Returns False if it was not registered."""
     if process_set is global_process_set:
