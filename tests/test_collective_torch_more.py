@@ -519,3 +519,55 @@ def test_outsiders_untouched_inputs_integer_scaling_and_scaled_gradients():
         # 7 rows over 3 ranks: 3, 2, 2; each row's gradient is its owner's weight times the scales
         owner_weight = torch.tensor([1.0] * 3 + [2.0] * 2 + [3.0] * 2)
         assert torch.equal(v["rs_grad"], owner_weight * 1.5)
+
+
+def _fused_in_flight():
+    import os
+
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    os.environ["HOROVOD_FUSION_THRESHOLD"] = str(5 * 2 ** 20)  # 3 MB tensors: buckets of two, then one
+    big = 750_000  # 3 MB of float32: beyond the control exchange
+    first = [torch.full((big,), 1.0 + r), torch.full((big,), 2.0 + r), torch.full((big,), 3.0 + r),
+             torch.arange(5, dtype=torch.int64) + r]
+    second = [t * 10 for t in first]
+    h1 = hvd.grouped_allreduce_async_(first, op=hvd.Sum)
+    h2 = hvd.grouped_allreduce_async_(second, op=hvd.Sum)  # in flight together: separate buffers
+    hvd.synchronize(h2)
+    hvd.synchronize(h1)
+    third = hvd.grouped_allreduce([t + 1 for t in first], op=hvd.Sum)  # reuses the released buffers
+    return {"first": first, "second": second, "third": third}
+
+
+def test_fused_buckets_in_flight_together_and_reused():
+    values = HorovodRunner(np=-2).run_all(_fused_in_flight).values
+    sums = [torch.full((750_000,), 3.0), torch.full((750_000,), 5.0), torch.full((750_000,), 7.0),
+            torch.arange(5, dtype=torch.int64) * 2 + 1]
+    for v in values:
+        for got, want in zip(v["first"], sums):
+            assert torch.equal(got, want)
+        for got, want in zip(v["second"], sums):
+            assert torch.equal(got, want * 10)
+        for got, want in zip(v["third"], sums):
+            assert torch.equal(got, want * 2 + 2)
+
+
+def test_buffer_pool_hands_out_fitting_buffers_and_keeps_the_largest():
+    from sparkhvd.collective.torch._fusion import BufferPool, pack
+
+    pool = BufferPool(keep=2)
+    a, b = pool.take(torch.float32, 10), pool.take(torch.float32, 10)
+    assert a.data_ptr() != b.data_ptr() and a.numel() == b.numel() == 10
+    c = pool.take(torch.float32, 100)
+    for buffer in (a, b, c):
+        pool.give(buffer)
+    assert pool.take(torch.float32, 50).data_ptr() == c.data_ptr()  # the smallest that fits
+    assert pool.take(torch.float32, 5).numel() == 10  # one of the two small ones was dropped: keep=2
+    assert pool.take(torch.float32, 5).numel() == 5  # nothing left: fresh
+    assert pool.take(torch.float64, 10).dtype == torch.float64
+    ts = [torch.ones(4), torch.ones(4), torch.ones(4, dtype=torch.int64), torch.ones(20), torch.ones(1)]
+    assert [[len(t) for t in group] for group in pack(ts, 32)] == [[4, 4], [20], [1], [4]]

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import _engine
-from . import _timeline
+from . import _fusion, _timeline
 from ._check import inline_fits, verify
 from ._handles import Handle, name_problem, register, synchronize
 from ._process_sets import ProcessSet, global_process_set, require_member
@@ -88,6 +88,18 @@ def _scale_after(tensor: torch.Tensor, op: ReduceOp, size: int, postscale: float
             tensor.floor_divide_(size)  # integer averages round down
     if postscale != 1.0:
         tensor.mul_(postscale)
+
+
+def _fused(members: list, pooled: list) -> torch.Tensor:
+    """``members`` as one flat tensor: a view of a lone member, else a copy (into a pooled buffer on CPU)."""
+    if len(members) == 1:
+        return members[0].detach().reshape(-1)
+    numel = sum(m.numel() for m in members)
+    if members[0].device.type != "cpu":
+        return _flatten_dense_tensors([m.detach() for m in members])
+    buffer = _fusion.pool.take(members[0].dtype, numel)
+    pooled.append(buffer)
+    return torch.cat([m.detach().reshape(-1) for m in members], out=buffer[:numel])
 
 
 # ---- allreduce ----------------------------------------------------------------------------
@@ -169,25 +181,30 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     op = _resolve_op(op, average)
     group = _group(process_set, "grouped_allreduce")
     size = process_set.size()
-    buckets: dict = {}
-    for t in tensors:
-        buckets.setdefault((t.dtype, t.device), []).append(t)
-    works, flats = [], []
-    with torch.no_grad():
-        for i, members in enumerate(buckets.values()):
-            flat = _flatten_dense_tensors([m.detach() for m in members])
-            problem = _scale_problem(flat, prescale_factor, postscale_factor) or name_problem(name)
-            if prescale_factor != 1.0 and problem is None:
-                flat = flat * prescale_factor  # not in place: flat may be a view of the only member
-            reduced = verify("grouped_allreduce", members, process_set,
-                             extra=f"op={op.name}, bucket {i} of {len(buckets)}", mirror=_joinable(flat, op),
-                             problem=problem, inline=flat if inline_fits(flat, process_set) else None,
-                             inline_op=_C10D_OPS[op])
-            if reduced is not None:  # small: it rode in the check's exchange
-                flat = reduced
-            else:
-                works.append(dist.all_reduce(flat, op=_C10D_OPS[op], group=group, async_op=True))
-            flats.append((flat, members))
+    buckets = _fusion.pack(tensors, _fusion.fusion_threshold())
+    works, flats, pooled = [], [], []
+    try:
+        with torch.no_grad():
+            for i, members in enumerate(buckets):
+                flat = _fused(members, pooled)
+                problem = _scale_problem(flat, prescale_factor, postscale_factor) or name_problem(name)
+                if prescale_factor != 1.0 and problem is None:
+                    flat = flat * prescale_factor  # not in place: flat may be a view of the only member
+                reduced = verify("grouped_allreduce", members, process_set,
+                                 extra=f"op={op.name}, bucket {i} of {len(buckets)}", mirror=_joinable(flat, op),
+                                 problem=problem, inline=flat if inline_fits(flat, process_set) else None,
+                                 inline_op=_C10D_OPS[op])
+                if reduced is not None:  # small: it rode in the check's exchange
+                    flat = reduced
+                else:
+                    works.append(dist.all_reduce(flat, op=_C10D_OPS[op], group=group, async_op=True))
+                flats.append((flat, members))
+    except BaseException:
+        for work in works:
+            work.wait()  # the pooled buffers are in use until then
+        for buffer in pooled:
+            _fusion.pool.give(buffer)
+        raise
 
     def finish():
         with torch.no_grad():
@@ -195,6 +212,8 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                 _scale_after(flat, op, size, postscale_factor)
                 for t, reduced in zip(members, _unflatten_dense_tensors(flat, members)):
                     t.copy_(reduced)
+        for buffer in pooled:
+            _fusion.pool.give(buffer)
         return tensors
 
     return register(Handle(works, finish, name, kind="grouped_allreduce", nbytes=sum(map(_nbytes, tensors))))
