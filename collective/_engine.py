@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import secrets
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +18,7 @@ import torch.distributed as dist
 
 from ..runner import _context
 from ..runner._topology import Placement
+from ._mesh import Endpoint
 
 _TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -33,6 +36,7 @@ _generation = 0  # init() count in this process: keeps each init's store keys ap
 # c10d calls a Python store's methods only while the Python object lives; torch itself does not
 # keep it alive once it is wrapped (new_group wraps the default store), so we do.
 _store = None
+_endpoint: Endpoint | None = None  # the control links between ranks (``_mesh.py``)
 
 
 class NotInitializedError(ValueError):
@@ -41,7 +45,7 @@ class NotInitializedError(ValueError):
 
 def init() -> Topology:
     """Join the job this process belongs to (idempotent)."""
-    global _topology, _owns_group, _generation, _store
+    global _topology, _owns_group, _generation, _store, _endpoint
     if _topology is not None:
         return _topology
     ctx = _context.current()
@@ -69,9 +73,50 @@ def init() -> Topology:
         topology = Topology(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=_TIMEOUT)
         _owns_group = True
+    if topology.size > 1:
+        _endpoint = _control_endpoint(topology.rank, ctx)
     _generation += 1
     _topology = topology
     return topology
+
+
+def _control_endpoint(rank: int, ctx) -> Endpoint:
+    """This rank's end of the control links, listening where the rendezvous host routes to."""
+    if ctx is not None:
+        store, prefix, key, rendezvous = _store, "control/", ctx.secret, ctx.address[0]
+    else:
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"sparkhvd/{_generation}/control/"
+        if rank == 0:
+            store.set(prefix + "key", secrets.token_hex(32))
+        key = store.get(prefix + "key")
+        rendezvous = os.environ.get("MASTER_ADDR")
+    return Endpoint(rank=rank, host=_local_address(rendezvous), key=key, store=store, prefix=prefix,
+                    timeout=_TIMEOUT.total_seconds())
+
+
+def _local_address(toward: str | None) -> str:
+    """The address of this host's interface that routes toward ``toward`` (no packet is sent)."""
+    if not toward:
+        return socket.gethostbyname(socket.gethostname())
+    family, _, _, _, address = socket.getaddrinfo(toward, 1, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]
+
+
+def forget_links(link_id: int) -> None:
+    """Close a removed process set's control links."""
+    if _endpoint is not None:
+        _endpoint.forget(link_id)
+
+
+def endpoint() -> Endpoint:
+    """The control links' endpoint; raises unless ``init()`` ran in a job of more than one rank."""
+    if _endpoint is None:
+        raise NotInitializedError("sparkhvd has not been initialized in a job of more than one rank; "
+                                  "call hvd.init() first.")
+    return _endpoint
 
 
 def _from_torchrun(rank: int, size: int) -> Topology:
@@ -85,9 +130,12 @@ def _from_torchrun(rank: int, size: int) -> Topology:
 
 def shutdown() -> None:
     """Leave the job; ``init()`` may be called again afterwards."""
-    global _topology, _owns_group, _store
+    global _topology, _owns_group, _store, _endpoint
     if _topology is None:
         return
+    if _endpoint is not None:
+        _endpoint.close()
+        _endpoint = None
     if _owns_group and dist.is_initialized():
         dist.destroy_process_group()
     _store = None

@@ -440,8 +440,14 @@ def _inline_and_wire(numels):
         base = torch.arange(numel, dtype=torch.float64) % 7 + r
         t = base.clone()
         hvd.allreduce_(t, op=hvd.Sum, prescale_factor=2.0)
+        plain = base.clone()
+        hvd.allreduce_(plain, op=hvd.Sum)  # reduced into the input itself, which is also this rank's payload
+        strided = torch.stack([base, base], 1)[:, 0]
+        hvd.allreduce_(strided, op=hvd.Max)
+        strided_bcast = torch.stack([base, base], 1)[:, 1]
+        hvd.broadcast_(strided_bcast, root_rank=n - 1)
         out[numel] = {
-            "sum_": t, "avg": hvd.allreduce(base), "min": hvd.allreduce(base, op=hvd.Min),
+            "sum_": t, "plain_": plain, "strided_": strided, "strided_bcast": strided_bcast, "avg": hvd.allreduce(base), "min": hvd.allreduce(base, op=hvd.Min),
             "max": hvd.allreduce(base.float(), op=hvd.Max), "prod": hvd.allreduce(base.int() + 1, op=hvd.Product),
             "post": hvd.allreduce(base, op=hvd.Sum, postscale_factor=0.5),
             "grouped": hvd.grouped_allreduce([base, base.float(), base.long()], op=hvd.Average),
@@ -452,15 +458,17 @@ def _inline_and_wire(numels):
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_reductions_inside_and_beyond_the_control_frame(np_):
-    numels = [1000, 40_000]  # 8 KB and 320 KB of float64: under and over every set's frame
+    numels = [1000, 200_000]  # 8 KB and 1.6 MB of float64: under and over every set's frame
     values = HorovodRunner(np=-np_).run_all(_inline_and_wire, numels=numels).values
-    assert 1000 * 8 <= values[0]["capacity"] < 40_000 * 8
+    assert 1000 * 8 <= values[0]["capacity"] < 200_000 * 8
     for numel in numels:
         per_rank = [torch.arange(numel, dtype=torch.float64) % 7 + r for r in range(np_)]
         total = sum(per_rank)
         for v in values:
             got = v[numel]
             assert torch.equal(got["sum_"], total * 2)
+            assert torch.equal(got["plain_"], total) and torch.equal(got["strided_"], per_rank[-1])
+            assert torch.equal(got["strided_bcast"], per_rank[-1])
             assert torch.equal(got["avg"], total / np_)
             assert torch.equal(got["min"], per_rank[0]) and torch.equal(got["max"], per_rank[-1].float())
             assert torch.equal(got["prod"], torch.stack([p.int() + 1 for p in per_rank]).prod(0).int())

@@ -122,19 +122,24 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
             with torch.no_grad():
                 inline = tensor.detach() * prescale_factor if prescale_factor != 1.0 else tensor.detach()
         reduced = verify(_what, [tensor], process_set, extra=f"op={op.name}", mirror=_joinable(tensor, op),
-                         problem=problem, inline=inline, inline_op=_C10D_OPS[op])
+                         problem=problem, inline=inline, inline_op=_C10D_OPS[op],
+                         out=tensor if tensor.is_contiguous() else None)
     size = process_set.size()
     with torch.no_grad():
         if reduced is not None:
-            tensor.copy_(reduced.view_as(tensor))
+            if reduced is not tensor:
+                tensor.copy_(reduced.view_as(tensor))
             works = []
         else:
+            wire = tensor if tensor.is_contiguous() else tensor.contiguous()  # c10d reduces strided ones wrong
             if prescale_factor != 1.0:
-                tensor.mul_(prescale_factor)
-            works = [dist.all_reduce(tensor, op=_C10D_OPS[op], group=group, async_op=True)]
+                wire.mul_(prescale_factor)
+            works = [dist.all_reduce(wire, op=_C10D_OPS[op], group=group, async_op=True)]
 
     def finish():
         with torch.no_grad():
+            if works and wire is not tensor:
+                tensor.copy_(wire)
             _scale_after(tensor, op, size, postscale_factor)
         return tensor
 
@@ -242,9 +247,17 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     problem = _root_problem(root_rank, process_set) or name_problem(name)
     verify("broadcast", [tensor], process_set, extra=f"root_rank={root_rank}", problem=problem)
     src = process_set.global_rank(root_rank)
+    wire = tensor if tensor.is_contiguous() else tensor.detach().contiguous()
     with torch.no_grad():
-        work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-    return register(Handle([work], lambda: tensor, name, kind="broadcast", nbytes=_nbytes(tensor)))
+        work = dist.broadcast(wire, src=src, group=group, async_op=True)
+
+    def finish():
+        if wire is not tensor:
+            with torch.no_grad():
+                tensor.copy_(wire)
+        return tensor
+
+    return register(Handle([work], finish, name, kind="broadcast", nbytes=_nbytes(tensor)))
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:

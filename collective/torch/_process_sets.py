@@ -21,6 +21,7 @@ class ProcessSet:
             raise ValueError(f"process set ranks {list(ranks)} contain duplicates; list each rank once.")
         self.process_set_id: int | None = None
         self.group = None  # the c10d group; None means the default (global) group
+        self.link_id = 0  # names the set's control links (``_mesh.py``); never reused within a job
 
     def _check(self) -> None:
         _engine.topology()
@@ -56,6 +57,7 @@ class ProcessSet:
 global_process_set = ProcessSet(None)
 global_process_set.process_set_id = 0
 _sets: dict[int, ProcessSet] = {0: global_process_set}
+_links_made = 0  # sets added so far: every rank counts alike, as every rank adds every set
 
 
 def add_process_set(process_set) -> ProcessSet:
@@ -68,7 +70,10 @@ def add_process_set(process_set) -> ProcessSet:
     for existing in _sets.values():
         if existing.ranks == ps.ranks:
             raise ValueError(f"a process set with ranks {ps.ranks} already exists (id {existing.process_set_id}).")
+    global _links_made
     ps.group = dist.new_group(ps.ranks)  # collective over every rank, members or not
+    _links_made += 1
+    ps.link_id = _links_made
     ps.process_set_id = max(_sets) + 1
     _sets[ps.process_set_id] = ps
     return ps
@@ -91,6 +96,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return False
     if process_set.group is not None and process_set.included():
         dist.destroy_process_group(process_set.group)
+        _engine.forget_links(process_set.link_id)
     process_set.group = None
     process_set.process_set_id = None
     return True

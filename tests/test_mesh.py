@@ -1,0 +1,152 @@
+"""The control links (collective/_mesh.py): real sockets on 127.0.0.1 between endpoints in threads,
+plus hostile peers, a peer that leaves, a peer that never comes, and an oversized frame."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from sparkhvd.collective._mesh import _HELLO, HEADER_BYTES, Endpoint, MeshError
+
+KEY = b"k" * 32
+
+
+def _endpoints(n, timeout=30.0, key=KEY):
+    store = dist.HashStore()
+    return store, [Endpoint(rank=r, host="127.0.0.1", key=key, store=store, prefix="c/", timeout=timeout)
+                   for r in range(n)]
+
+
+def _header(length, tag=0):
+    return struct.pack("<11q", tag, *([0] * 9), length)
+
+
+def _on_threads(fns):
+    results, errors = [None] * len(fns), [None] * len(fns)
+
+    def run(i):
+        try:
+            results[i] = fns[i]()
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            errors[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "an exchange hung"
+    return results, errors
+
+
+def _gather(endpoint, ranks, payload, max_payload=1 << 20, link=0):
+    mesh = endpoint.mesh(link, ranks, "test op")
+    return mesh.allgather(_header(len(payload), endpoint.rank), payload, max_payload, "test op",
+                          lambda frames: [(struct.unpack("<11q", h)[0], bytes(p)) for h, p in frames])
+
+
+def test_three_ranks_exchange_frames_of_every_size_and_sets_interleave():
+    _, eps = _endpoints(3)
+    sizes = [0, 5, 300_000, 3_000_000]  # bigger than a socket buffer: both sides must send and read at once
+
+    def rank(r):
+        out = []
+        for size in sizes:
+            out.append(_gather(eps[r], [0, 1, 2], bytes([r]) * size, max_payload=1 << 22))
+        if r > 0:  # a second set on its own links, made after the first
+            out.append(_gather(eps[r], [1, 2], b"pair%d" % r, link=7))
+        return out
+
+    results, errors = _on_threads([lambda r=r: rank(r) for r in range(3)])
+    assert errors == [None, None, None]
+    for r in range(3):
+        for i, size in enumerate(sizes):
+            assert results[r][i] == [(q, bytes([q]) * size) for q in range(3)]
+    assert results[1][-1] == results[2][-1] == [(1, b"pair1"), (2, b"pair2")]
+    for ep in eps:
+        ep.close()
+
+
+def test_a_connection_without_the_key_is_refused_and_the_real_peer_still_gets_in():
+    store, eps = _endpoints(2)
+    host, port = store.get("c/0").decode().rsplit(":", 1)
+    intruder = socket.create_connection((host, int(port)))
+
+    def rank0():
+        return _gather(eps[0], [0, 1], b"zero")
+
+    def rank1():
+        challenge = intruder.recv(16)
+        hello = _HELLO.pack(0, 1)  # claims to be rank 1 on the same link, without the key
+        intruder.sendall(hello + hmac.new(b"wrong" * 7, challenge + hello, hashlib.sha256).digest())
+        assert intruder.recv(1) == b""  # refused: closed
+        return _gather(eps[1], [0, 1], b"one")
+
+    results, errors = _on_threads([rank0, rank1])
+    assert errors == [None, None]
+    assert results[0] == results[1] == [(0, b"zero"), (1, b"one")]
+    intruder.close()
+    for ep in eps:
+        ep.close()
+
+
+def test_a_peer_that_leaves_fails_the_others_at_once_and_for_good():
+    _, eps = _endpoints(2)
+    _on_threads([lambda: _gather(eps[0], [0, 1], b"a"), lambda: _gather(eps[1], [0, 1], b"b")])
+    eps[1].close()
+    start = time.monotonic()
+    with pytest.raises(MeshError, match=r"^rank 1 closed its control link during test op: it has exited or "
+                                        r"failed; its own error is in its output\.$"):
+        _gather(eps[0], [0, 1], b"a")
+    assert time.monotonic() - start < 10
+    with pytest.raises(MeshError, match=r"^test op cannot run: the control links broke in an earlier collective "
+                                        r"\(rank 1 closed .*\); restart the job\.$"):
+        _gather(eps[0], [0, 1], b"a")
+    eps[0].close()
+
+
+def test_a_peer_that_never_calls_is_named_when_the_timeout_ends():
+    _, eps = _endpoints(2, timeout=1.0)
+    _on_threads([lambda: _gather(eps[0], [0, 1], b"a"), lambda: _gather(eps[1], [0, 1], b"b")])
+    with pytest.raises(MeshError, match=r"^test op waited 1 s for ranks 1, which never called it; every rank of a "
+                                        r"set must call the same collectives in the same order\.$"):
+        _gather(eps[0], [0, 1], b"a")
+    for ep in eps:
+        ep.close()
+
+
+def test_a_peer_that_never_connects_is_named():
+    _, eps = _endpoints(2, timeout=1.0)
+    with pytest.raises(MeshError, match=r"^ranks 1 did not connect within 1 s for test op; they never reached it, "
+                                        r"or cannot reach this rank's control address \('127\.0\.0\.1', \d+\)\.$"):
+        _gather(eps[0], [0, 1], b"a")
+    for ep in eps:
+        ep.close()
+
+
+def test_an_oversized_frame_is_refused_before_its_body_is_read():
+    _, eps = _endpoints(2)
+
+    def rank1():  # announces 2 GiB
+        mesh = eps[1].mesh(0, [0, 1], "test op")
+        sock = mesh._links[0]
+        sock.setblocking(True)
+        sock.sendall(_header(1 << 31))
+
+    results, errors = _on_threads([lambda: _gather(eps[0], [0, 1], b"a", max_payload=1024), rank1])
+    assert isinstance(errors[0], MeshError)
+    assert str(errors[0]) == ("rank 1 sent a control frame with a 2147483648-byte payload during test op, over the "
+                              "limit of 1024; every rank must run the same sparkhvd version.")
+    for ep in eps:
+        ep.close()
+
+
+def test_header_layout():
+    assert HEADER_BYTES == len(_header(0)) == 88
