@@ -45,7 +45,12 @@ class MeshError(ConnectionError):
 
 
 class Endpoint:
-    """This process's listener, the run's key, and the links it has made (one Mesh per set)."""
+    """This process's listener, the run's key, and the links it has made (one Mesh per set).
+
+    A background thread accepts connections and greets each on a thread of its own, so a peer
+    is let in whenever it connects, whatever this rank's own code is doing, and a connection
+    that never proves itself holds up nothing but its own greeting.
+    """
 
     def __init__(self, *, rank: int, host: str, key: bytes, store, prefix: str, timeout: float):
         self.rank = rank
@@ -54,9 +59,13 @@ class Endpoint:
         self._prefix = prefix
         self._timeout = timeout
         self._listener = socket.create_server((host, 0))
-        self._early: dict = {}  # (link id, rank) -> socket: accepted while waiting for another set
+        self._arrived: dict = {}  # (link id, rank) -> greeted socket, not yet claimed by a Mesh
         self._meshes: dict = {}
+        self._making: dict = {}  # link id -> lock held while that set's links are made
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._closed = False
+        threading.Thread(target=self._accept_forever, name="sparkhvd-control-accept", daemon=True).start()
         address = self._listener.getsockname()
         store.set(f"{prefix}{rank}", f"{address[0]}:{address[1]}")
 
@@ -64,85 +73,124 @@ class Endpoint:
         """The links among ``ranks`` (global ranks, this one included), made on first use."""
         with self._lock:
             mesh = self._meshes.get(link_id)
+            if mesh is not None:
+                return mesh
+            making = self._making.setdefault(link_id, threading.Lock())
+        with making:
+            with self._lock:
+                mesh = self._meshes.get(link_id)
             if mesh is None:
-                mesh = self._meshes[link_id] = Mesh(self._connect(link_id, ranks, what), ranks.index(self.rank),
-                                                    ranks, self._timeout)
+                mesh = Mesh(self._connect(link_id, ranks, what), ranks.index(self.rank), ranks, self._timeout)
+                with self._lock:
+                    self._meshes[link_id] = mesh
             return mesh
 
     def forget(self, link_id: int) -> None:
         """Close one set's links (the set was removed)."""
         with self._lock:
             mesh = self._meshes.pop(link_id, None)
+            stale = [self._arrived.pop(k) for k in list(self._arrived) if k[0] == link_id]
         if mesh is not None:
             mesh.close()
+        for sock in stale:
+            sock.close()
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             meshes, self._meshes = list(self._meshes.values()), {}
-            early, self._early = list(self._early.values()), {}
+            arrived, self._arrived = list(self._arrived.values()), {}
         for mesh in meshes:
             mesh.close()
-        for sock in early:
+        for sock in arrived:
             sock.close()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+        except OSError:
+            pass
         self._listener.close()
 
     def _connect(self, link_id: int, ranks: list, what: str) -> dict:
         deadline = time.monotonic() + self._timeout
         links = {}
-        for peer in ranks[:ranks.index(self.rank)]:
-            host, port = self._store.get(f"{self._prefix}{peer}").decode().rsplit(":", 1)
-            sock = socket.create_connection((host, int(port)), timeout=_HANDSHAKE_TIMEOUT)
-            challenge = _read_exactly(sock, _CHALLENGE_BYTES)
-            hello = _HELLO.pack(link_id, self.rank)
-            sock.sendall(hello + hmac.new(self._key, challenge + hello, hashlib.sha256).digest())
-            links[peer] = sock
-        expected = set(ranks[ranks.index(self.rank) + 1:])
-        for peer in list(expected):
-            sock = self._early.pop((link_id, peer), None)
-            if sock is not None:
-                links[peer] = sock
-                expected.discard(peer)
-        while expected:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+        try:
+            for peer in ranks[:ranks.index(self.rank)]:
+                links[peer] = self._dial(peer, link_id, what)
+            expected = set(ranks[ranks.index(self.rank) + 1:])
+            with self._changed:
+                while True:
+                    for peer in [p for p in expected if (link_id, p) in self._arrived]:
+                        links[peer] = self._arrived.pop((link_id, peer))
+                        expected.discard(peer)
+                    remaining = deadline - time.monotonic()
+                    if not expected or remaining <= 0:
+                        break
+                    self._changed.wait(remaining)
+            if expected:
                 raise MeshError(f"ranks {','.join(map(str, sorted(expected)))} did not connect within "
                                 f"{self._timeout:.0f} s for {what}; they never reached it, or cannot reach this "
                                 f"rank's control address {self._listener.getsockname()}.")
-            self._listener.settimeout(remaining)
-            try:
-                sock, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            hello = self._greet(sock)
-            if hello is None:
-                continue
-            other_link, peer = hello
-            if other_link == link_id and peer in expected:
-                links[peer] = sock
-                expected.discard(peer)
-            else:  # a peer already on a later set's first exchange
-                self._early[other_link, peer] = sock
+        except BaseException:
+            for sock in links.values():
+                sock.close()
+            raise
         for sock in links.values():
             sock.settimeout(None)
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return links
 
-    def _greet(self, sock: socket.socket):
-        """(link id, rank) of a connection that proves it knows the key; None (closed) otherwise."""
+    def _dial(self, peer: int, link_id: int, what: str) -> socket.socket:
+        """A link to an earlier member ``peer``, which greets it from its accepting thread."""
+        address = self._store.get(f"{self._prefix}{peer}").decode()
+        host, port = address.rsplit(":", 1)
         try:
-            sock.settimeout(_HANDSHAKE_TIMEOUT)
+            sock = socket.create_connection((host, int(port)), timeout=_HANDSHAKE_TIMEOUT)
+        except OSError as exc:
+            raise MeshError(f"could not reach rank {peer}'s control address {address} for {what} ({exc}); it has "
+                            "exited, or this host cannot reach it.") from exc
+        try:
+            challenge = _read_exactly(sock, _CHALLENGE_BYTES, time.monotonic() + _HANDSHAKE_TIMEOUT)
+            hello = _HELLO.pack(link_id, self.rank)
+            sock.sendall(hello + hmac.new(self._key, challenge + hello, hashlib.sha256).digest())
+        except OSError as exc:
+            sock.close()
+            raise MeshError(f"rank {peer} did not complete the control handshake for {what} ({exc}); it has "
+                            "exited or failed: its own error is in its output.") from exc
+        return sock
+
+    def _accept_forever(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.1)  # out of file descriptors, say: try again
+                continue
+            threading.Thread(target=self._greet, args=(sock,), name="sparkhvd-control-greet", daemon=True).start()
+
+    def _greet(self, sock: socket.socket) -> None:
+        """File a connection that proves it knows the key under its (link id, rank); close any other."""
+        try:
+            deadline = time.monotonic() + _HANDSHAKE_TIMEOUT
             challenge = os.urandom(_CHALLENGE_BYTES)
+            sock.settimeout(_HANDSHAKE_TIMEOUT)
             sock.sendall(challenge)
-            hello = _read_exactly(sock, _HELLO.size)
-            proof = _read_exactly(sock, hashlib.sha256().digest_size)
+            hello = _read_exactly(sock, _HELLO.size, deadline)
+            proof = _read_exactly(sock, hashlib.sha256().digest_size, deadline)
         except OSError:
             sock.close()
-            return None
+            return
         if not hmac.compare_digest(proof, hmac.new(self._key, challenge + hello, hashlib.sha256).digest()):
             sock.close()
-            return None
-        return _HELLO.unpack(hello)
+            return
+        with self._changed:
+            if self._closed or _HELLO.unpack(hello) in self._arrived:
+                sock.close()
+                return
+            self._arrived[_HELLO.unpack(hello)] = sock
+            self._changed.notify_all()
 
 
 class Mesh:
@@ -176,8 +224,8 @@ class Mesh:
                                 f"({self._broken}); restart the job.")
             try:
                 received = self._exchange(header, payload, max_payload, what)
-            except MeshError as exc:
-                self._broken = str(exc)
+            except BaseException as exc:  # a frame may be half sent or half read: the streams are out of step
+                self._broken = str(exc) or type(exc).__name__
                 raise
             return consume([received[rank] if rank in received else (header, payload) for rank in self._ranks])
 
@@ -276,9 +324,14 @@ def _send_some(sock: socket.socket, parts: list, peer: int, what: str) -> bool:
     return True
 
 
-def _read_exactly(sock: socket.socket, n: int) -> bytes:
+def _read_exactly(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes, all by ``deadline`` (a trickle of bytes does not extend it)."""
     data = b""
     while len(data) < n:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the handshake took too long")
+        sock.settimeout(remaining)
         chunk = sock.recv(n - len(data))
         if not chunk:
             raise ConnectionError("the peer closed the connection during the handshake")

@@ -68,7 +68,7 @@ def _ops_while_joined():
     out["sum"] = hvd.allreduce(torch.ones(3), op=hvd.Sum)
     out["avg"] = hvd.allreduce(torch.ones(2) * 3)
     out["grouped"] = hvd.grouped_allreduce([torch.ones(2), torch.ones(1, dtype=torch.int64)], op=hvd.Sum)
-    out["large"] = hvd.allreduce(torch.ones(100_000), op=hvd.Sum)  # beyond the control frame: a mirrored op
+    out["large"] = hvd.allreduce(torch.ones(400_000), op=hvd.Sum)  # beyond the control frame: a mirrored op
     bn = hvd.SyncBatchNorm(1, affine=False)
     out["bn"] = bn(torch.tensor([[0.0], [2.0]]) + 10 * r)  # stats over ranks 1 and 2 only
     out["last"] = hvd.join()
@@ -83,7 +83,7 @@ def test_reductions_while_a_rank_has_joined():
         assert torch.equal(v["avg"], torch.full((2,), 2.0))  # (3 + 3 + 0) / 3
         assert torch.equal(v["grouped"][0], torch.full((2,), 2.0))
         assert torch.equal(v["grouped"][1], torch.full((1,), 2, dtype=torch.int64))
-        assert torch.equal(v["large"], torch.full((100_000,), 2.0))
+        assert torch.equal(v["large"], torch.full((400_000,), 2.0))
     values = torch.tensor([0.0, 2.0, 10.0, 12.0])  # the batch statistics cover ranks 1 and 2 only
     expected = (values - values.mean()) / torch.sqrt(values.var(unbiased=False) + 1e-5)
     torch.testing.assert_close(torch.cat([v1["bn"], v2["bn"]]).flatten(), expected)
@@ -102,11 +102,22 @@ def _unsupported_while_joined():
             hvd.broadcast(torch.ones(2), root_rank=0)
         return "no error"
     except ValueError as exc:
-        return str(exc)
+        message = str(exc)
+    t = torch.tensor([15.0 - 5 * hvd.rank()])  # the minimum, 10, must not reach rank 0's tensor
+    try:
+        if hvd.rank() == 2:
+            hvd.join()
+        else:
+            hvd.allreduce_(t, op=hvd.Min)  # small enough to ride in the check: must still fail untouched
+    except ValueError:
+        pass
+    return message, t
 
 
 def test_an_op_that_cannot_join_fails_on_every_rank():
-    v0, v1, v2 = HorovodRunner(np=-3).run_all(_unsupported_while_joined).values
+    values = HorovodRunner(np=-3).run_all(_unsupported_while_joined).values
+    assert [t.item() for _, t in values] == [15.0, 10.0, 5.0]
+    v0, v1, v2 = (message for message, _ in values)
     assert v0 == v1 == ("broadcast cannot run while ranks 2 have called hvd.join(); only allreduce and "
                         "grouped_allreduce with op=Average or Sum, and DistributedOptimizer, take part in join.")
     assert v2.startswith("an operation that cannot take part in join ran while ranks 2 had called hvd.join()")

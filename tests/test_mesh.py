@@ -97,6 +97,28 @@ def test_a_connection_without_the_key_is_refused_and_the_real_peer_still_gets_in
         ep.close()
 
 
+def test_an_idle_connection_holds_up_nobody_and_a_late_rank_is_still_let_in(monkeypatch):
+    from sparkhvd.collective import _mesh
+
+    store, eps = _endpoints(2, timeout=10.0)
+    host, port = store.get("c/0").decode().rsplit(":", 1)
+    idle = socket.create_connection((host, int(port)))  # connects first and never answers its challenge
+    monkeypatch.setattr(_mesh, "_HANDSHAKE_TIMEOUT", 0.5)  # rank 1 must be greeted well before rank 0 arrives
+
+    def rank0():
+        time.sleep(2)
+        return _gather(eps[0], [0, 1], b"late")
+
+    start = time.monotonic()
+    results, errors = _on_threads([rank0, lambda: _gather(eps[1], [0, 1], b"early")])
+    assert errors == [None, None]
+    assert results[0] == results[1] == [(0, b"late"), (1, b"early")]
+    assert time.monotonic() - start < 8
+    idle.close()
+    for ep in eps:
+        ep.close()
+
+
 def test_a_peer_that_leaves_fails_the_others_at_once_and_for_good():
     _, eps = _endpoints(2)
     _on_threads([lambda: _gather(eps[0], [0, 1], b"a"), lambda: _gather(eps[1], [0, 1], b"b")])
@@ -150,3 +172,30 @@ def test_an_oversized_frame_is_refused_before_its_body_is_read():
 
 def test_header_layout():
     assert HEADER_BYTES == len(_header(0)) == 88
+
+
+def test_an_exchange_interrupted_midway_leaves_the_links_unusable():
+    import signal
+
+    _, eps = _endpoints(2)
+    _on_threads([lambda: _gather(eps[0], [0, 1], b"a"), lambda: _gather(eps[1], [0, 1], b"b")])
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(*_):
+        raise Interrupted("stop")
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(Interrupted):
+            _gather(eps[0], [0, 1], b"a" * 100)  # rank 1 never answers: interrupted while waiting
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    with pytest.raises(MeshError, match=r"^test op cannot run: the control links broke in an earlier collective "
+                                        r"\(stop\); restart the job\.$"):
+        _gather(eps[0], [0, 1], b"a")
+    for ep in eps:
+        ep.close()
