@@ -9,9 +9,10 @@ Runs np=2 rank processes on this machine (HorovodRunner(np=-2)). For fp32 tensor
   copy   u = t.clone(); dist.all_reduce(u); u /= n   (raw torch doing what ours does)
 and prints the median time and bus bandwidth (2(n-1)/n * bytes / time) with ratios ours/raw
 (target >= 0.95); the out-of-place op is also compared with ``copy``, which pays the same
-fresh allocation (on Linux, glibc maps blocks over 32 MB afresh each time: page faults). Then the gradient set of a ResNet-50 (161 tensors, ~100 MB, shapes only)
-reduced one allreduce per tensor against one fused grouped_allreduce (target fused/unfused <= 0.5),
-and raw gloo's one all_reduce per tensor for reference.
+fresh allocation (on Linux, glibc maps blocks over 32 MB afresh each time: page faults).
+Then the gradient set of a ResNet-50 (161 tensors, ~100 MB, shapes only) reduced one allreduce
+per tensor against one fused grouped_allreduce (target fused/unfused <= 0.5), and raw gloo's one
+all_reduce per tensor for reference.
 
     python bench/allreduce.py [--max-mb 256] [--reps 5]
 """

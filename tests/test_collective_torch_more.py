@@ -447,7 +447,8 @@ def _inline_and_wire(numels):
         strided_bcast = torch.stack([base, base], 1)[:, 1]
         hvd.broadcast_(strided_bcast, root_rank=n - 1)
         out[numel] = {
-            "sum_": t, "plain_": plain, "strided_": strided, "strided_bcast": strided_bcast, "avg": hvd.allreduce(base), "min": hvd.allreduce(base, op=hvd.Min),
+            "sum_": t, "plain_": plain, "strided_": strided, "strided_bcast": strided_bcast,
+            "avg": hvd.allreduce(base), "min": hvd.allreduce(base, op=hvd.Min),
             "max": hvd.allreduce(base.float(), op=hvd.Max), "prod": hvd.allreduce(base.int() + 1, op=hvd.Product),
             "post": hvd.allreduce(base, op=hvd.Sum, postscale_factor=0.5),
             "grouped": hvd.grouped_allreduce([base, base.float(), base.long()], op=hvd.Average),

@@ -204,7 +204,8 @@ class GradientBuckets:
                 if bucket.work is not None:
                     bucket.work.wait()
                 flat = self._finish_fn(bucket.flat, bucket.ctx)
-                _timeline.record("DistributedOptimizer bucket", None, bucket.started, flat.numel() * flat.element_size())
+                _timeline.record("DistributedOptimizer bucket", None, bucket.started,
+                                 flat.numel() * flat.element_size())
                 offset = 0
                 for p in bucket.params:
                     n = p.numel()
