@@ -38,6 +38,7 @@ HEADER_BYTES = HEADER_FIELDS * 8
 _HELLO = struct.Struct("!qq")  # link id, connecting rank
 _CHALLENGE_BYTES = 16
 _HANDSHAKE_TIMEOUT = 30.0
+_GREETINGS = 64  # handshakes in progress at once; connections beyond are refused
 
 
 class MeshError(ConnectionError):
@@ -59,15 +60,18 @@ class Endpoint:
         self._prefix = prefix
         self._timeout = timeout
         self._listener = socket.create_server((host, 0))
+        self._address = self._listener.getsockname()
+        self._pid = os.getpid()  # a forked child must not shut down the sockets it shares with us
         self._arrived: dict = {}  # (link id, rank) -> greeted socket, not yet claimed by a Mesh
         self._meshes: dict = {}
         self._making: dict = {}  # link id -> lock held while that set's links are made
+        self._forgotten: set = set()  # link ids of removed sets: their late connections are refused
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
+        self._greeting = threading.BoundedSemaphore(_GREETINGS)
         self._closed = False
         threading.Thread(target=self._accept_forever, name="sparkhvd-control-accept", daemon=True).start()
-        address = self._listener.getsockname()
-        store.set(f"{prefix}{rank}", f"{address[0]}:{address[1]}")
+        store.set(f"{prefix}{rank}", f"{self._address[0]}:{self._address[1]}")
 
     def mesh(self, link_id: int, ranks: list, what: str) -> Mesh:
         """The links among ``ranks`` (global ranks, this one included), made on first use."""
@@ -80,14 +84,23 @@ class Endpoint:
             with self._lock:
                 mesh = self._meshes.get(link_id)
             if mesh is None:
-                mesh = Mesh(self._connect(link_id, ranks, what), ranks.index(self.rank), ranks, self._timeout)
+                mesh = Mesh(self._connect(link_id, ranks, what), ranks.index(self.rank), ranks, self._timeout,
+                            self._pid)
                 with self._lock:
-                    self._meshes[link_id] = mesh
+                    gone = self._closed or link_id in self._forgotten
+                    if not gone:
+                        self._meshes[link_id] = mesh
+                if gone:
+                    mesh.close()
+                    raise MeshError(f"{what} cannot run: its process set was removed, or hvd.shutdown() ran, "
+                                    "while its control links were being made.")
             return mesh
 
     def forget(self, link_id: int) -> None:
         """Close one set's links (the set was removed)."""
         with self._lock:
+            self._forgotten.add(link_id)
+            self._making.pop(link_id, None)
             mesh = self._meshes.pop(link_id, None)
             stale = [self._arrived.pop(k) for k in list(self._arrived) if k[0] == link_id]
         if mesh is not None:
@@ -96,18 +109,20 @@ class Endpoint:
             sock.close()
 
     def close(self) -> None:
-        with self._lock:
+        with self._changed:
             self._closed = True
             meshes, self._meshes = list(self._meshes.values()), {}
             arrived, self._arrived = list(self._arrived.values()), {}
+            self._changed.notify_all()  # a set's links being made: give up now
         for mesh in meshes:
             mesh.close()
         for sock in arrived:
             sock.close()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
-        except OSError:
-            pass
+        if os.getpid() == self._pid:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+            except OSError:
+                pass
         self._listener.close()
 
     def _connect(self, link_id: int, ranks: list, what: str) -> dict:
@@ -123,13 +138,16 @@ class Endpoint:
                         links[peer] = self._arrived.pop((link_id, peer))
                         expected.discard(peer)
                     remaining = deadline - time.monotonic()
-                    if not expected or remaining <= 0:
+                    if not expected or remaining <= 0 or self._closed:
                         break
                     self._changed.wait(remaining)
+                closed = self._closed
+            if closed:
+                raise MeshError(f"{what} cannot run: hvd.shutdown() closed this rank's control links.")
             if expected:
                 raise MeshError(f"ranks {','.join(map(str, sorted(expected)))} did not connect within "
                                 f"{self._timeout:.0f} s for {what}; they never reached it, or cannot reach this "
-                                f"rank's control address {self._listener.getsockname()}.")
+                                f"rank's control address {self._address}.")
         except BaseException:
             for sock in links.values():
                 sock.close()
@@ -168,10 +186,25 @@ class Endpoint:
                     return
                 time.sleep(0.1)  # out of file descriptors, say: try again
                 continue
-            threading.Thread(target=self._greet, args=(sock,), name="sparkhvd-control-greet", daemon=True).start()
+            if not self._greeting.acquire(blocking=False):
+                sock.close()  # too many handshakes at once: refuse, as a full backlog would
+                continue
+            try:
+                threading.Thread(target=self._greet, args=(sock,), name="sparkhvd-control-greet",
+                                 daemon=True).start()
+            except RuntimeError:  # no thread to be had: refuse this one and keep accepting
+                self._greeting.release()
+                sock.close()
+                time.sleep(0.1)
 
     def _greet(self, sock: socket.socket) -> None:
         """File a connection that proves it knows the key under its (link id, rank); close any other."""
+        try:
+            self._greet_one(sock)
+        finally:
+            self._greeting.release()
+
+    def _greet_one(self, sock: socket.socket) -> None:
         try:
             deadline = time.monotonic() + _HANDSHAKE_TIMEOUT
             challenge = os.urandom(_CHALLENGE_BYTES)
@@ -185,19 +218,21 @@ class Endpoint:
         if not hmac.compare_digest(proof, hmac.new(self._key, challenge + hello, hashlib.sha256).digest()):
             sock.close()
             return
+        key = _HELLO.unpack(hello)
         with self._changed:
-            if self._closed or _HELLO.unpack(hello) in self._arrived:
+            if self._closed or key in self._arrived or key[0] in self._forgotten:
                 sock.close()
                 return
-            self._arrived[_HELLO.unpack(hello)] = sock
+            self._arrived[key] = sock
             self._changed.notify_all()
 
 
 class Mesh:
     """Open links to every other member of one set; ``allgather`` runs one exchange at a time."""
 
-    def __init__(self, links: dict, index: int, ranks: list, timeout: float):
+    def __init__(self, links: dict, index: int, ranks: list, timeout: float, owner: int):
         self._links = links  # global rank -> non-blocking socket
+        self._owner = owner  # the pid that made the links
         self._index = index
         self._ranks = ranks
         self._timeout = timeout
@@ -296,9 +331,14 @@ class Mesh:
             got[peer] += n
 
     def close(self) -> None:
-        self._selector.close()
         for sock in self._links.values():
+            if os.getpid() == self._owner:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes an exchange waiting on it in another thread
+                except OSError:
+                    pass
             sock.close()
+        self._selector.close()
 
 
 def _send_some(sock: socket.socket, parts: list, peer: int, what: str) -> bool:

@@ -199,3 +199,37 @@ def test_an_exchange_interrupted_midway_leaves_the_links_unusable():
         _gather(eps[0], [0, 1], b"a")
     for ep in eps:
         ep.close()
+
+
+def test_shutdown_wakes_a_rank_waiting_for_its_peers_and_removed_sets_refuse_late_links():
+    store, eps = _endpoints(2, timeout=30.0)
+    threading.Timer(0.5, eps[0].close).start()
+    start = time.monotonic()
+    with pytest.raises(MeshError, match=r"^test op cannot run: hvd\.shutdown\(\) closed this rank's control "
+                                        r"links\.$"):
+        _gather(eps[0], [0, 1], b"a")  # rank 1 never comes
+    assert time.monotonic() - start < 10
+    _, eps2 = _endpoints(2)
+    eps2[0].forget(5)  # rank 0 removed set 5; rank 1 then links up for it
+    link = eps2[1].mesh(5, [0, 1], "late")._links[0]
+    link.setblocking(True)
+    link.settimeout(10)
+    assert link.recv(1) == b""  # greeted, then closed by rank 0
+    assert not eps2[0]._arrived
+    for ep in eps + eps2:
+        ep.close()
+
+
+def test_a_forked_child_closing_its_copy_leaves_the_parent_listening():
+    import os
+
+    _, eps = _endpoints(2)
+    pid = os.fork()
+    if pid == 0:  # the child, e.g. a DataLoader worker running an atexit hvd.shutdown()
+        eps[0].close()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    results, errors = _on_threads([lambda: _gather(eps[0], [0, 1], b"a"), lambda: _gather(eps[1], [0, 1], b"b")])
+    assert errors == [None, None] and results[0] == [(0, b"a"), (1, b"b")]
+    for ep in eps:
+        ep.close()
