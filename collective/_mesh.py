@@ -84,8 +84,7 @@ class Endpoint:
             with self._lock:
                 mesh = self._meshes.get(link_id)
             if mesh is None:
-                mesh = Mesh(self._connect(link_id, ranks, what), ranks.index(self.rank), ranks, self._timeout,
-                            self._pid)
+                mesh = Mesh(self._connect(link_id, ranks, what), ranks, self._timeout, self._pid)
                 with self._lock:
                     gone = self._closed or link_id in self._forgotten
                     if not gone:
@@ -230,10 +229,9 @@ class Endpoint:
 class Mesh:
     """Open links to every other member of one set; ``allgather`` runs one exchange at a time."""
 
-    def __init__(self, links: dict, index: int, ranks: list, timeout: float, owner: int):
+    def __init__(self, links: dict, ranks: list, timeout: float, owner: int):
         self._links = links  # global rank -> non-blocking socket
         self._owner = owner  # the pid that made the links
-        self._index = index
         self._ranks = ranks
         self._timeout = timeout
         self._selector = selectors.DefaultSelector()

@@ -46,6 +46,11 @@ def _on_threads(fns):
     return results, errors
 
 
+def _link_up(eps):
+    """One exchange between two endpoints, which makes their links."""
+    _on_threads([lambda: _gather(eps[0], [0, 1], b"a"), lambda: _gather(eps[1], [0, 1], b"b")])
+
+
 def _gather(endpoint, ranks, payload, max_payload=1 << 20, link=0):
     mesh = endpoint.mesh(link, ranks, "test op")
     return mesh.allgather(_header(len(payload), endpoint.rank), payload, max_payload, "test op",
@@ -121,7 +126,7 @@ def test_an_idle_connection_holds_up_nobody_and_a_late_rank_is_still_let_in(monk
 
 def test_a_peer_that_leaves_fails_the_others_at_once_and_for_good():
     _, eps = _endpoints(2)
-    _on_threads([lambda: _gather(eps[0], [0, 1], b"a"), lambda: _gather(eps[1], [0, 1], b"b")])
+    _link_up(eps)
     eps[1].close()
     start = time.monotonic()
     with pytest.raises(MeshError, match=r"^rank 1 closed its control link during test op: it has exited or "
@@ -136,7 +141,7 @@ def test_a_peer_that_leaves_fails_the_others_at_once_and_for_good():
 
 def test_a_peer_that_never_calls_is_named_when_the_timeout_ends():
     _, eps = _endpoints(2, timeout=1.0)
-    _on_threads([lambda: _gather(eps[0], [0, 1], b"a"), lambda: _gather(eps[1], [0, 1], b"b")])
+    _link_up(eps)
     with pytest.raises(MeshError, match=r"^test op waited 1 s for ranks 1, which never called it; every rank of a "
                                         r"set must call the same collectives in the same order\.$"):
         _gather(eps[0], [0, 1], b"a")
@@ -178,7 +183,7 @@ def test_an_exchange_interrupted_midway_leaves_the_links_unusable():
     import signal
 
     _, eps = _endpoints(2)
-    _on_threads([lambda: _gather(eps[0], [0, 1], b"a"), lambda: _gather(eps[1], [0, 1], b"b")])
+    _link_up(eps)
 
     class Interrupted(Exception):
         pass

@@ -97,7 +97,7 @@ def verify(what: str, tensors: list, process_set, *, skip_first_dim: bool = Fals
         row[_INLINE], row[_LENGTH] = 1, payload.nbytes
 
     def consume(frames):
-        rows = [list(_HEADER.unpack(header)) for header, _ in frames]
+        rows = _rows(frames)
         if any(v[_PROBLEM] for v in rows) or not _agree(rows) or inline is None:
             return rows, None  # the op raises below: leave ``out`` as it was
         if mirror is None and any(v[_JOINED] for v in rows):
@@ -165,8 +165,12 @@ def _gather_text(text: str | None, process_set, what: str) -> list:
 
 def exchange(row: list, process_set) -> list:
     """Every rank's control vector, in set-rank order."""
-    return _exchange(row, b"", process_set, "join()", lambda frames: ([list(_HEADER.unpack(h)) for h, _ in frames],
-                                                                     None))[0]
+    return _exchange(row, b"", process_set, "join()", lambda frames: (_rows(frames), None))[0]
+
+
+def _rows(frames: list) -> list:
+    """The control vectors of exchanged frames."""
+    return [list(_HEADER.unpack(header)) for header, _ in frames]
 
 
 def _exchange(row: list, payload, process_set, what: str, consume):
