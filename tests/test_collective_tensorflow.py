@@ -181,14 +181,16 @@ def test_gradients_and_distributed_gradient_tape(ranks):
     for r, v in enumerate(ranks):
         np.testing.assert_array_equal(v["grad_allreduce"], [3.0, 3.0])  # sum over ranks of (r + 1)
         g = v["grads"]
-        np.testing.assert_array_equal(g["allgather"], [3.0] * 5)  # every rank's loss reads every row
-        np.testing.assert_array_equal(g["broadcast"], [3.0 if r == 1 else 0.0] * 5)  # the root gets it all
+        # Horovod 0.28's convention (kept on purpose): allgather and broadcast average the ranks' gradients,
+        # reducescatter's is the gathered gradient, times size() for Sum
+        np.testing.assert_array_equal(g["allgather"], [1.5] * 5)  # every rank's loss reads every row
+        np.testing.assert_array_equal(g["broadcast"], [1.5 if r == 1 else 0.0] * 5)  # the root gets it all
         sent_to = [k + 1.0 for k in range(2) for _ in range(k + 1)]  # rows sent to rank k carry k + 1
         np.testing.assert_array_equal(g["alltoall"], sent_to)
         np.testing.assert_array_equal(g["alltoall_graph"], sent_to)
-        np.testing.assert_array_equal(g["reducescatter_sum"], [1.0, 1.0, 1.0, 2.0, 2.0])  # the owner's weight
-        np.testing.assert_array_equal(g["reducescatter_avg"], [0.5, 0.5, 0.5, 1.0, 1.0])
-        np.testing.assert_array_equal(g["reducescatter_scaled"], [1.5, 1.5, 1.5, 3.0, 3.0])
+        np.testing.assert_array_equal(g["reducescatter_sum"], [2.0, 2.0, 2.0, 4.0, 4.0])  # the owner's weight x 2
+        np.testing.assert_array_equal(g["reducescatter_avg"], [1.0, 1.0, 1.0, 2.0, 2.0])
+        np.testing.assert_array_equal(g["reducescatter_scaled"], [3.0, 3.0, 3.0, 6.0, 6.0])
         np.testing.assert_array_equal(v["tape"], [1.5, 1.5])  # averaged
         np.testing.assert_array_equal(v["tape_sum"], [3.0, 3.0])
         np.testing.assert_array_equal(v["graph_tape"], [1.5, 1.5])

@@ -19,7 +19,8 @@ def _ops():
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    out = {"flags": (hvd.is_homogeneous(), hvd.gloo_built(), hvd.mpi_built(), hvd.cuda_built(), hvd.nccl_built())}
+    out = {"flags": (hvd.is_homogeneous(), hvd.gloo_built(), hvd.mpi_built(), hvd.cuda_built(), hvd.nccl_built(),
+                     hvd.mpi_enabled(), hvd.gloo_enabled(), hvd.ddl_built(), hvd.ccl_built(), hvd.rocm_built())}
     x = torch.arange(4.0) + r
     h1 = hvd.allreduce_async(x, op=hvd.Sum, name="a")
     h2 = hvd.broadcast_async(torch.tensor([r, r]), root_rank=n - 1, name="b")
@@ -114,17 +115,26 @@ def _process_sets():
     evens = hvd.ProcessSet([0, 2])
     hvd.init(process_sets=[evens])
     r = hvd.rank()
-    out = {"set": (evens.process_set_id, evens.size(), evens.rank(), evens.included())}
+    out = {"set": (evens.process_set_id, evens.size(), evens.rank() if evens.included() else None,
+                   evens.included()), "global": hvd.global_process_set.ranks}
     if evens.included():
         out["sum"] = hvd.allreduce(torch.tensor([r + 1.0]), op=hvd.Sum, process_set=evens)
-        out["bcast"] = hvd.broadcast(torch.tensor([r]), root_rank=1, process_set=evens)  # set rank 1 = rank 2
+        out["bcast"] = hvd.broadcast(torch.tensor([r]), root_rank=2, process_set=evens)  # a job-wide rank
         out["gather"] = hvd.allgather(torch.tensor([r]), process_set=evens)
-        out["object"] = hvd.broadcast_object(f"from {r}", root_rank=1, process_set=evens)
+        out["object"] = hvd.broadcast_object(f"from {r}", root_rank=2, process_set=evens)
+        try:
+            hvd.broadcast(torch.tensor([r]), root_rank=1, process_set=evens)
+        except ValueError as exc:
+            out["root_outside"] = str(exc)
     else:
         try:
             hvd.allreduce(torch.ones(1), process_set=evens)
         except ValueError as exc:
             out["outsider"] = str(exc)
+        try:
+            evens.rank()
+        except ValueError as exc:
+            out["outsider_rank"] = str(exc)
     out["global_after"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum)
     try:
         hvd.add_process_set([0, 2])
@@ -134,11 +144,12 @@ def _process_sets():
         hvd.add_process_set([0, 7])
     except ValueError as exc:
         out["bad_set"] = str(exc)
-    out["removed"] = hvd.remove_process_set(evens)
+    out["removed"] = (hvd.remove_process_set(evens), hvd.remove_process_set(hvd.global_process_set))
+    out["after_remove"] = (evens.size(), evens.rank(), evens.included())
     try:
-        evens.size()
+        hvd.allreduce(torch.ones(1), process_set=evens)
     except ValueError as exc:
-        out["after_remove"] = str(exc)
+        out["removed_use"] = str(exc)
     return out
 
 
@@ -165,7 +176,8 @@ def test_every_cpu_dtype_and_rank(ranks, dtype, dims):
 
 
 def test_topology_flags(ranks):
-    assert all(v["flags"] == (True, True, False, False, False) for v in ranks)  # CPU build of torch
+    assert all(v["flags"] == (True, True, False, False, 0, False, True, False, False, False)
+               for v in ranks)  # CPU build of torch
 
 
 def test_async_handles(ranks):
@@ -178,7 +190,7 @@ def test_async_handles(ranks):
         assert torch.equal(gathered, torch.cat([torch.full((k + 1,), k) for k in range(n)]))
         assert torch.equal(averaged, base + sum(range(n)) / n) and averaged is inplace
         assert polled is True and untouched is True
-        assert "an operation named 'a' is already in flight on this rank" in v["dup"]
+        assert "another allreduce named 'a' is already in flight on this rank" in v["dup"]
         assert v["not_handle"] == "synchronize takes a handle returned by an *_async function, got str."
 
 
@@ -248,7 +260,10 @@ def test_error_messages(ranks):
     assert e["alltoall_scalar"] == "alltoall needs a tensor with at least one dimension; got a scalar."
 
 
-def test_gradients_match_analytic_values(ranks):
+def test_gradients_match_analytic_values_in_horovods_convention(ranks):
+    """Rank k's loss is weighted by k + 1 (or by 10k in allgather's). Horovod 0.28's gradients, kept on
+    purpose: broadcast's and allgather's average the ranks' gradients (1/n of the derivative of the
+    summed losses), reducescatter's is the allgather of the gradient times n for Sum."""
     n = len(ranks)
     t = n * (n + 1) // 2  # sum over ranks of (rank + 1)
     for r, v in enumerate(ranks):
@@ -256,31 +271,38 @@ def test_gradients_match_analytic_values(ranks):
         assert torch.equal(g["allreduce_Sum"], torch.full((3,), float(t)))
         assert torch.equal(g["allreduce_Average"], torch.full((3,), t / n))
         offset = r * (r + 1) // 2  # rows before this rank's in the gathered tensor
-        expected = sum(torch.arange(offset, offset + r + 1, dtype=torch.float32) + 10 * k for k in range(n))
-        assert torch.equal(g["allgather"], expected)
-        assert torch.equal(g["broadcast"], torch.full((2,), float(t) if r == 0 else 0.0))
+        summed = sum(torch.arange(offset, offset + r + 1, dtype=torch.float32) + 10 * k for k in range(n))
+        assert torch.equal(g["allgather"], summed / n)
+        assert torch.equal(g["broadcast"], torch.full((2,), t / n if r == 0 else 0.0))
         assert torch.equal(g["alltoall"], torch.cat([torch.full((k + 1,), k + 1.0) for k in range(n)]))
         counts = [3 if k == 0 else 2 for k in range(n)]
-        assert torch.equal(g["reducescatter"], torch.cat([torch.full((c,), k + 1.0) for k, c in enumerate(counts)]))
+        owner = torch.cat([torch.full((c,), k + 1.0) for k, c in enumerate(counts)])
+        assert torch.equal(g["reducescatter"], owner * n)
         assert all(torch.equal(x, torch.full_like(x, float(t))) for x in g["grouped"])
 
 
 def test_process_sets_at_np3():
     values = HorovodRunner(np=-3).run_all(_process_sets).values
-    assert [v["set"] for v in values] == [(1, 2, 0, True), (1, 2, -1, False), (1, 2, 1, True)]
+    assert [v["set"] for v in values] == [(1, 2, 0, True), (1, 2, None, False), (1, 2, 1, True)]
+    assert all(v["global"] == [0, 1, 2] for v in values)
     for r in (0, 2):
         v = values[r]
         assert torch.equal(v["sum"], torch.tensor([4.0]))
         assert torch.equal(v["bcast"], torch.tensor([2]))
         assert torch.equal(v["gather"], torch.tensor([0, 2]))
         assert v["object"] == "from 2"
+        assert v["root_outside"] == ("root_rank=1 is not a member of process set [0, 2]; root_rank is a "
+                                     "job-wide rank (hvd.rank()), also within a process set, as in Horovod.")
     assert "rank 1 is not in process set [0, 2]; call a process set's collectives only on its members" in \
         values[1]["outsider"]
+    assert values[1]["outsider_rank"] == ("rank 1 is not a member of process set [0, 2], so it has no rank in "
+                                          "it; check process_set.included() first.")
     assert all(torch.equal(v["global_after"], torch.tensor([3.0])) for v in values)
     assert values[0]["dup_set"] == "a process set with ranks [0, 2] already exists (id 1)."
     assert values[0]["bad_set"] == "process set ranks [0, 7] must be a non-empty list of ranks in 0..2."
-    assert all(v["removed"] is True for v in values)
-    assert "has not been added; call hvd.add_process_set() on every rank first" in values[0]["after_remove"]
+    assert all(v["removed"] == (True, False) for v in values)
+    assert [v["after_remove"] for v in values] == [(None, None, True), (None, None, False), (None, None, True)]
+    assert "has not been added; call hvd.add_process_set() on every rank first" in values[0]["removed_use"]
 
 
 def _disagreements():
@@ -419,7 +441,7 @@ def test_a_problem_on_one_rank_fails_every_rank_without_a_hang():
         "rank 0: alltoall without splits needs the first dimension (5) to be divisible by the number of ranks (3); "
         "pass splits= to send uneven parts.")
     assert v[1]["root"] == "rank 0: root_rank=9 is outside the ranks 0..2 of this job."
-    assert v[2]["name"].startswith("rank 0: an operation named 'n' is already in flight on this rank")
+    assert v[2]["name"].startswith("rank 0: another allreduce named 'n' is already in flight on this rank")
     assert [x["after"] for x in v] == [3.0, 3.0, 3.0] and [x["first"] for x in v] == [1.0, 1.0, 1.0]
     assert [x["last"] for x in v] == [2, 2, 2]
     expected = (torch.tensor([0.0, 1.0, 2.0]) - 1.0) / torch.sqrt(torch.tensor(2 / 3 + 1e-5))
@@ -490,24 +512,24 @@ def _review_cases():
     r = hvd.rank()
     out = {}
     pair = hvd.add_process_set([1, 2])
-    model = torch.nn.Linear(2, 1)
-    try:
-        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), process_set=pair)
-        out["outsider"] = "no error" if r == 0 else "wrapped"
-    except ValueError as exc:
-        out["outsider"] = str(exc)
+    model = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), process_set=pair)
+    model(torch.full((1, 2), r + 1.0)).sum().backward()  # gradient: r + 1 in both columns
+    opt.step()  # ranks 1 and 2 average theirs; rank 0, outside the set, trains alone (as in Horovod)
+    out["outsider"] = model.weight.detach()
     t = torch.ones(3 + r)  # the ranks disagree: the op fails, and the tensor must stay as it was
     try:
         hvd.grouped_allreduce_([t], op=hvd.Sum, prescale_factor=2.0)
     except ValueError:
         pass
     out["untouched"] = t
-    for numel in (4, 100_000):  # inside and beyond the control frame
-        try:
-            hvd.allreduce_(torch.full((numel,), 3, dtype=torch.int64), op=hvd.Sum, prescale_factor=0.5)
-            out[f"int_prescale_{numel}"] = "no error"
-        except ValueError as exc:
-            out[f"int_prescale_{numel}"] = str(exc)
+    for numel in (4, 100_000):  # inside and beyond the control frame; truncated toward zero, as Horovod
+        out[f"int_prescale_{numel}"] = hvd.allreduce_(torch.full((numel,), 3, dtype=torch.int64), op=hvd.Sum,
+                                                      prescale_factor=0.5)  # 1 each
+        out[f"int_average_{numel}"] = hvd.allreduce(torch.full((numel,), -2 if r == 0 else 0), postscale_factor=3)
+        out[f"int_postscale_{numel}"] = hvd.allreduce(torch.full((numel,), 1 - 2 * r), op=hvd.Sum,
+                                                      postscale_factor=0.5)
     x = torch.ones(2 * hvd.size() + 1, requires_grad=True)
     (hvd.reducescatter(x, op=hvd.Sum, prescale_factor=3.0, postscale_factor=0.5) * (r + 1)).sum().backward()
     out["rs_grad"] = x.grad
@@ -516,18 +538,19 @@ def _review_cases():
 
 def test_outsiders_untouched_inputs_integer_scaling_and_scaled_gradients():
     values = HorovodRunner(np=-3).run_all(_review_cases).values
-    assert values[0]["outsider"] == ("DistributedOptimizer: rank 0 is not in process set [1, 2]; call a process "
-                                     "set's collectives only on its members.")
-    assert values[1]["outsider"] == values[2]["outsider"] == "wrapped"
+    assert torch.equal(values[0]["outsider"], torch.full((1, 2), -1.0))  # its own gradient, 1
+    assert torch.equal(values[1]["outsider"], torch.full((1, 2), -2.5))  # the average of 2 and 3
+    assert torch.equal(values[2]["outsider"], torch.full((1, 2), -2.5))
     for r, v in enumerate(values):
         assert torch.equal(v["untouched"], torch.ones(3 + r))
         for numel in (4, 100_000):
-            assert v[f"int_prescale_{numel}"] == (
-                "prescale_factor=0.5 and postscale_factor=1.0 need a floating-point tensor, got int64; scale "
-                "integer tensors yourself, or leave both at 1.0.")
-        # 7 rows over 3 ranks: 3, 2, 2; each row's gradient is its owner's weight times the scales
+            assert torch.equal(v[f"int_prescale_{numel}"], torch.full((numel,), 3))  # 1 + 1 + 1
+            assert torch.equal(v[f"int_average_{numel}"], torch.full((numel,), -2))  # trunc(-2 * 3 / 3)
+            assert torch.equal(v[f"int_postscale_{numel}"], torch.full((numel,), -1))  # trunc(-3 / 2), not floor
+        # 7 rows over 3 ranks: 3, 2, 2; each row's gradient is its owner's weight times the scales, times
+        # the set's size for Sum (Horovod's convention)
         owner_weight = torch.tensor([1.0] * 3 + [2.0] * 2 + [3.0] * 2)
-        assert torch.equal(v["rs_grad"], owner_weight * 1.5)
+        assert torch.equal(v["rs_grad"], owner_weight * 1.5 * 3)
 
 
 def _fused_in_flight():
@@ -580,3 +603,78 @@ def test_buffer_pool_hands_out_fitting_buffers_and_keeps_the_largest():
     assert pool.take(torch.float64, 10).dtype == torch.float64
     ts = [torch.ones(4), torch.ones(4), torch.ones(4, dtype=torch.int64), torch.ones(20), torch.ones(1)]
     assert [[len(t) for t in group] for group in pack(ts, 32)] == [[4, 4], [20], [1], [4]]
+
+
+def _horovod_signatures():
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    out = {}
+    for key, call in {
+        "bad_sets": lambda: hvd.init(process_sets="static"),
+        "subset_comm": lambda: hvd.init(comm=[0]),
+    }.items():
+        try:
+            call()
+        except ValueError as exc:
+            out[key] = str(exc)
+    hvd.init(comm=[1, 0], process_sets="dynamic")  # Horovod's forms: every rank, sets added later
+    r = hvd.rank()
+    try:
+        hvd.mpi_threads_supported()
+    except ValueError as exc:
+        out["mpi_threads"] = str(exc)
+    out["internal_error"] = issubclass(hvd.HorovodInternalError, RuntimeError)
+    # a name may be in flight once per kind of op, as Horovod prefixes names with the op
+    h1 = hvd.allreduce_async(torch.tensor([1.0 + r]), name="x", op=hvd.Sum)
+    h2 = hvd.broadcast_async(torch.tensor([r]), root_rank=1, name="x")
+    out["same_name"] = (hvd.synchronize(h1), hvd.synchronize(h2))
+    gathered = hvd.grouped_allgather_async([torch.tensor([r]), torch.tensor([[r, r]])], name="g")
+    scattered = hvd.grouped_reducescatter_async([torch.arange(4.0) * (r + 1)], op=hvd.Sum)
+    out["grouped"] = (hvd.synchronize(gathered), hvd.synchronize(scattered),
+                      hvd.grouped_allreduce([torch.ones(1)]), hvd.grouped_allreduce_([torch.ones(1)]))
+    model = torch.nn.Linear(2, 1)
+    torch.nn.init.constant_(model.weight, float(r))
+    hvd.broadcast_parameters(list(model.parameters()), root_rank=1)  # bare tensors, as Horovod allows
+    out["params"] = model.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 * (r + 1))
+    hvd.broadcast_optimizer_state(opt, 1, model=model)  # Horovod's third argument
+    out["lr"] = opt.param_groups[0]["lr"]
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), backward_passes_per_step=0)
+    except ValueError as exc:
+        out["passes_0"] = str(exc)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    opt.set_backward_passes_per_step(2)
+    for _ in range(2):
+        model(torch.ones(1, 2)).sum().backward()
+    try:
+        opt.set_backward_passes_per_step(1)
+    except RuntimeError as exc:
+        out["passes_in_flight"] = str(exc)
+    opt.step()
+    out["passes"] = (opt.backward_passes_per_step, model.bias.grad.clone())
+    return out
+
+
+def test_horovod_call_forms_and_flags():
+    values = HorovodRunner(np=-2).run_all(_horovod_signatures).values
+    for r, v in enumerate(values):
+        assert v["bad_sets"] == "init(process_sets='static'): pass a list of ProcessSets or \"dynamic\"."
+        assert v["subset_comm"] == ("init(comm=[0]): sparkhvd always runs on every rank of the job ([0, 1]); pass "
+                                    "comm=None, and put a subset of ranks in a process set (hvd.add_process_set).")
+        assert v["mpi_threads"].startswith("MPI is not enabled: sparkhvd never uses MPI")
+        assert v["internal_error"] is True
+        assert torch.equal(v["same_name"][0], torch.tensor([3.0])) and torch.equal(v["same_name"][1], torch.tensor([1]))
+        gathered, scattered, grouped, grouped_ = v["grouped"]
+        assert isinstance(gathered, tuple) and isinstance(grouped, tuple) and isinstance(grouped_, tuple)
+        assert torch.equal(gathered[0], torch.tensor([0, 1]))
+        assert torch.equal(gathered[1], torch.tensor([[0, 0], [1, 1]]))
+        assert torch.equal(scattered[0], (torch.arange(4.0) * 3)[2 * r:2 * r + 2])
+        assert torch.equal(v["params"], torch.ones(1, 2))
+        assert v["lr"] == pytest.approx(0.2)
+        assert v["passes_0"] == "backward_passes_per_step must be a whole number of 1 or more, got 0."
+        assert v["passes_in_flight"] == ("set_backward_passes_per_step() was called while gradients were being "
+                                         "reduced; call it right after optimizer.step().")
+        assert v["passes"][0] == 2 and torch.equal(v["passes"][1], torch.tensor([2.0]))  # two passes, summed

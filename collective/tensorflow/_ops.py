@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from .. import _engine
 from ..torch import _ops as _torch_ops
 from ..torch._handles import synchronize
 from ..torch._process_sets import global_process_set
@@ -84,7 +85,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
 
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
-    """Rank ``root_rank``'s value of ``tensor``; differentiable (the root gets the summed gradient)."""
+    """Rank ``root_rank``'s value of ``tensor``; differentiable (the root gets the averaged gradient)."""
     tensor = tf.convert_to_tensor(tensor)
 
     def now(v):
@@ -95,9 +96,9 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
     def bcast(x):
         out = run(now, x, x.shape)
 
-        def grad(dy):
-            summed = allreduce(dy, op=_torch_ops.Sum, process_set=process_set)
-            return summed if process_set.rank() == root_rank else tf.zeros_like(summed)
+        def grad(dy):  # Horovod's convention: the average of the ranks' gradients, on the root
+            averaged = allreduce(dy, op=_torch_ops.Average, process_set=process_set)
+            return averaged if _engine.topology().rank == root_rank else tf.zeros_like(averaged)
 
         return out, grad
 
@@ -120,11 +121,11 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
         out = run(now, x, _first_dim_unknown(x.shape))
         rows = tf.shape(x)[0] if x.shape.rank else 1
 
-        def grad(dy):
-            summed = allreduce(dy, op=_torch_ops.Sum, process_set=process_set)
+        def grad(dy):  # Horovod's convention: this rank's rows of the average of the ranks' gradients
+            averaged = allreduce(dy, op=_torch_ops.Average, process_set=process_set)
             counts = allgather(tf.reshape(tf.cast(rows, tf.int64), [1]), process_set=process_set)
             start = tf.reduce_sum(counts[:process_set.rank()])
-            return tf.reshape(summed[start:start + tf.cast(rows, tf.int64)], tf.shape(x))
+            return tf.reshape(averaged[start:start + tf.cast(rows, tf.int64)], tf.shape(x))
 
         return out, grad
 
@@ -182,9 +183,9 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=_tor
     def scatter(x):
         out = run(now, x, _first_dim_unknown(x.shape))
 
-        def grad(dy):
-            gathered = allgather(dy, process_set=process_set) * (prescale_factor * postscale_factor)
-            return gathered / process_set.size() if op == _torch_ops.Average else gathered
+        def grad(dy):  # Horovod's convention: the gathered gradients, times size() for Sum
+            scale = prescale_factor * postscale_factor * (process_set.size() if op == _torch_ops.Sum else 1)
+            return allgather(dy, process_set=process_set) * scale
 
         return out, grad
 

@@ -18,8 +18,8 @@ from ._functions import allgather_object, broadcast_object, broadcast_optimizer_
 from ._handles import poll, synchronize
 from ._ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_async, allreduce_,
                    allreduce_async, allreduce_async_, alltoall_async, barrier, broadcast_, broadcast_async,
-                   broadcast_async_, grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
-                   reducescatter_async)
+                   broadcast_async_, grouped_allgather_async, grouped_allreduce_, grouped_allreduce_async,
+                   grouped_allreduce_async_, grouped_reducescatter_async, reducescatter_async)
 from ._optimizer import DistributedOptimizer
 from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from ._sync_batch_norm import SyncBatchNorm
@@ -28,25 +28,48 @@ from ._timeline import start_timeline, stop_timeline
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_homogeneous", "nccl_built", "gloo_built", "mpi_built", "cuda_built",
+    "mpi_enabled", "mpi_threads_supported", "gloo_enabled", "ddl_built", "ccl_built", "rocm_built",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
-    "allgather", "allgather_async", "grouped_allgather",
+    "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "synchronize", "poll", "barrier", "join",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "Compression", "DistributedOptimizer", "SyncBatchNorm", "start_timeline", "stop_timeline",
-    "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
+    "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError",
 ]
 
 
-def init(process_sets=None) -> None:
+class HorovodInternalError(RuntimeError):
+    """Horovod's error for a failed collective, kept so that ``except hvd.HorovodInternalError`` works.
+
+    sparkhvd raises ``ValueError`` for bad arguments and ``RuntimeError`` (or ``MeshError``) for a
+    failed peer; none of them is this class.
+    """
+
+
+def init(comm=None, process_sets=None) -> None:
     """Join this process's job: HorovodRunner's, torchrun's, or a job of one.
 
-    ``process_sets``: ProcessSets (or lists of ranks) to register on every rank.
+    ``comm``: None, or the list of every rank (Horovod's MPI communicator argument; a subset
+    of ranks is a process set here). ``process_sets``: ProcessSets (or lists of ranks) to
+    register on every rank, or ``"dynamic"`` (sets are always dynamic here: ``add_process_set``
+    works at any time).
     """
+    if isinstance(process_sets, str):
+        if process_sets.lower() != "dynamic":
+            raise ValueError(f"init(process_sets={process_sets!r}): pass a list of ProcessSets or \"dynamic\".")
+        process_sets = None
     _engine.init()
+    if comm is not None:
+        everyone = list(range(_engine.topology().size))
+        if not isinstance(comm, (list, tuple, range)) or sorted(comm) != everyone:
+            raise ValueError(f"init(comm={comm!r}): sparkhvd always runs on every rank of the job ({everyone}); "
+                             "pass comm=None, and put a subset of ranks in a process set (hvd.add_process_set).")
+    global_process_set.ranks = list(range(_engine.topology().size))
     for ps in process_sets or ():
         add_process_set(ps)
 
@@ -110,9 +133,15 @@ def is_homogeneous() -> bool:
     return _engine.topology().homogeneous
 
 
-def nccl_built() -> bool:
-    """Whether CUDA tensors can travel over NCCL here (torch was built with NCCL)."""
-    return bool(_dist.is_nccl_available())
+def nccl_built() -> int:
+    """NCCL's version code (e.g. 21803 for 2.18.3) if CUDA tensors can travel over NCCL here, else 0.
+
+    As Horovod's, a number that is true exactly when NCCL is there.
+    """
+    if not _dist.is_nccl_available():
+        return 0
+    major, minor, patch = _torch.cuda.nccl.version()[:3]
+    return major * (10000 if (major, minor) >= (2, 9) else 1000) + minor * 100 + patch
 
 
 def gloo_built() -> bool:
@@ -123,6 +152,37 @@ def gloo_built() -> bool:
 def mpi_built() -> bool:
     """False: sparkhvd never uses MPI (gloo and NCCL carry every collective)."""
     return False
+
+
+def mpi_enabled() -> bool:
+    """False: sparkhvd never uses MPI."""
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    """Raises, as Horovod does when MPI is not enabled: sparkhvd never uses MPI."""
+    raise ValueError("MPI is not enabled: sparkhvd never uses MPI (gloo and NCCL carry every collective), so "
+                     "there is no MPI threading to ask about; call hvd.mpi_enabled() first.")
+
+
+def gloo_enabled() -> bool:
+    """Whether gloo carries CPU tensors at run time (always, as gloo_built)."""
+    return gloo_built()
+
+
+def ddl_built() -> bool:
+    """False: no IBM DDL."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False: no oneCCL."""
+    return False
+
+
+def rocm_built() -> bool:
+    """Whether this torch was built for ROCm (its GPU collectives then go over RCCL, as NCCL)."""
+    return _torch.version.hip is not None
 
 
 def cuda_built() -> bool:

@@ -1,15 +1,19 @@
 """The blocking, out-of-place collectives, differentiable as in Horovod.
 
-Gradients: allreduce's is the same allreduce of the incoming gradient; broadcast's is the sum
-of the gradients on the root and zero elsewhere; allgather's is this rank's slice of the summed
-gradient; alltoall's sends the gradient back along the received splits; reducescatter's is the
-allgather of the gradient (divided by the set's size for Average).
+Gradients are Horovod 0.28's (a known wart, kept so that ported training behaves the same):
+allreduce's is the same allreduce of the incoming gradient; broadcast's is the *average* of the
+ranks' gradients on the root and zero elsewhere; allgather's is this rank's slice of the
+*averaged* gradient; alltoall's sends the gradient back along the received splits;
+reducescatter's is the allgather of the gradient, times the scale factors, times the set's
+size for Sum (and not divided for Average). Against the exact derivative of the sum of every
+rank's loss, broadcast's and allgather's are 1/size of it and reducescatter's size times it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import _engine
 from . import _ops
 from ._compression import Compression
 from ._handles import synchronize
@@ -56,12 +60,12 @@ class _GroupedAllreduce(torch.autograd.Function):
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
-                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set) -> list:
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set) -> tuple:
     """Reduce a list of tensors in one fused operation; returns new tensors."""
     op = _ops._resolve_op(op, average)
     wires = [compression.compress(t) for t in tensors]
     outs = _GroupedAllreduce.apply(op, prescale_factor, postscale_factor, process_set, *[w for w, _ in wires])
-    return [compression.decompress(o, c) for o, (_, c) in zip(outs, wires)]
+    return tuple(compression.decompress(o, c) for o, (_, c) in zip(outs, wires))
 
 
 class _Broadcast(torch.autograd.Function):
@@ -73,12 +77,12 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         root_rank, process_set = ctx.args
-        summed = _Allreduce.apply(grad, _ops.Sum, 1.0, 1.0, process_set)
-        return (summed if process_set.rank() == root_rank else torch.zeros_like(summed)), None, None, None
+        averaged = _Allreduce.apply(grad, _ops.Average, 1.0, 1.0, process_set)
+        return (averaged if _engine.topology().rank == root_rank else torch.zeros_like(averaged)), None, None, None
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
-    """Rank ``root_rank``'s value of ``tensor`` (counted within the process set), as a new tensor."""
+    """Rank ``root_rank``'s value of ``tensor`` (a job-wide rank, also within a process set), as a new tensor."""
     _ops._check_tensor(tensor, "broadcast")
     return _Broadcast.apply(tensor, root_rank, process_set, name)
 
@@ -92,9 +96,9 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         rows, process_set = ctx.args
-        summed = _Allreduce.apply(grad, _ops.Sum, 1.0, 1.0, process_set)
+        averaged = _Allreduce.apply(grad, _ops.Average, 1.0, 1.0, process_set)
         counts = [c[0] for c in _ops.gather_ints([rows], grad.device, process_set)]
-        return summed.narrow(0, sum(counts[:process_set.rank()]), rows), None, None
+        return averaged.narrow(0, sum(counts[:process_set.rank()]), rows), None, None
 
 
 def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor:
@@ -103,9 +107,9 @@ def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor
     return _Allgather.apply(tensor, process_set, name)
 
 
-def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:
+def grouped_allgather(tensors, name=None, process_set=global_process_set) -> tuple:
     """``allgather`` of each tensor in a list."""
-    return [allgather(t, process_set=process_set) for t in tensors]
+    return tuple(allgather(t, process_set=process_set) for t in tensors)
 
 
 class _Alltoall(torch.autograd.Function):
@@ -144,8 +148,9 @@ class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         op, process_set, scale = ctx.args
-        gathered = _Allgather.apply(grad.contiguous(), process_set) * scale
-        return (gathered / process_set.size() if op == _ops.Average else gathered), None, None, None, None
+        if op == _ops.Sum:
+            scale *= process_set.size()
+        return _Allgather.apply(grad.contiguous(), process_set) * scale, None, None, None, None
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=_ops.Average,
@@ -161,7 +166,8 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=_ops.Avera
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=_ops.Average,
-                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0) -> list:
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0) -> tuple:
     """``reducescatter`` of each tensor in a list."""
-    return [reducescatter(t, compression=compression, op=op, process_set=process_set,
-                          prescale_factor=prescale_factor, postscale_factor=postscale_factor) for t in tensors]
+    return tuple(reducescatter(t, compression=compression, op=op, process_set=process_set,
+                               prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                 for t in tensors)

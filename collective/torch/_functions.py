@@ -7,6 +7,7 @@ import io
 import torch
 import torch.distributed as dist
 
+from .. import _engine
 from ._check import verify
 from ._ops import _group, _root_problem, broadcast_, gather_ints
 from ._process_sets import global_process_set
@@ -19,8 +20,7 @@ def broadcast_object(obj=None, root_rank: int = 0, name=None, process_set=global
     group = _group(process_set, "broadcast_object")
     verify("broadcast_object", [], process_set, extra=f"root_rank={root_rank}",
            problem=_root_problem(root_rank, process_set))
-    src = process_set.global_rank(root_rank)
-    rank = process_set.rank()
+    rank = _engine.topology().rank
     if rank == root_rank:
         buf = io.BytesIO()
         cloudpickle.dump(obj, buf)
@@ -28,10 +28,10 @@ def broadcast_object(obj=None, root_rank: int = 0, name=None, process_set=global
         length = torch.tensor([data.numel()], dtype=torch.int64)
     else:
         length = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(length, src=src, group=group)
+    dist.broadcast(length, src=root_rank, group=group)
     if rank != root_rank:
         data = torch.empty(int(length.item()), dtype=torch.uint8)
-    dist.broadcast(data, src=src, group=group)
+    dist.broadcast(data, src=root_rank, group=group)
     if rank == root_rank:
         return obj
     return cloudpickle.loads(data.numpy().tobytes())
@@ -55,19 +55,21 @@ def allgather_object(obj, name=None, process_set=global_process_set) -> list:
 def broadcast_parameters(params, root_rank: int = 0, process_set=global_process_set) -> None:
     """Overwrite every rank's parameters with rank ``root_rank``'s, in place.
 
-    ``params`` is a ``state_dict()``, a list of ``(name, tensor)`` pairs, or
-    ``model.named_parameters()``.
+    ``params`` is a ``state_dict()``, a list of ``(name, tensor)`` pairs or of tensors,
+    ``model.named_parameters()`` or ``model.parameters()``.
     """
     if isinstance(params, dict):
         items = sorted(params.items())
     elif isinstance(params, (list, tuple)) or hasattr(params, "__next__"):
         items = list(params)
     else:
-        raise ValueError(f"broadcast_parameters takes a state_dict, a list of (name, tensor) pairs or "
-                         f"model.named_parameters(), got {type(params).__name__}.")
+        raise ValueError(f"broadcast_parameters takes a state_dict, a list of (name, tensor) pairs or of tensors, "
+                         f"or model.named_parameters(), got {type(params).__name__}.")
     for item in items:
+        if isinstance(item, torch.Tensor):
+            item = (None, item)  # as Horovod: bare tensors are allowed
         if not (isinstance(item, tuple) and len(item) == 2):
-            raise ValueError(f"broadcast_parameters takes (name, tensor) pairs, got an item of type "
+            raise ValueError(f"broadcast_parameters takes (name, tensor) pairs or tensors, got an item of type "
                              f"{type(item).__name__}; pass model.named_parameters() or model.state_dict().")
         name, p = item
         if not isinstance(p, torch.Tensor):
@@ -76,15 +78,20 @@ def broadcast_parameters(params, root_rank: int = 0, process_set=global_process_
         broadcast_(p.data, root_rank, name=None, process_set=process_set)
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0, model=None,
                               process_set=global_process_set) -> None:
-    """Overwrite every rank's optimizer state and hyperparameters with rank ``root_rank``'s."""
+    """Overwrite every rank's optimizer state and hyperparameters with rank ``root_rank``'s.
+
+    ``model`` is accepted for Horovod compatibility and not needed: the state is the optimizer's
+    ``state_dict()``, loaded as a whole.
+    """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, got "
                          f"{type(optimizer).__name__}.")
-    state = _to_cpu(optimizer.state_dict()) if process_set.rank() == root_rank else None
+    is_root = _engine.topology().rank == root_rank
+    state = _to_cpu(optimizer.state_dict()) if is_root else None
     state = broadcast_object(state, root_rank, process_set=process_set)
-    if process_set.rank() != root_rank:
+    if not is_root:
         optimizer.load_state_dict(state)  # moves state tensors to each parameter's device
 
 

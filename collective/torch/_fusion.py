@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from . import _timeline
 from ._check import inline_fits, verify
+from ._scale import scale_
 
 DEFAULT_THRESHOLD = 64 * 1024 * 1024
 ENV_THRESHOLD = "HOROVOD_FUSION_THRESHOLD"
@@ -225,8 +226,8 @@ class GradientBuckets:
 def launch_allreduce(flat: torch.Tensor, *, op_is_average: bool, predivide: float, compression, process_set):
     """Start one bucket's reduction: returns (work, context for finish_allreduce)."""
     wire, ctx = compression.compress(flat)
-    if op_is_average and predivide != 1.0:
-        wire.mul_(1.0 / predivide)
+    if op_is_average:
+        scale_(wire, 1.0 / predivide)
     reduced = verify("DistributedOptimizer bucket", [wire], process_set, mirror=wire,  # a joined rank mirrors it
                      inline=wire if inline_fits(wire, process_set) else None)
     if reduced is not None:  # a small bucket rode in the check's exchange
@@ -237,5 +238,5 @@ def launch_allreduce(flat: torch.Tensor, *, op_is_average: bool, predivide: floa
 def finish_allreduce(flat: torch.Tensor, ctx, *, op_is_average: bool, predivide: float, size: int, compression):
     wire, cctx = ctx
     if op_is_average:
-        wire.mul_(predivide / size) if wire.is_floating_point() else wire.floor_divide_(size)
+        scale_(wire, predivide / size)
     return compression.decompress(wire, cctx)

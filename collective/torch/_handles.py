@@ -6,7 +6,7 @@ from typing import Callable
 
 from . import _timeline
 
-_in_flight: dict = {}  # name -> Handle, for this rank's unfinished named operations
+_in_flight: dict = {}  # (kind, name) -> Handle, for this rank's unfinished named operations
 
 
 class Handle:
@@ -42,21 +42,24 @@ class Handle:
         return f"<sparkhvd handle {self.name or ''} {state}>"
 
 
-def name_problem(name: str | None) -> str | None:
-    """Why ``name`` cannot start another op now (checked before the op starts), or None."""
-    if name is not None and name in _in_flight:
-        return (f"an operation named {name!r} is already in flight on this rank; synchronize it before reusing "
+def name_problem(name: str | None, kind: str) -> str | None:
+    """Why ``name`` cannot start another op of ``kind`` now (checked before the op starts), or None.
+
+    Names are per kind of op, as Horovod prefixes them with the op ("allreduce.x", "broadcast.x").
+    """
+    if name is not None and (kind, name) in _in_flight:
+        return (f"another {kind} named {name!r} is already in flight on this rank; synchronize it before reusing "
                 "the name, or give this one another name.")
     return None
 
 
 def register(handle: Handle) -> Handle:
-    """Track a named handle; a name may have one operation in flight at a time."""
+    """Track a named handle; a name may have one operation of each kind in flight at a time."""
     if handle.name is not None:
-        problem = name_problem(handle.name)  # callers check first; this keeps the registry honest
+        problem = name_problem(handle.name, handle.kind)  # callers check first; this keeps the registry honest
         if problem is not None:
             raise ValueError(problem)
-        _in_flight[handle.name] = handle
+        _in_flight[handle.kind, handle.name] = handle
     return handle
 
 
@@ -67,8 +70,8 @@ def synchronize(handle: Handle):
     try:
         return handle.wait()
     finally:
-        if handle.name is not None and _in_flight.get(handle.name) is handle:
-            del _in_flight[handle.name]
+        if handle.name is not None and _in_flight.get((handle.kind, handle.name)) is handle:
+            del _in_flight[handle.kind, handle.name]
 
 
 def poll(handle: Handle) -> bool:

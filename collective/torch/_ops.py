@@ -17,6 +17,7 @@ from .. import _engine
 from . import _fusion, _timeline
 from ._check import inline_fits, verify
 from ._handles import Handle, name_problem, register, synchronize
+from ._scale import scale_, scaled
 from ._process_sets import ProcessSet, global_process_set, require_member
 
 
@@ -66,28 +67,26 @@ def _group(process_set: ProcessSet, what: str):
 
 
 def _root_problem(root_rank, process_set: ProcessSet) -> str | None:
-    size = process_set.size()
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < size:
-        where = "this job" if process_set is global_process_set else f"process set {process_set.ranks}"
-        return f"root_rank={root_rank!r} is outside the ranks 0..{size - 1} of {where}."
-    return None
-
-
-def _scale_problem(tensor: torch.Tensor, prescale: float, postscale: float) -> str | None:
-    if (prescale != 1.0 or postscale != 1.0) and not (tensor.is_floating_point() or tensor.is_complex()):
-        return (f"prescale_factor={prescale} and postscale_factor={postscale} need a floating-point tensor, got "
-                f"{str(tensor.dtype).replace('torch.', '')}; scale integer tensors yourself, or leave both at 1.0.")
+    """``root_rank`` is a job-wide rank (``hvd.rank()``), also within a process set, as in Horovod."""
+    valid = isinstance(root_rank, int) and not isinstance(root_rank, bool)
+    if process_set is global_process_set:
+        size = process_set.size()
+        if not (valid and 0 <= root_rank < size):
+            return f"root_rank={root_rank!r} is outside the ranks 0..{size - 1} of this job."
+    elif not (valid and root_rank in process_set.ranks):
+        return (f"root_rank={root_rank!r} is not a member of process set {process_set.ranks}; root_rank is a "
+                f"job-wide rank (hvd.rank()), also within a process set, as in Horovod.")
     return None
 
 
 def _scale_after(tensor: torch.Tensor, op: ReduceOp, size: int, postscale: float) -> None:
-    if op == Average and size > 1:
-        if tensor.is_floating_point() or tensor.is_complex():
+    average = op == Average and size > 1
+    if tensor.is_floating_point() or tensor.is_complex():
+        if average:
             tensor.div_(size)
-        else:
-            tensor.floor_divide_(size)  # integer averages round down
-    if postscale != 1.0:
-        tensor.mul_(postscale)
+        scale_(tensor, postscale)
+    else:  # one truncation, of sum * postscale / size, as Horovod
+        scale_(tensor, postscale / size if average else postscale)
 
 
 def _fused(members: list, pooled: list) -> torch.Tensor:
@@ -108,19 +107,19 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
                      process_set=global_process_set, _what: str = "allreduce", _check: bool = True) -> Handle:
     """Start reducing ``tensor`` in place; returns a handle for ``synchronize``.
 
-    ``op=Average`` (the default) divides the sum by the set's size; on integer tensors that
-    division rounds down.
+    ``op=Average`` (the default) divides the sum by the set's size; on integer tensors the
+    result is truncated toward zero, as Horovod's.
     """
     _check_tensor(tensor, "allreduce")
     op = _resolve_op(op, average)
     group = _group(process_set, _what)
     reduced = None
     if _check:
-        problem = _scale_problem(tensor, prescale_factor, postscale_factor) or name_problem(name)
+        problem = name_problem(name, "allreduce")
         inline = None
         if problem is None and inline_fits(tensor, process_set):  # small: the data rides in the exchange
             with torch.no_grad():
-                inline = tensor.detach() * prescale_factor if prescale_factor != 1.0 else tensor.detach()
+                inline = scaled(tensor.detach(), prescale_factor)
         reduced = verify(_what, [tensor], process_set, extra=f"op={op.name}", mirror=_joinable(tensor, op),
                          problem=problem, inline=inline, inline_op=_C10D_OPS[op],
                          out=tensor if tensor.is_contiguous() else None)
@@ -132,8 +131,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
             works = []
         else:
             wire = tensor if tensor.is_contiguous() else tensor.contiguous()  # c10d reduces strided ones wrong
-            if prescale_factor != 1.0:
-                wire.mul_(prescale_factor)
+            scale_(wire, prescale_factor)
             works = [dist.all_reduce(wire, op=_C10D_OPS[op], group=group, async_op=True)]
 
     def finish():
@@ -157,15 +155,14 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
         # Scaling by 1/size is exact when size is a power of two, so the copy, the prescale and
         # the average can be one pass instead of three, with a bit-identical result.
         with torch.no_grad():
-            scaled = torch.mul(tensor.detach(), prescale_factor / size)
+            once = torch.mul(tensor.detach(), prescale_factor / size)
         reduced = verify(_what, [tensor], process_set, extra=f"op={op.name}", mirror=tensor,  # as the user called it
-                         problem=name_problem(name), inline=scaled if inline_fits(scaled, process_set) else None)
+                         problem=name_problem(name, "allreduce"),
+                         inline=once if inline_fits(once, process_set) else None)
         if reduced is not None:  # rode in the exchange: done
-            result = reduced.view_as(tensor)
-            if postscale_factor != 1.0:
-                result.mul_(postscale_factor)
+            result = scale_(reduced.view_as(tensor), postscale_factor)
             return register(Handle([], lambda: result, name, kind="allreduce", nbytes=_nbytes(tensor)))
-        return allreduce_async_(scaled, name=name, op=Sum, postscale_factor=postscale_factor,
+        return allreduce_async_(once, name=name, op=Sum, postscale_factor=postscale_factor,
                                 process_set=process_set, _check=False)
     return allreduce_async_(tensor.detach().clone(), None, name, op, prescale_factor, postscale_factor,
                             process_set, _what)
@@ -192,9 +189,9 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
         with torch.no_grad():
             for i, members in enumerate(buckets):
                 flat = _fused(members, pooled)
-                problem = _scale_problem(flat, prescale_factor, postscale_factor) or name_problem(name)
-                if prescale_factor != 1.0 and problem is None:
-                    flat = flat * prescale_factor  # not in place: flat may be a view of the only member
+                problem = name_problem(name, "grouped_allreduce")
+                if problem is None:
+                    flat = scaled(flat, prescale_factor)  # not in place: flat may be a view of the only member
                 reduced = verify("grouped_allreduce", members, process_set,
                                  extra=f"op={op.name}, bucket {i} of {len(buckets)}", mirror=_joinable(flat, op),
                                  problem=problem, inline=flat if inline_fits(flat, process_set) else None,
@@ -219,7 +216,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                     t.copy_(reduced)
         for buffer in pooled:
             _fusion.pool.give(buffer)
-        return tensors
+        return tuple(tensors)
 
     return register(Handle(works, finish, name, kind="grouped_allreduce", nbytes=sum(map(_nbytes, tensors))))
 
@@ -232,8 +229,8 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                       process_set=global_process_set) -> list:
-    """Reduce a list of tensors in place (fused); returns the list."""
+                       process_set=global_process_set) -> tuple:
+    """Reduce a list of tensors in place (fused); returns them, as a tuple (as Horovod)."""
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
                                                 process_set))
 
@@ -244,9 +241,9 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     """Start overwriting ``tensor`` with rank ``root_rank``'s value, in place."""
     _check_tensor(tensor, "broadcast")
     group = _group(process_set, "broadcast")
-    problem = _root_problem(root_rank, process_set) or name_problem(name)
+    problem = _root_problem(root_rank, process_set) or name_problem(name, "broadcast")
     verify("broadcast", [tensor], process_set, extra=f"root_rank={root_rank}", problem=problem)
-    src = process_set.global_rank(root_rank)
+    src = root_rank
     wire = tensor if tensor.is_contiguous() else tensor.detach().contiguous()
     with torch.no_grad():
         work = dist.broadcast(wire, src=src, group=group, async_op=True)
@@ -281,7 +278,7 @@ def gather_ints(values: list, device, process_set=global_process_set) -> list:
     return [tuple(int(x) for x in o.tolist()) for o in out]
 
 
-def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
+def allgather_async(tensor, name=None, process_set=global_process_set, _problem=None) -> Handle:
     """Start concatenating every member's ``tensor`` along the first dimension, in rank order.
 
     The first dimension may differ between ranks; the others must match. (The shapes are
@@ -290,7 +287,8 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle
     _check_tensor(tensor, "allgather")
     _group(process_set, "allgather")
     t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
-    verify("allgather", [t], process_set, skip_first_dim=True, problem=name_problem(name))
+    verify("allgather", [t], process_set, skip_first_dim=True,
+           problem=_problem or name_problem(name, "allgather"))
     shapes = gather_ints(list(t.shape), t.device, process_set)
     if len({s[1:] for s in shapes}) > 1:
         raise ValueError(f"allgather needs tensors whose dimensions after the first match on every rank; "
@@ -303,6 +301,19 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle
     work = dist.all_gather(gathered, padded.contiguous(), group=process_set.group, async_op=True)
     return register(Handle([work], lambda: torch.cat([g[:n] for g, n in zip(gathered, rows)]), name,
                            kind="allgather", nbytes=_nbytes(padded) * len(rows)))
+
+
+def _grouped(kind: str, handles: list, name) -> Handle:
+    """One handle for several: ``synchronize`` gives the tuple of their results (Horovod's grouped ops)."""
+    return register(Handle([w for h in handles for w in h._works], lambda: tuple(h.wait() for h in handles), name,
+                           kind=kind, nbytes=sum(h.nbytes for h in handles)))
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> Handle:
+    """Start ``allgather`` of each tensor in a list; ``synchronize`` returns a tuple of results."""
+    problem = name_problem(name, "grouped_allgather")  # every rank raises in the first one's check
+    return _grouped("grouped_allgather", [allgather_async(t, process_set=process_set, _problem=problem if i == 0
+                                                          else None) for i, t in enumerate(tensors)], name)
 
 
 # ---- alltoall, reducescatter --------------------------------------------------------------
@@ -325,7 +336,8 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     if problem is None and (len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows):
         problem = (f"alltoall splits {splits} must be {n} non-negative counts (one per rank) that add up "
                    f"to the first dimension ({rows}).")
-    verify("alltoall", [tensor], process_set, skip_first_dim=True, problem=problem or name_problem(name))
+    verify("alltoall", [tensor], process_set, skip_first_dim=True,
+           problem=problem or name_problem(name, "alltoall"))
     send = torch.tensor(splits, dtype=torch.int64, device=tensor.device)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=process_set.group)
@@ -345,7 +357,7 @@ def reducescatter_rows(rows: int, size: int) -> list:
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
-                        postscale_factor=1.0) -> Handle:
+                        postscale_factor=1.0, _problem=None) -> Handle:
     """Start reducing ``tensor`` and keeping this rank's rows of the result.
 
     The first dimension is divided as evenly as possible; lower ranks take the extra rows
@@ -358,7 +370,8 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension; got a scalar.")
     group = _group(process_set, "reducescatter")
-    verify("reducescatter", [tensor], process_set, extra=f"op={op.name}", problem=name_problem(name))
+    verify("reducescatter", [tensor], process_set, extra=f"op={op.name}",
+           problem=_problem or name_problem(name, "reducescatter"))
     n, me = process_set.size(), process_set.rank()
     counts = reducescatter_rows(tensor.shape[0], n)
     longest, trailing = counts[0], tuple(tensor.shape[1:])
@@ -371,8 +384,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
                 padded[r * longest:r * longest + c] = src[start:start + c]
                 start += c
             src = padded
-        if prescale_factor != 1.0:
-            src = src * prescale_factor
+        src = scaled(src, prescale_factor)
         out = src.new_empty((longest,) + trailing)
         work = dist.reduce_scatter_tensor(out, src.contiguous(), op=dist.ReduceOp.SUM, group=group, async_op=True)
 
@@ -383,6 +395,16 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
         return mine
 
     return register(Handle([work], finish, name, kind="reducescatter", nbytes=_nbytes(tensor)))
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
+                                postscale_factor=1.0) -> Handle:
+    """Start ``reducescatter`` of each tensor in a list; ``synchronize`` returns a tuple of results."""
+    problem = name_problem(name, "grouped_reducescatter")  # every rank raises in the first one's check
+    return _grouped("grouped_reducescatter",
+                    [reducescatter_async(t, op=op, process_set=process_set, prescale_factor=prescale_factor,
+                                         postscale_factor=postscale_factor, _problem=problem if i == 0 else None)
+                     for i, t in enumerate(tensors)], name)
 
 
 def _joinable(tensor: torch.Tensor, op: ReduceOp):

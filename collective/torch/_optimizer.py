@@ -14,7 +14,8 @@ from ._check import verify
 from ._compression import Compression
 from ._fusion import GradientBuckets, finish_allreduce, fusion_threshold, launch_allreduce
 from ._ops import Average, ReduceOp, Sum, _resolve_op
-from ._process_sets import global_process_set
+from ._process_sets import ProcessSet, global_process_set
+from ._scale import scale_
 
 
 class _DistributedMixin:
@@ -32,6 +33,12 @@ class _DistributedMixin:
         self._hvd_sparse_as_dense = bool(sparse_as_dense)
         self._hvd_process_set = process_set
         self._hvd_buckets = None
+        if not isinstance(process_set, ProcessSet):
+            raise ValueError(f"process_set must be a ProcessSet, got {type(process_set).__name__}.")
+        process_set._check()
+        self._hvd_member = process_set.included()
+        if not self._hvd_member:  # as in Horovod: a rank outside the set trains on its own gradients
+            return
         size = process_set.size()
         trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         verify("DistributedOptimizer", trainable, process_set, extra=f"op={op.name}")  # the same model everywhere
@@ -45,8 +52,25 @@ class _DistributedMixin:
                 reduce_finish=functools.partial(finish_allreduce, op_is_average=average,
                                                 predivide=self._hvd_predivide, size=size, compression=compression))
 
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self._hvd_backward_passes
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes accumulate locally before each reduction (Horovod's method)."""
+        _check_passes(passes)
+        if self._hvd_buckets is not None:
+            if self._hvd_buckets.in_flight():
+                raise RuntimeError("set_backward_passes_per_step() was called while gradients were being reduced; "
+                                   "call it right after optimizer.step().")
+            self._hvd_buckets._passes = int(passes)
+        self._hvd_backward_passes = int(passes)
+
     def synchronize(self) -> None:
         """Finish reducing every gradient now (``step()`` then skips it, e.g. after gradient clipping)."""
+        if not self._hvd_member:
+            self._hvd_synchronized = True
+            return
         self._hvd_check_sparse()
         buckets = self._hvd_buckets
         if buckets is None:
@@ -114,11 +138,11 @@ def _reduce_bucket(grads: list, op: ReduceOp, predivide: float, size: int, compr
     """One allreduce for a list of same-dtype gradients, through a flat buffer."""
     flat, ctx = compression.compress(_flatten_dense_tensors(grads))
     verify("DistributedOptimizer bucket", [flat], process_set, mirror=flat)
-    if op == Average and predivide != 1.0:
-        flat.mul_(1.0 / predivide)
+    if op == Average:
+        scale_(flat, 1.0 / predivide)
     dist.all_reduce(flat, group=process_set.group)
     if op == Average:
-        flat.mul_(predivide / size) if flat.is_floating_point() else flat.floor_divide_(size)
+        scale_(flat, predivide / size)
     flat = compression.decompress(flat, ctx)
     for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         grad.copy_(reduced)
@@ -148,6 +172,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         raise ValueError(f"DistributedOptimizer reduces gradients with op=hvd.Average or hvd.Sum, got {op.name}.")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor only applies with op=hvd.Average.")
+    _check_passes(backward_passes_per_step)
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the original optimizer once.")
     names = _parameter_names(optimizer, named_parameters)
@@ -162,6 +187,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     optimizer._hvd_setup(names, op, gradient_predivide_factor, backward_passes_per_step,
                          compression, sparse_as_dense, process_set)
     return optimizer
+
+
+def _check_passes(passes) -> None:
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"backward_passes_per_step must be a whole number of 1 or more, got {passes!r}.")
 
 
 def _parameter_names(optimizer, named_parameters) -> dict:

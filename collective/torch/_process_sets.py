@@ -10,8 +10,9 @@ from .. import _engine
 class ProcessSet:
     """A set of ranks. ``global_process_set`` holds every rank.
 
-    Collectives take ``process_set=``; within a set, ``root_rank`` arguments and ``rank()``
-    count from 0 in the order of ``ranks``. A set is usable once ``add_process_set`` (or
+    Collectives take ``process_set=``. ``rank()`` counts from 0 in the order of ``ranks`` (useful
+    to find this rank's part of an allgather), but ``root_rank`` arguments stay job-wide ranks
+    (``hvd.rank()``), as in Horovod. A set is usable once ``add_process_set`` (or
     ``init(process_sets=...)``) registered it on every rank.
     """
 
@@ -24,31 +25,35 @@ class ProcessSet:
         self.link_id = 0  # names the set's control links (``_mesh.py``); never reused within a job
 
     def _check(self) -> None:
+        """Raise unless the job is initialized and this set is registered."""
         _engine.topology()
         if self.process_set_id is None:
             raise ValueError(f"process set {self.ranks} has not been added; call hvd.add_process_set() on "
                              "every rank first (or pass it to hvd.init(process_sets=...)).")
 
-    def size(self) -> int:
-        """The number of ranks in the set."""
-        self._check()
+    def size(self) -> int | None:
+        """The number of ranks in the set; None until it is registered (as in Horovod)."""
+        if self.process_set_id is None:
+            return None
         return _engine.topology().size if self.ranks is None else len(self.ranks)
 
-    def rank(self) -> int:
-        """This process's rank within the set, or -1 if it is not a member."""
-        self._check()
+    def rank(self) -> int | None:
+        """This process's rank within the set; None until it is registered (as in Horovod)."""
+        if self.process_set_id is None:
+            return None
         me = _engine.topology().rank
         if self.ranks is None:
             return me
-        return self.ranks.index(me) if me in self.ranks else -1
+        if me not in self.ranks:
+            raise ValueError(f"rank {me} is not a member of process set {self.ranks}, so it has no rank in it; "
+                             "check process_set.included() first.")
+        return self.ranks.index(me)
 
-    def included(self) -> bool:
-        """Whether this process is a member."""
-        return self.rank() >= 0
-
-    def global_rank(self, set_rank: int) -> int:
-        """The job-wide rank of the set's ``set_rank``-th member."""
-        return set_rank if self.ranks is None else self.ranks[set_rank]
+    def included(self) -> bool | None:
+        """Whether this process is a member; None while the set's ranks are unknown (as in Horovod)."""
+        if self.ranks is None:
+            return None if self.process_set_id is None else True
+        return _engine.topology().rank in self.ranks
 
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks or 'all'})"
@@ -83,15 +88,17 @@ def require_member(process_set: ProcessSet, what: str) -> None:
     """Raise unless this process is a member of ``process_set``."""
     if not isinstance(process_set, ProcessSet):
         raise ValueError(f"process_set must be a ProcessSet, got {type(process_set).__name__}.")
+    process_set._check()
     if not process_set.included():
         raise ValueError(f"{what}: rank {_engine.topology().rank} is not in process set {process_set.ranks}; "
                          "call a process set's collectives only on its members.")
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
-    """Unregister a process set on this rank. Returns False if it was not registered."""
+    """Unregister a process set on this rank. Returns False if it was not registered, and for
+    the global set, which cannot be removed (as in Horovod)."""
     if process_set is global_process_set:
-        raise ValueError("the global process set cannot be removed.")
+        return False
     if _sets.pop(process_set.process_set_id, None) is None:
         return False
     if process_set.group is not None and process_set.included():
@@ -107,5 +114,6 @@ def _reset() -> None:
     for ps in list(_sets.values()):
         if ps is not global_process_set:
             ps.group, ps.process_set_id = None, None
+    global_process_set.ranks = None  # known again at the next init
     _sets.clear()
     _sets[0] = global_process_set
