@@ -632,6 +632,12 @@ def _horovod_signatures():
     out["same_name"] = (hvd.synchronize(h1), hvd.synchronize(h2))
     gathered = hvd.grouped_allgather_async([torch.tensor([r]), torch.tensor([[r, r]])], name="g")
     scattered = hvd.grouped_reducescatter_async([torch.arange(4.0) * (r + 1)], op=hvd.Sum)
+    sparse = hvd.sparse_allreduce_async(torch.sparse_coo_tensor([[r]], [1.0 + r], (3,)), name="s", op=hvd.Sum)
+    out["sparse"] = sparse().to_dense()  # Horovod returns a function to call
+    try:
+        hvd.sparse_allreduce_async(torch.ones(2))
+    except ValueError as exc:
+        out["sparse_dense"] = str(exc)
     out["grouped"] = (hvd.synchronize(gathered), hvd.synchronize(scattered),
                       hvd.grouped_allreduce([torch.ones(1)]), hvd.grouped_allreduce_([torch.ones(1)]))
     model = torch.nn.Linear(2, 1)
@@ -667,6 +673,9 @@ def test_horovod_call_forms_and_flags():
         assert v["mpi_threads"].startswith("MPI is not enabled: sparkhvd never uses MPI")
         assert v["internal_error"] is True
         assert torch.equal(v["same_name"][0], torch.tensor([3.0])) and torch.equal(v["same_name"][1], torch.tensor([1]))
+        assert torch.equal(v["sparse"], torch.tensor([1.0, 2.0, 0.0]))
+        assert v["sparse_dense"] == ("sparse_allreduce_async takes a sparse COO tensor, got torch.strided; use "
+                                     "allreduce_async for dense ones.")
         gathered, scattered, grouped, grouped_ = v["grouped"]
         assert isinstance(gathered, tuple) and isinstance(grouped, tuple) and isinstance(grouped_, tuple)
         assert torch.equal(gathered[0], torch.tensor([0, 1]))
@@ -678,3 +687,55 @@ def test_horovod_call_forms_and_flags():
         assert v["passes_in_flight"] == ("set_backward_passes_per_step() was called while gradients were being "
                                          "reduced; call it right after optimizer.step().")
         assert v["passes"][0] == 2 and torch.equal(v["passes"][1], torch.tensor([2.0]))  # two passes, summed
+
+
+_SPARSE_CONFIGS = [("sgd", False, 64 << 20), ("sgd", False, 1), ("sgd", True, 64 << 20),
+                   ("sparseadam", False, 64 << 20), ("sparseadam", True, 1)]
+
+
+def _embedding_training(rank=None, size=1):
+    """Three steps of an Embedding(sparse=True) + Linear model, one config after another; with ``rank``
+    None, single-process training on both ranks' batches together (the reference)."""
+    import os
+
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    if rank is not None:
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+    batches = [torch.tensor([[1, 2], [3, 3]]), torch.tensor([[2, 5], [7, 1]])]
+    out = {}
+    for name, dense, threshold in _SPARSE_CONFIGS:
+        os.environ["HOROVOD_FUSION_THRESHOLD"] = str(threshold)
+        torch.manual_seed(0)
+        emb, lin = torch.nn.Embedding(10, 3, sparse=True), torch.nn.Linear(3, 1)
+        opt = (torch.optim.SGD([*emb.parameters(), *lin.parameters()], lr=0.5) if name == "sgd"
+               else torch.optim.SparseAdam(list(emb.parameters()), lr=0.1))
+        if rank is not None:
+            opt = hvd.DistributedOptimizer(opt, sparse_as_dense=dense)
+        for step in range(3):
+            opt.zero_grad()
+            if rank is None:
+                (lin(emb(torch.cat(batches[:size]) + step)).sum() / size).backward()
+            else:
+                lin(emb(batches[rank] + step)).sum().backward()
+            opt.step()
+        out[name, dense, threshold] = (emb.weight.detach().clone(), emb.weight.grad.is_sparse)
+    os.environ.pop("HOROVOD_FUSION_THRESHOLD")
+    return out
+
+
+@pytest.mark.parametrize("np_", [1, 2], ids=["np1", "np2"])
+def test_sparse_gradients_gathered_or_dense_as_horovod(np_):
+    """Sparse gradients are gathered (indices and values) by default and reduced dense with
+    sparse_as_dense, coming back sparse either way, so SparseAdam keeps working; the weights equal
+    single-process training on the concatenated batches."""
+    values = HorovodRunner(np=-np_).run_all(_embedding_training, rank=0).values
+    reference = _embedding_training(size=np_)
+    for v in values:
+        for config in _SPARSE_CONFIGS:
+            weight, sparse = v[config]
+            assert torch.allclose(weight, reference[config][0], atol=1e-6), config
+            assert sparse is True, config

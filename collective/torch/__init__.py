@@ -19,7 +19,8 @@ from ._handles import poll, synchronize
 from ._ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_async, allreduce_,
                    allreduce_async, allreduce_async_, alltoall_async, barrier, broadcast_, broadcast_async,
                    broadcast_async_, grouped_allgather_async, grouped_allreduce_, grouped_allreduce_async,
-                   grouped_allreduce_async_, grouped_reducescatter_async, reducescatter_async)
+                   grouped_allreduce_async_, grouped_reducescatter_async, reducescatter_async,
+                   sparse_allreduce_async)
 from ._optimizer import DistributedOptimizer
 from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from ._sync_batch_norm import SyncBatchNorm
@@ -29,7 +30,7 @@ __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_homogeneous", "nccl_built", "gloo_built", "mpi_built", "cuda_built",
     "mpi_enabled", "mpi_threads_supported", "gloo_enabled", "ddl_built", "ccl_built", "rocm_built",
-    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "sparse_allreduce_async",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",

@@ -104,10 +104,12 @@ def pack(tensors: list, threshold: int) -> list:
 
 
 class _Bucket:
-    __slots__ = ("params", "flat", "buffer", "pending", "work", "ctx", "started")
+    __slots__ = ("params", "flat", "buffer", "pending", "work", "ctx", "started", "dense", "sparse")
 
     def __init__(self, params: list):
         self.params = params
+        self.dense = []  # indices of the params in ``flat`` this step
+        self.sparse = {}  # index -> handle of a sparse gradient's reduction this step
         self.flat = None
         self.buffer = None  # kept from step to step, as DDP keeps its buckets
         self.pending = set(range(len(params)))
@@ -119,10 +121,11 @@ class _Bucket:
 class GradientBuckets:
     """The buckets of one DistributedOptimizer, and the hooks that fill them."""
 
-    def __init__(self, params: list, *, threshold: int, passes: int, reduce_launch, reduce_finish):
+    def __init__(self, params: list, *, threshold: int, passes: int, reduce_launch, reduce_finish, reduce_sparse=None):
         self._passes = passes
         self._launch_fn = reduce_launch  # (flat tensor) -> (work, ctx)
         self._finish_fn = reduce_finish  # (flat tensor, ctx) -> reduced flat tensor
+        self._sparse_fn = reduce_sparse  # (sparse gradient) -> handle, or None: sparse ones go dense
         self.buckets: list[_Bucket] = []
         params = list({id(p): p for p in params}.values())  # a parameter listed twice is one parameter
         current, size, key = [], 0, None
@@ -169,12 +172,19 @@ class GradientBuckets:
             self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        grads = []
-        for p in bucket.params:
+        grads, bucket.dense, bucket.sparse = [], [], {}
+        bucket.started = _timeline.now_us()
+        for i, p in enumerate(bucket.params):
             if p.grad is None or not p.requires_grad:
                 grads.append(torch.zeros_like(p))  # every rank takes part in every reduction
+            elif p.grad.is_sparse and self._sparse_fn is not None:
+                bucket.sparse[i] = self._sparse_fn(p.grad)  # gathered, as Horovod reduces sparse gradients
+                continue
             else:
                 grads.append(p.grad.to_dense() if p.grad.is_sparse else p.grad)
+            bucket.dense.append(i)
+        if not grads:
+            return
         numel = sum(g.numel() for g in grads)
         dtype, device = grads[0].dtype, grads[0].device
         buffer = bucket.buffer
@@ -182,7 +192,6 @@ class GradientBuckets:
             buffer = bucket.buffer = torch.empty(numel, dtype=dtype, device=device)
         with torch.no_grad():
             bucket.flat = torch.cat([g.reshape(-1) for g in grads], out=buffer)
-        bucket.started = _timeline.now_us()
         bucket.work, bucket.ctx = self._launch_fn(bucket.flat)
 
     def finish(self) -> None:
@@ -191,7 +200,7 @@ class GradientBuckets:
             self._finish_all()
         finally:  # whatever happened, the next step starts clean
             for bucket in self.buckets:
-                bucket.flat, bucket.work, bucket.ctx = None, None, None
+                bucket.flat, bucket.work, bucket.ctx, bucket.dense, bucket.sparse = None, None, None, [], {}
                 bucket.pending = set(range(len(bucket.params)))
             self._counts = dict.fromkeys(self._counts, 0)
             self._next = 0
@@ -204,23 +213,34 @@ class GradientBuckets:
             for bucket in self.buckets:
                 if bucket.work is not None:
                     bucket.work.wait()
+                for i, handle in bucket.sparse.items():
+                    bucket.params[i].grad = handle.wait()
+                if bucket.flat is None:
+                    continue
                 flat = self._finish_fn(bucket.flat, bucket.ctx)
                 _timeline.record("DistributedOptimizer bucket", None, bucket.started,
                                  flat.numel() * flat.element_size())
                 offset = 0
-                for p in bucket.params:
+                for p in (bucket.params[i] for i in bucket.dense):
                     n = p.numel()
                     if p.requires_grad:
-                        reduced = flat[offset:offset + n].view_as(p)
-                        if p.grad is None or p.grad.is_sparse:
-                            p.grad = reduced.clone()
-                        else:
-                            p.grad.copy_(reduced)
+                        write_back(p, flat[offset:offset + n].view_as(p))
                     offset += n
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+def write_back(p: torch.Tensor, reduced: torch.Tensor) -> None:
+    """Make ``reduced`` the gradient of ``p``, in the layout the gradient had (a sparse one stays
+    sparse, as Horovod converts back after ``sparse_as_dense``)."""
+    if p.grad is None:
+        p.grad = reduced.clone()
+    elif p.grad.is_sparse:
+        p.grad = reduced.to_sparse(p.grad.sparse_dim())
+    else:
+        p.grad.copy_(reduced)
 
 
 def launch_allreduce(flat: torch.Tensor, *, op_is_average: bool, predivide: float, compression, process_set):

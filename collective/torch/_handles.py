@@ -34,6 +34,10 @@ class Handle:
             _timeline.record(self.kind, self.name, self.started, self.nbytes)
         return self._result
 
+    def __call__(self):
+        """The result, as ``synchronize(handle)`` (Horovod's sparse_allreduce_async returns a function)."""
+        return synchronize(self)
+
     def is_completed(self) -> bool:
         return self._done or all(work.is_completed() for work in self._works)
 

@@ -303,6 +303,34 @@ def allgather_async(tensor, name=None, process_set=global_process_set, _problem=
                            kind="allgather", nbytes=_nbytes(padded) * len(rows)))
 
 
+def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set) -> Handle:
+    """Start reducing a sparse COO tensor, as Horovod does: every rank's indices and values are
+    gathered, and the result is their (uncoalesced) sparse sum, divided by the size for Average.
+
+    The handle is callable for the result (Horovod returns a function) or goes to ``synchronize``.
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        raise ValueError(f"sparse_allreduce_async takes a sparse COO tensor, got "
+                         f"{getattr(tensor, 'layout', type(tensor).__name__)}; use allreduce_async for dense ones.")
+    op = _resolve_op(op, None)
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse_allreduce_async supports op=hvd.Average or hvd.Sum, got {op.name}.")
+    size = process_set.size()
+    problem = name_problem(name, "sparse_allreduce")  # every rank raises in the first gather's check
+    indices = allgather_async(tensor._indices().t().contiguous(), process_set=process_set, _problem=problem)
+    values = allgather_async(tensor._values(), process_set=process_set)
+
+    def finish():
+        gathered = values.wait()
+        if op == Average:
+            gathered = gathered / size if gathered.is_floating_point() else torch.div(gathered, size,
+                                                                                       rounding_mode="trunc")
+        return torch.sparse_coo_tensor(indices.wait().t(), gathered, tensor.shape, check_invariants=True)
+
+    return register(Handle(indices._works + values._works, finish, name, kind="sparse_allreduce",
+                           nbytes=indices.nbytes + values.nbytes))
+
+
 def _grouped(kind: str, handles: list, name) -> Handle:
     """One handle for several: ``synchronize`` gives the tuple of their results (Horovod's grouped ops)."""
     return register(Handle([w for h in handles for w in h._works], lambda: tuple(h.wait() for h in handles), name,

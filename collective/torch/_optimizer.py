@@ -12,8 +12,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ._check import verify
 from ._compression import Compression
-from ._fusion import GradientBuckets, finish_allreduce, fusion_threshold, launch_allreduce
-from ._ops import Average, ReduceOp, Sum, _resolve_op
+from ._fusion import GradientBuckets, finish_allreduce, fusion_threshold, launch_allreduce, write_back
+from ._ops import Average, ReduceOp, Sum, _resolve_op, sparse_allreduce_async
 from ._process_sets import ProcessSet, global_process_set
 from ._scale import scale_
 
@@ -50,7 +50,8 @@ class _DistributedMixin:
                                                 predivide=self._hvd_predivide, compression=compression,
                                                 process_set=process_set),
                 reduce_finish=functools.partial(finish_allreduce, op_is_average=average,
-                                                predivide=self._hvd_predivide, size=size, compression=compression))
+                                                predivide=self._hvd_predivide, size=size, compression=compression),
+                reduce_sparse=None if sparse_as_dense else self._hvd_reduce_sparse)
 
     @property
     def backward_passes_per_step(self) -> int:
@@ -71,7 +72,6 @@ class _DistributedMixin:
         if not self._hvd_member:
             self._hvd_synchronized = True
             return
-        self._hvd_check_sparse()
         buckets = self._hvd_buckets
         if buckets is None:
             self._reduce_reference(self._hvd_trainable())
@@ -92,27 +92,33 @@ class _DistributedMixin:
     def _hvd_trainable(self) -> list:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
-    def _hvd_check_sparse(self) -> None:
-        for p in self._hvd_trainable():
-            if p.grad is not None and p.grad.is_sparse and not self._hvd_sparse_as_dense:
-                raise ValueError(f"parameter {self._hvd_names.get(id(p))!r} has a sparse gradient; pass "
-                                 "sparse_as_dense=True to DistributedOptimizer to reduce it as a dense tensor.")
+    def _hvd_reduce_sparse(self, grad: torch.Tensor):
+        """Start reducing a sparse gradient as Horovod does (gathered indices and values)."""
+        return sparse_allreduce_async(grad, op=self._hvd_op, process_set=self._hvd_process_set)
 
     def _reduce_reference(self, params: list) -> None:
-        """The readable reference: at step time, one fused allreduce per dtype and device."""
+        """The readable reference: at step time, one fused allreduce per dtype and device; sparse
+        gradients gathered (or, with ``sparse_as_dense``, reduced dense and made sparse again)."""
         for p in params:
             if p.grad is None:  # every rank must take part in every reduction
                 p.grad = torch.zeros_like(p)
-            elif p.grad.is_sparse:
-                p.grad = p.grad.to_dense()
         size = self._hvd_process_set.size()
-        if size > 1:
-            buckets: dict = {}
-            for p in params:
-                buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-            for grads in buckets.values():
-                _reduce_bucket(grads, self._hvd_op, self._hvd_predivide, size, self._hvd_compression,
-                               self._hvd_process_set)
+        if size == 1:
+            return
+        sparse = [p for p in params if p.grad.is_sparse and not self._hvd_sparse_as_dense]
+        for p in sparse:
+            p.grad = self._hvd_reduce_sparse(p.grad).wait()
+        buckets: dict = {}
+        for p in params:
+            if not any(p is q for q in sparse):
+                buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+        for members in buckets.values():
+            grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in members]
+            _reduce_bucket(grads, self._hvd_op, self._hvd_predivide, size, self._hvd_compression,
+                           self._hvd_process_set)
+            for p, g in zip(members, grads):
+                if p.grad.is_sparse:
+                    write_back(p, g)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
