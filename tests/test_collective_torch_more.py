@@ -638,6 +638,13 @@ def _horovod_signatures():
         hvd.sparse_allreduce_async(torch.ones(2))
     except ValueError as exc:
         out["sparse_dense"] = str(exc)
+    for n in (4, 1_100_000):  # inside and beyond the control frame
+        try:
+            hvd.allreduce(torch.ones(n, dtype=torch.int16))
+        except ValueError as exc:
+            out[f"int16_{n}"] = str(exc)
+    big = torch.tensor([60000.0], dtype=torch.float16)  # out of place is the same op: sum, then divide
+    out["fp16_average"] = (hvd.allreduce(big), hvd.allreduce_(big.clone()))
     out["grouped"] = (hvd.synchronize(gathered), hvd.synchronize(scattered),
                       hvd.grouped_allreduce([torch.ones(1)]), hvd.grouped_allreduce_([torch.ones(1)]))
     model = torch.nn.Linear(2, 1)
@@ -676,6 +683,10 @@ def test_horovod_call_forms_and_flags():
         assert torch.equal(v["sparse"], torch.tensor([1.0, 2.0, 0.0]))
         assert v["sparse_dense"] == ("sparse_allreduce_async takes a sparse COO tensor, got torch.strided; use "
                                      "allreduce_async for dense ones.")
+        for n in (4, 1_100_000):
+            assert v[f"int16_{n}"] == ("allreduce cannot carry int16 CPU tensors: torch's gloo backend has no 16-bit "
+                                       "integer type; cast to int32 first (tensor.int()).")
+        assert all(torch.isinf(t).all() for t in v["fp16_average"])  # 120000 overflows fp16 before the division
         gathered, scattered, grouped, grouped_ = v["grouped"]
         assert isinstance(gathered, tuple) and isinstance(grouped, tuple) and isinstance(grouped_, tuple)
         assert torch.equal(gathered[0], torch.tensor([0, 1]))
@@ -739,3 +750,36 @@ def test_sparse_gradients_gathered_or_dense_as_horovod(np_):
             weight, sparse = v[config]
             assert torch.allclose(weight, reference[config][0], atol=1e-6), config
             assert sparse is True, config
+
+
+def _two_optimizers_one_unused_parameter():
+    import os
+
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    os.environ["HOROVOD_FUSION_THRESHOLD"] = "1"  # a bucket per parameter
+    hvd.init()
+    r = hvd.rank()
+    a = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4, bias=False), "rank0": torch.nn.Linear(4, 4, bias=False)})
+    b = torch.nn.Linear(4, 4, bias=False)
+    opt_a = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=1.0))
+    opt_b = hvd.DistributedOptimizer(torch.optim.SGD(b.parameters(), lr=1.0))
+    x = torch.ones(1, 4)
+    try:
+        out = a["used"](x) + (a["rank0"](x) if r == 0 else 0)  # on rank 1 a bucket of opt_a waits for step()
+        out.sum().backward()
+        b(x).sum().backward()  # so opt_b's buckets would pair with opt_a's on the other rank
+        opt_a.step()
+        opt_b.step()
+        return "no error"
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_buckets_of_two_optimizers_never_pair_up():
+    values = HorovodRunner(np=-2).run_all(_two_optimizers_one_unused_parameter).values
+    assert values[0] == values[1]
+    assert values[0].startswith("ranks disagree on a collective: rank 0: DistributedOptimizer bucket(optimizer ")
+    assert "use every parameter on every rank, or run such collectives after step()." in values[0]

@@ -38,8 +38,8 @@ _JOINED, _WHAT, _TEXT, _COUNT, _MIRROR, _DTYPE, _NUMEL, _CUDA, _PROBLEM, _INLINE
 _HEADER = struct.Struct(f"<{HEADER_FIELDS}q")
 _INLINE_BUDGET = 1 << 20  # payload bytes each rank receives in one exchange, over all its peers
 _TEXT_LIMIT = 1 << 20  # the longest message the error path exchanges
-_INLINE_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
-                  torch.int32, torch.int64}
+_INLINE_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
+                  torch.int64}
 _INLINE_OPS = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MIN: torch.minimum, dist.ReduceOp.MAX: torch.maximum,
                dist.ReduceOp.PRODUCT: torch.mul}
 _last_joined: list | None = None  # the joined flags of the latest exchange, for join()'s answer
@@ -81,6 +81,9 @@ def verify(what: str, tensors: list, process_set, *, skip_first_dim: bool = Fals
     given, else into a new flat tensor; the caller runs no data op. Otherwise returns None.
     """
     require_member(process_set, what)
+    if problem is None and any(t.dtype == torch.int16 and t.device.type == "cpu" for t in tensors):
+        problem = (f"{what} cannot carry int16 CPU tensors: torch's gloo backend has no 16-bit integer type; "
+                   "cast to int32 first (tensor.int()).")
     if not enabled() or process_set.size() == 1:
         if problem is not None:
             raise ValueError(problem)
@@ -200,8 +203,14 @@ def check_agreement(rows: list, process_set, mine: str, skip_first_dim: bool) ->
                         for name, r in groups.items())
     rule = ("the same dtype, device and dimensions after the first" if skip_first_dim
             else "the same dtype, device and shape")
+    hint = ""
+    if any(name.startswith("DistributedOptimizer bucket") for name in groups):
+        hint = (" A DistributedOptimizer bucket starts once all of its parameters have their gradients; on a rank "
+                "where one has none (unused in this step), it waits until step(), after any collective in between "
+                "(another optimizer's buckets, an allreduce of the loss): use every parameter on every rank, or "
+                "run such collectives after step().")
     raise ValueError(f"ranks disagree on a collective: {listing}. Every rank must call the same collectives in "
-                     f"the same order, with {rule} (and the same op and root_rank).")
+                     f"the same order, with {rule} (and the same op and root_rank).{hint}")
 
 
 def join(process_set) -> int:

@@ -121,9 +121,11 @@ class _Bucket:
 class GradientBuckets:
     """The buckets of one DistributedOptimizer, and the hooks that fill them."""
 
-    def __init__(self, params: list, *, threshold: int, passes: int, reduce_launch, reduce_finish, reduce_sparse=None):
+    def __init__(self, params: list, *, threshold: int, passes: int, reduce_launch, reduce_finish, reduce_sparse=None,
+                 label: str = "optimizer"):
         self._passes = passes
-        self._launch_fn = reduce_launch  # (flat tensor) -> (work, ctx)
+        self._label = label  # names the buckets in the per-op check, so that two optimizers' never pair up
+        self._launch_fn = reduce_launch  # (flat tensor, label) -> (work, ctx)
         self._finish_fn = reduce_finish  # (flat tensor, ctx) -> reduced flat tensor
         self._sparse_fn = reduce_sparse  # (sparse gradient) -> handle, or None: sparse ones go dense
         self.buckets: list[_Bucket] = []
@@ -168,10 +170,11 @@ class GradientBuckets:
         b, i = self._where[id(p)]
         self.buckets[b].pending.discard(i)
         while self._next < len(self.buckets) and not self.buckets[self._next].pending:
-            self._launch(self.buckets[self._next])
+            self._launch(self._next)
             self._next += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, index: int) -> None:
+        bucket = self.buckets[index]
         grads, bucket.dense, bucket.sparse = [], [], {}
         bucket.started = _timeline.now_us()
         for i, p in enumerate(bucket.params):
@@ -192,7 +195,7 @@ class GradientBuckets:
             buffer = bucket.buffer = torch.empty(numel, dtype=dtype, device=device)
         with torch.no_grad():
             bucket.flat = torch.cat([g.reshape(-1) for g in grads], out=buffer)
-        bucket.work, bucket.ctx = self._launch_fn(bucket.flat)
+        bucket.work, bucket.ctx = self._launch_fn(bucket.flat, f"{self._label}, bucket {index} of {len(self.buckets)}")
 
     def finish(self) -> None:
         """Launch the rest in order, wait for every bucket, and write the gradients back."""
@@ -207,7 +210,7 @@ class GradientBuckets:
 
     def _finish_all(self) -> None:
         while self._next < len(self.buckets):
-            self._launch(self.buckets[self._next])
+            self._launch(self._next)
             self._next += 1
         with torch.no_grad():
             for bucket in self.buckets:
@@ -243,12 +246,14 @@ def write_back(p: torch.Tensor, reduced: torch.Tensor) -> None:
         p.grad.copy_(reduced)
 
 
-def launch_allreduce(flat: torch.Tensor, *, op_is_average: bool, predivide: float, compression, process_set):
+def launch_allreduce(flat: torch.Tensor, label: str, *, op_is_average: bool, predivide: float, compression,
+                     process_set):
     """Start one bucket's reduction: returns (work, context for finish_allreduce)."""
     wire, ctx = compression.compress(flat)
     if op_is_average:
         scale_(wire, 1.0 / predivide)
-    reduced = verify("DistributedOptimizer bucket", [wire], process_set, mirror=wire,  # a joined rank mirrors it
+    reduced = verify("DistributedOptimizer bucket", [wire], process_set, extra=label,
+                     mirror=wire,  # a joined rank mirrors it
                      inline=wire if inline_fits(wire, process_set) else None)
     if reduced is not None:  # a small bucket rode in the check's exchange
         return None, (reduced, ctx)

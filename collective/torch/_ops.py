@@ -104,7 +104,7 @@ def _fused(members: list, pooled: list) -> torch.Tensor:
 # ---- allreduce ----------------------------------------------------------------------------
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                     process_set=global_process_set, _what: str = "allreduce", _check: bool = True) -> Handle:
+                     process_set=global_process_set, _what: str = "allreduce") -> Handle:
     """Start reducing ``tensor`` in place; returns a handle for ``synchronize``.
 
     ``op=Average`` (the default) divides the sum by the set's size; on integer tensors the
@@ -113,16 +113,14 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     _check_tensor(tensor, "allreduce")
     op = _resolve_op(op, average)
     group = _group(process_set, _what)
-    reduced = None
-    if _check:
-        problem = name_problem(name, "allreduce")
-        inline = None
-        if problem is None and inline_fits(tensor, process_set):  # small: the data rides in the exchange
-            with torch.no_grad():
-                inline = scaled(tensor.detach(), prescale_factor)
-        reduced = verify(_what, [tensor], process_set, extra=f"op={op.name}", mirror=_joinable(tensor, op),
-                         problem=problem, inline=inline, inline_op=_C10D_OPS[op],
-                         out=tensor if tensor.is_contiguous() else None)
+    problem = name_problem(name, "allreduce")
+    inline = None
+    if problem is None and inline_fits(tensor, process_set):  # small: the data rides in the exchange
+        with torch.no_grad():
+            inline = scaled(tensor.detach(), prescale_factor)
+    reduced = verify(_what, [tensor], process_set, extra=f"op={op.name}", mirror=_joinable(tensor, op),
+                     problem=problem, inline=inline, inline_op=_C10D_OPS[op],
+                     out=tensor if tensor.is_contiguous() else None)
     size = process_set.size()
     with torch.no_grad():
         if reduced is not None:
@@ -148,23 +146,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
                     process_set=global_process_set, _what: str = "allreduce") -> Handle:
     """Start reducing a copy of ``tensor`` (the input is unchanged)."""
     _check_tensor(tensor, "allreduce")
-    op = _resolve_op(op, average)
-    _group(process_set, _what)
-    size = process_set.size()
-    if op == Average and tensor.is_floating_point() and size & (size - 1) == 0:
-        # Scaling by 1/size is exact when size is a power of two, so the copy, the prescale and
-        # the average can be one pass instead of three, with a bit-identical result.
-        with torch.no_grad():
-            once = torch.mul(tensor.detach(), prescale_factor / size)
-        reduced = verify(_what, [tensor], process_set, extra=f"op={op.name}", mirror=tensor,  # as the user called it
-                         problem=name_problem(name, "allreduce"),
-                         inline=once if inline_fits(once, process_set) else None)
-        if reduced is not None:  # rode in the exchange: done
-            result = scale_(reduced.view_as(tensor), postscale_factor)
-            return register(Handle([], lambda: result, name, kind="allreduce", nbytes=_nbytes(tensor)))
-        return allreduce_async_(once, name=name, op=Sum, postscale_factor=postscale_factor,
-                                process_set=process_set, _check=False)
-    return allreduce_async_(tensor.detach().clone(), None, name, op, prescale_factor, postscale_factor,
+    return allreduce_async_(tensor.detach().clone(), average, name, op, prescale_factor, postscale_factor,
                             process_set, _what)
 
 

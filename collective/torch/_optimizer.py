@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import weakref
 
 import torch
@@ -16,6 +17,9 @@ from ._fusion import GradientBuckets, finish_allreduce, fusion_threshold, launch
 from ._ops import Average, ReduceOp, Sum, _resolve_op, sparse_allreduce_async
 from ._process_sets import ProcessSet, global_process_set
 from ._scale import scale_
+
+
+_serials = itertools.count()  # numbers the DistributedOptimizers a process makes, alike on every rank
 
 
 class _DistributedMixin:
@@ -33,6 +37,7 @@ class _DistributedMixin:
         self._hvd_sparse_as_dense = bool(sparse_as_dense)
         self._hvd_process_set = process_set
         self._hvd_buckets = None
+        self._hvd_serial = next(_serials)  # taken on every rank, members of process_set or not
         if not isinstance(process_set, ProcessSet):
             raise ValueError(f"process_set must be a ProcessSet, got {type(process_set).__name__}.")
         process_set._check()
@@ -51,7 +56,8 @@ class _DistributedMixin:
                                                 process_set=process_set),
                 reduce_finish=functools.partial(finish_allreduce, op_is_average=average,
                                                 predivide=self._hvd_predivide, size=size, compression=compression),
-                reduce_sparse=None if sparse_as_dense else self._hvd_reduce_sparse)
+                reduce_sparse=None if sparse_as_dense else self._hvd_reduce_sparse,
+                label=f"optimizer {self._hvd_serial}")
 
     @property
     def backward_passes_per_step(self) -> int:
