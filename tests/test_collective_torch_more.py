@@ -643,6 +643,7 @@ def _horovod_signatures():
             hvd.allreduce(torch.ones(n, dtype=torch.int16))
         except ValueError as exc:
             out[f"int16_{n}"] = str(exc)
+    out["average_0"] = hvd.allreduce(torch.tensor([1.0]), average=0)  # falsy: Sum, as Horovod
     big = torch.tensor([60000.0], dtype=torch.float16)  # out of place is the same op: sum, then divide
     out["fp16_average"] = (hvd.allreduce(big), hvd.allreduce_(big.clone()))
     out["grouped"] = (hvd.synchronize(gathered), hvd.synchronize(scattered),
@@ -686,6 +687,7 @@ def test_horovod_call_forms_and_flags():
         for n in (4, 1_100_000):
             assert v[f"int16_{n}"] == ("allreduce cannot carry int16 CPU tensors: torch's gloo backend has no 16-bit "
                                        "integer type; cast to int32 first (tensor.int()).")
+        assert torch.equal(v["average_0"], torch.tensor([2.0]))
         assert all(torch.isinf(t).all() for t in v["fp16_average"])  # 120000 overflows fp16 before the division
         gathered, scattered, grouped, grouped_ = v["grouped"]
         assert isinstance(gathered, tuple) and isinstance(grouped, tuple) and isinstance(grouped_, tuple)

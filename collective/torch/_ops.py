@@ -43,7 +43,7 @@ def _resolve_op(op, average) -> ReduceOp:
     if op is not None and average is not None:
         raise ValueError("allreduce got both op= and the legacy average=; pass only op=hvd.Average or op=hvd.Sum.")
     if op is None:
-        return Sum if average is False else Average
+        return Average if average is None or average else Sum  # as Horovod: any falsy average= sums
     try:
         op = ReduceOp(op)
     except ValueError:
