@@ -251,3 +251,13 @@ def test_bridge_shares_memory_both_ways():
         assert back.dtype == dtype and back.numpy().tolist() == value.numpy().tolist()
     view = torch.arange(17, dtype=torch.float64)[1:]  # 8 bytes off: copied once, into aligned memory
     assert to_tf(view, tf.float64).numpy().tolist() == view.tolist()
+
+
+def test_tensorflow_and_keras_export_horovods_build_flags():
+    code = ("import sparkhvd.collective.keras as k, sparkhvd.collective.tensorflow as t\n"
+            "names = ['mpi_enabled', 'mpi_built', 'gloo_enabled', 'gloo_built', 'nccl_built', 'ddl_built', "
+            "'ccl_built', 'cuda_built', 'rocm_built']\n"
+            "print([getattr(m, n)() for m in (t, k) for n in names])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ))
+    assert out.stdout.strip() == str([False, False, True, True, 0, False, False, False, False] * 2), out.stderr

@@ -8,14 +8,18 @@ topology and tensor functions are those of ``sparkhvd.collective.tensorflow``.
 from __future__ import annotations
 
 from ..tensorflow import (Average, Compression, Max, Min, Product, Sum, allgather, allgather_object, allreduce,
-                          broadcast, broadcast_object, broadcast_variables, cross_rank, cross_size, init,
-                          is_initialized, local_rank, local_size, rank, shutdown, size)
+                          broadcast, broadcast_object, broadcast_variables, ccl_built, cross_rank, cross_size,
+                          cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_initialized, local_rank,
+                          local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
+                          shutdown, size)
 from ._callbacks import (BestModelCheckpoint, BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
                          LearningRateWarmupCallback, MetricAverageCallback)
 from ._optimizer import DistributedOptimizer, load_model
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
+    "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built",
+    "ccl_built", "cuda_built", "rocm_built",
     "allreduce", "allgather", "broadcast", "broadcast_variables", "broadcast_object", "allgather_object",
     "DistributedOptimizer", "load_model", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
     "LearningRateWarmupCallback", "LearningRateScheduleCallback", "BestModelCheckpoint", "Compression",

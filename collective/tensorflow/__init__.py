@@ -16,14 +16,17 @@ except ModuleNotFoundError as _exc:  # Ray Train's guard: one sentence, the inst
                               name="tensorflow") from None
 
 from ..torch import (Adasum, Average, Max, Min, ProcessSet, Product, ReduceOp, Sum, add_process_set,
-                     allgather_object, broadcast_object, cross_rank, cross_size, global_process_set, init,
-                     is_homogeneous, is_initialized, local_rank, local_size, rank, remove_process_set, shutdown, size)
+                     allgather_object, broadcast_object, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
+                     global_process_set, gloo_built, gloo_enabled, init, is_homogeneous, is_initialized, local_rank,
+                     local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, remove_process_set,
+                     rocm_built, shutdown, size)
 from ._ops import (Compression, DistributedGradientTape, allgather, allreduce, alltoall, broadcast,
                    broadcast_variables, grouped_allreduce, grouped_reducescatter, reducescatter)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
-    "cross_size", "is_homogeneous",
+    "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
+    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_variables", "alltoall",
     "reducescatter", "grouped_reducescatter", "ProcessSet", "global_process_set", "add_process_set",
     "remove_process_set",
