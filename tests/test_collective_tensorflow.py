@@ -91,6 +91,15 @@ def _tf_ops():
         return tape.gradient(loss, t)
 
     grads["alltoall_graph"] = graph_grad(tf.ones([sum(splits)])).numpy()
+
+    @tf.function
+    def allgather_graph_grad(t):  # two collectives in the gradient: their order must not race
+        with tf.GradientTape() as tape:
+            tape.watch(t)
+            loss = tf.reduce_sum(hvd.allgather(t) * (r + 1.0))
+        return tape.gradient(loss, t)
+
+    grads["allgather_graph"] = [allgather_graph_grad(tf.ones([rows])).numpy() for _ in range(5)]
     out["grads"] = grads
     w = tf.Variable([1.0, 1.0])
     with tf.GradientTape() as tape:
@@ -184,6 +193,7 @@ def test_gradients_and_distributed_gradient_tape(ranks):
         # Horovod 0.28's convention (kept on purpose): allgather and broadcast average the ranks' gradients,
         # reducescatter's is the gathered gradient, times size() for Sum
         np.testing.assert_array_equal(g["allgather"], [1.5] * 5)  # every rank's loss reads every row
+        np.testing.assert_array_equal(g["allgather_graph"], [[1.5] * 5] * 5)
         np.testing.assert_array_equal(g["broadcast"], [1.5 if r == 1 else 0.0] * 5)  # the root gets it all
         sent_to = [k + 1.0 for k in range(2) for _ in range(k + 1)]  # rows sent to rank k carry k + 1
         np.testing.assert_array_equal(g["alltoall"], sent_to)

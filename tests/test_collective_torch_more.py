@@ -785,3 +785,53 @@ def test_buckets_of_two_optimizers_never_pair_up():
     assert values[0] == values[1]
     assert values[0].startswith("ranks disagree on a collective: rank 0: DistributedOptimizer bucket(optimizer ")
     assert "use every parameter on every rank, or run such collectives after step()." in values[0]
+
+
+def _one_rank_differs():
+    import numpy as np
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    out = {}
+    evens = hvd.add_process_set([0, 2])
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    if evens.included():  # rank 1 builds no optimizer for this set, as Horovod allows
+        opt_a = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=1.0), process_set=evens)
+        a(torch.ones(1, 2) * r).sum().backward()
+        opt_a.step()
+    opt_b = hvd.DistributedOptimizer(torch.optim.SGD(b.parameters(), lr=1.0), backward_passes_per_step=np.int64(1))
+    opt_b.backward_passes_per_step = 2.0  # Horovod takes any whole number, and the attribute
+    for _ in range(2):
+        b(torch.ones(1, 2) * r).sum().backward()
+    opt_b.step()
+    out["b"] = b.weight.detach().clone()
+    for key, call in {  # a wrong argument on rank 1 only: every rank raises it
+        "sparse": lambda: hvd.sparse_allreduce_async(
+            torch.ones(3) if r == 1 else torch.sparse_coo_tensor([[r]], [1.0], (3,)))(),
+        "reducescatter": lambda: hvd.reducescatter(torch.tensor(1.0) if r == 1 else torch.ones(3)),
+        "alltoall": lambda: hvd.alltoall(torch.tensor(1.0) if r == 1 else torch.ones(3)),
+    }.items():
+        try:
+            call()
+        except ValueError as exc:
+            out[key] = str(exc)
+    hvd.allreduce_async(torch.ones(1), name="left")  # never synchronized
+    hvd.shutdown()
+    hvd.init()
+    out["after_reinit"] = hvd.synchronize(hvd.allreduce_async(torch.ones(1), name="left", op=hvd.Sum))
+    return out
+
+
+def test_optimizers_and_argument_errors_when_one_rank_differs():
+    values = HorovodRunner(np=-3).run_all(_one_rank_differs).values
+    for v in values:
+        assert torch.equal(v["b"], values[0]["b"])  # the global optimizer's buckets paired up
+        assert v["sparse"] == ("rank 1: sparse_allreduce_async takes a sparse COO tensor, got torch.strided; use "
+                               "allreduce_async for dense ones.")
+        assert v["reducescatter"] == "rank 1: reducescatter needs a tensor with at least one dimension; got a scalar."
+        assert v["alltoall"] == "rank 1: alltoall needs a tensor with at least one dimension; got a scalar."
+        assert torch.equal(v["after_reinit"], torch.tensor([3.0]))

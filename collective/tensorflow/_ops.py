@@ -123,7 +123,8 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 
         def grad(dy):  # Horovod's convention: this rank's rows of the average of the ranks' gradients
             averaged = allreduce(dy, op=_torch_ops.Average, process_set=process_set)
-            counts = allgather(tf.reshape(tf.cast(rows, tf.int64), [1]), process_set=process_set)
+            with tf.control_dependencies([averaged]):  # in a graph, every rank runs the two in this order
+                counts = allgather(tf.reshape(tf.cast(rows, tf.int64), [1]), process_set=process_set)
             start = tf.reduce_sum(counts[:process_set.rank()])
             return tf.reshape(averaged[start:start + tf.cast(rows, tf.int64)], tf.shape(x))
 

@@ -10,7 +10,7 @@ import torch as _torch
 import torch.distributed as _dist
 
 from .. import _engine
-from . import _check, _process_sets
+from . import _check, _handles, _process_sets
 from ._autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
                         grouped_reducescatter, reducescatter)
 from ._compression import Compression
@@ -89,7 +89,8 @@ def join(device: int = -1) -> int:
 
 
 def shutdown() -> None:
-    """Leave the job (``init()`` may be called again); forgets the process sets."""
+    """Leave the job (``init()`` may be called again); forgets the process sets and unfinished names."""
+    _handles._in_flight.clear()
     _process_sets._reset()
     _engine.shutdown()
 

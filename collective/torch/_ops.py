@@ -291,14 +291,15 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
 
     The handle is callable for the result (Horovod returns a function) or goes to ``synchronize``.
     """
-    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
-        raise ValueError(f"sparse_allreduce_async takes a sparse COO tensor, got "
-                         f"{getattr(tensor, 'layout', type(tensor).__name__)}; use allreduce_async for dense ones.")
     op = _resolve_op(op, None)
     if op not in (Average, Sum):
         raise ValueError(f"sparse_allreduce_async supports op=hvd.Average or hvd.Sum, got {op.name}.")
     size = process_set.size()
     problem = name_problem(name, "sparse_allreduce")  # every rank raises in the first gather's check
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:  # a dense one on some rank
+        problem = (f"sparse_allreduce_async takes a sparse COO tensor, got "
+                   f"{getattr(tensor, 'layout', type(tensor).__name__)}; use allreduce_async for dense ones.")
+        allgather_async(torch.empty(0, 1, dtype=torch.int64), process_set=process_set, _problem=problem)
     indices = allgather_async(tensor._indices().t().contiguous(), process_set=process_set, _problem=problem)
     values = allgather_async(tensor._values(), process_set=process_set)
 
@@ -333,11 +334,11 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     _check_tensor(tensor, "alltoall")
     _group(process_set, "alltoall")
     n = process_set.size()
-    if tensor.dim() == 0:
-        raise ValueError("alltoall needs a tensor with at least one dimension; got a scalar.")
-    rows = tensor.shape[0]
+    rows = tensor.shape[0] if tensor.dim() else 0
     problem = None
-    if splits is None:
+    if tensor.dim() == 0:  # every rank raises this in the check below, not this rank alone
+        problem, splits = "alltoall needs a tensor with at least one dimension; got a scalar.", [0] * n
+    elif splits is None:
         if rows % n:
             problem = (f"alltoall without splits needs the first dimension ({rows}) to be divisible by the "
                        f"number of ranks ({n}); pass splits= to send uneven parts.")
@@ -377,11 +378,10 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     op = _resolve_op(op, None)
     if op not in (Average, Sum):
         raise ValueError(f"reducescatter supports op=hvd.Average or hvd.Sum, got {op.name}.")
-    if tensor.dim() == 0:
-        raise ValueError("reducescatter needs a tensor with at least one dimension; got a scalar.")
     group = _group(process_set, "reducescatter")
-    verify("reducescatter", [tensor], process_set, extra=f"op={op.name}",
-           problem=_problem or name_problem(name, "reducescatter"))
+    scalar = "reducescatter needs a tensor with at least one dimension; got a scalar." if tensor.dim() == 0 else None
+    verify("reducescatter", [tensor], process_set, extra=f"op={op.name}",  # every rank raises any problem
+           problem=_problem or scalar or name_problem(name, "reducescatter"))
     n, me = process_set.size(), process_set.rank()
     counts = reducescatter_rows(tensor.shape[0], n)
     longest, trailing = counts[0], tuple(tensor.shape[1:])

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
+import operator
 import weakref
 
 import torch
@@ -19,7 +21,7 @@ from ._process_sets import ProcessSet, global_process_set
 from ._scale import scale_
 
 
-_serials = itertools.count()  # numbers the DistributedOptimizers a process makes, alike on every rank
+_serials: dict = collections.defaultdict(itertools.count)  # link_id -> numbers for the set's optimizers
 
 
 class _DistributedMixin:
@@ -37,13 +39,13 @@ class _DistributedMixin:
         self._hvd_sparse_as_dense = bool(sparse_as_dense)
         self._hvd_process_set = process_set
         self._hvd_buckets = None
-        self._hvd_serial = next(_serials)  # taken on every rank, members of process_set or not
         if not isinstance(process_set, ProcessSet):
             raise ValueError(f"process_set must be a ProcessSet, got {type(process_set).__name__}.")
         process_set._check()
         self._hvd_member = process_set.included()
         if not self._hvd_member:  # as in Horovod: a rank outside the set trains on its own gradients
             return
+        self._hvd_serial = next(_serials[process_set.link_id])  # alike on every member, whatever other sets do
         size = process_set.size()
         trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         verify("DistributedOptimizer", trainable, process_set, extra=f"op={op.name}")  # the same model everywhere
@@ -63,15 +65,19 @@ class _DistributedMixin:
     def backward_passes_per_step(self) -> int:
         return self._hvd_backward_passes
 
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, passes: int) -> None:
+        self.set_backward_passes_per_step(passes)
+
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes accumulate locally before each reduction (Horovod's method)."""
-        _check_passes(passes)
+        passes = _check_passes(passes)
         if self._hvd_buckets is not None:
             if self._hvd_buckets.in_flight():
                 raise RuntimeError("set_backward_passes_per_step() was called while gradients were being reduced; "
                                    "call it right after optimizer.step().")
-            self._hvd_buckets._passes = int(passes)
-        self._hvd_backward_passes = int(passes)
+            self._hvd_buckets._passes = passes
+        self._hvd_backward_passes = passes
 
     def synchronize(self) -> None:
         """Finish reducing every gradient now (``step()`` then skips it, e.g. after gradient clipping)."""
@@ -184,7 +190,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         raise ValueError(f"DistributedOptimizer reduces gradients with op=hvd.Average or hvd.Sum, got {op.name}.")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor only applies with op=hvd.Average.")
-    _check_passes(backward_passes_per_step)
+    backward_passes_per_step = _check_passes(backward_passes_per_step)
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the original optimizer once.")
     names = _parameter_names(optimizer, named_parameters)
@@ -201,9 +207,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     return optimizer
 
 
-def _check_passes(passes) -> None:
-    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+def _check_passes(passes) -> int:
+    """``passes`` as an int (any integral number, as Horovod takes), or a ValueError."""
+    try:
+        count = operator.index(passes) if not isinstance(passes, float) or not passes.is_integer() else int(passes)
+    except TypeError:
+        count = 0
+    if isinstance(passes, bool) or count < 1:
         raise ValueError(f"backward_passes_per_step must be a whole number of 1 or more, got {passes!r}.")
+    return count
 
 
 def _parameter_names(optimizer, named_parameters) -> dict:
