@@ -400,7 +400,7 @@ def _one_rank_wrong():
     import sparkhvd.collective.torch as hvd
 
     hvd.init()
-    r, n = hvd.rank(), hvd.size()
+    r = hvd.rank()
     out = {}
     for key, call in {
         # only rank 0 has a first dimension the ranks cannot divide

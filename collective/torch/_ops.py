@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .. import _engine
 from . import _fusion, _timeline
 from ._check import inline_fits, verify
 from ._handles import Handle, name_problem, register, synchronize

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import _engine
