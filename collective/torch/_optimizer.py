@@ -117,12 +117,11 @@ class _DistributedMixin:
         size = self._hvd_process_set.size()
         if size == 1:
             return
-        sparse = [p for p in params if p.grad.is_sparse and not self._hvd_sparse_as_dense]
-        for p in sparse:
-            p.grad = self._hvd_reduce_sparse(p.grad).wait()
         buckets: dict = {}
         for p in params:
-            if not any(p is q for q in sparse):
+            if p.grad.is_sparse and not self._hvd_sparse_as_dense:
+                p.grad = self._hvd_reduce_sparse(p.grad).wait()
+            else:
                 buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p)
         for members in buckets.values():
             grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in members]
