@@ -81,18 +81,18 @@ def init() -> Topology:
 
 
 def _control_endpoint(rank: int, ctx) -> Endpoint:
-    """This rank's end of the control links, listening where the rendezvous host routes to."""
-    if ctx is not None:
-        store, prefix, key, rendezvous = _store, "control/", ctx.secret, ctx.address[0]
+    """This rank's end of the control links, listening where its peers can reach it."""
+    if ctx is not None:  # the worker chose the address: toward the driver, or network_interface's
+        store, prefix, key = _store, "control/", ctx.secret
+        host = ctx.local_address or _local_address(ctx.address[0])
     else:
         store = dist.distributed_c10d._get_default_store()
         prefix = f"sparkhvd/{_generation}/control/"
         if rank == 0:
             store.set(prefix + "key", secrets.token_hex(32))
         key = store.get(prefix + "key")
-        rendezvous = os.environ.get("MASTER_ADDR")
-    return Endpoint(rank=rank, host=_local_address(rendezvous), key=key, store=store, prefix=prefix,
-                    timeout=_TIMEOUT.total_seconds())
+        host = _local_address(os.environ.get("MASTER_ADDR"))
+    return Endpoint(rank=rank, host=host, key=key, store=store, prefix=prefix, timeout=_TIMEOUT.total_seconds())
 
 
 def _local_address(toward: str | None) -> str:

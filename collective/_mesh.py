@@ -14,9 +14,13 @@ its body is read.
 Links are made on a set's first exchange: every member listens on one port (its address is in
 the rendezvous store), connects to the members before it and accepts the ones after it. A
 connection proves it belongs to the run before it is used: the accepting side sends a random
-challenge and the connecting side answers with an HMAC-SHA256 of it under the run's secret
+challenge, the connecting side answers with an HMAC-SHA256 of it under the run's secret
 (HorovodRunner's; under torchrun, a key rank 0 publishes in the store, which is as trusted as
-the store itself). As with gloo, the frames themselves trust the network.
+the store itself), and the accepting side answers with one byte: accepted, turned away to make
+room (the connecting side tries again), or refused. As with gloo, the frames themselves trust
+the network. The listener (``_listener.py``) reads every handshake on one thread under a whole
+deadline, and a flood of connections that never authenticate evicts its own oldest, never a
+real peer for good.
 
 A peer that exits or fails closes its links, so the others fail at once with its rank named,
 instead of waiting out a timeout.
@@ -24,8 +28,12 @@ instead of waiting out a timeout.
 
 from __future__ import annotations
 
+import atexit
+import errno
+import functools
 import hashlib
 import hmac
+import logging
 import os
 import selectors
 import socket
@@ -33,12 +41,18 @@ import struct
 import threading
 import time
 
+from ._listener import GuardedListener, Handshake, Refused, RefusalTally
+
+log = logging.getLogger("sparkhvd.mesh")
+
 HEADER_FIELDS = 11  # int64s; the last one is the payload length
 HEADER_BYTES = HEADER_FIELDS * 8
 _HELLO = struct.Struct("!qq")  # link id, connecting rank
 _CHALLENGE_BYTES = 16
-_HANDSHAKE_TIMEOUT = 30.0
-_GREETINGS = 64  # handshakes in progress at once; connections beyond are refused
+_PROOF_BYTES = hashlib.sha256().digest_size
+_HANDSHAKE_TIMEOUT = 30.0  # one handshake, from connect to the accepting side's answer
+_DIAL_RETRY_S = 4 * _HANDSHAKE_TIMEOUT  # how long a dial is tried again while the listener turns it away
+_ACCEPTED, _BUSY, _REFUSED = b"+", b"B", b"X"  # the accepting side's answer to a handshake
 
 
 class MeshError(ConnectionError):
@@ -48,9 +62,9 @@ class MeshError(ConnectionError):
 class Endpoint:
     """This process's listener, the run's key, and the links it has made (one Mesh per set).
 
-    A background thread accepts connections and greets each on a thread of its own, so a peer
-    is let in whenever it connects, whatever this rank's own code is doing, and a connection
-    that never proves itself holds up nothing but its own greeting.
+    A background thread accepts connections and reads their handshakes (``GuardedListener``),
+    so a peer is let in whenever it connects, whatever this rank's own code is doing, and a
+    connection that never proves itself holds up nothing but its own handshake slot.
     """
 
     def __init__(self, *, rank: int, host: str, key: bytes, store, prefix: str, timeout: float):
@@ -68,9 +82,12 @@ class Endpoint:
         self._forgotten: set = set()  # link ids of removed sets: their late connections are refused
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._greeting = threading.BoundedSemaphore(_GREETINGS)
         self._closed = False
-        threading.Thread(target=self._accept_forever, name="sparkhvd-control-accept", daemon=True).start()
+        self._tally = RefusalTally(f"rank {rank}'s control listener at {self._address[0]}:{self._address[1]}", log)
+        self._at_exit = functools.partial(_summarise, self._tally, os.getpid())
+        atexit.register(self._at_exit)  # the summary line, when the rank's process ends without hvd.shutdown()
+        self._guard = GuardedListener(self._listener, lambda sock, peer: _Greeting(self, sock), tally=self._tally,
+                                      timeout=lambda: _HANDSHAKE_TIMEOUT, name="sparkhvd-control-accept")
         store.set(f"{prefix}{rank}", f"{self._address[0]}:{self._address[1]}")
 
     def mesh(self, link_id: int, ranks: list, what: str) -> Mesh:
@@ -117,19 +134,17 @@ class Endpoint:
             mesh.close()
         for sock in arrived:
             sock.close()
+        self._guard.close()  # in a forked child, only closes our copy of the listening socket
         if os.getpid() == self._pid:
-            try:
-                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
-            except OSError:
-                pass
-        self._listener.close()
+            atexit.unregister(self._at_exit)
+            self._tally.close("while it was open")
 
     def _connect(self, link_id: int, ranks: list, what: str) -> dict:
         deadline = time.monotonic() + self._timeout
         links = {}
         try:
             for peer in ranks[:ranks.index(self.rank)]:
-                links[peer] = self._dial(peer, link_id, what)
+                links[peer] = self._dial(peer, link_id, what, deadline)
             expected = set(ranks[ranks.index(self.rank) + 1:])
             with self._changed:
                 while True:
@@ -157,73 +172,105 @@ class Endpoint:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return links
 
-    def _dial(self, peer: int, link_id: int, what: str) -> socket.socket:
-        """A link to an earlier member ``peer``, which greets it from its accepting thread."""
+    def _dial(self, peer: int, link_id: int, what: str, deadline: float) -> socket.socket:
+        """A link to an earlier member ``peer``, made by its listener; tried again, until ``deadline``,
+        while that listener turns connections away (its port flooded) or does not answer."""
         address = self._store.get(f"{self._prefix}{peer}").decode()
         host, port = address.rsplit(":", 1)
+        started, attempts, pause = time.monotonic(), 0, 0.05
+        deadline = min(deadline, started + _DIAL_RETRY_S)
+        while True:
+            attempts += 1
+            outcome = self._dial_once((host, int(port)), peer, link_id, what, deadline)
+            if isinstance(outcome, socket.socket):
+                return outcome
+            if time.monotonic() + pause >= deadline:
+                break
+            time.sleep(pause)
+            pause = min(1.0, pause * 2)
+        raise MeshError(f"could not make the control link to rank {peer} for {what}: its listener at {address} "
+                        f"turned away or did not answer all {attempts} attempts in {time.monotonic() - started:.0f} s "
+                        f"(the last: {outcome}). Rank {peer} may well be healthy: something is flooding that port "
+                        "with connections that never authenticate (its output counts them), or its process is out of "
+                        "file descriptors; stop what connects to it, or raise `ulimit -n` there.")
+
+    def _dial_once(self, address: tuple, peer: int, link_id: int, what: str, deadline: float):
+        """One attempt: the linked socket, or why the listener turned it away (worth another try)."""
         try:
-            sock = socket.create_connection((host, int(port)), timeout=_HANDSHAKE_TIMEOUT)
+            sock = socket.create_connection(address, timeout=max(0.05, min(_HANDSHAKE_TIMEOUT,
+                                                                           deadline - time.monotonic())))
+        except TimeoutError as exc:  # no SYN-ACK: a cut path or a dead host, not a busy listener
+            raise MeshError(f"could not reach rank {peer}'s control address {address[0]}:{address[1]} for {what} "
+                            f"within {_HANDSHAKE_TIMEOUT:.0f} s; its host is down, or the network between the two "
+                            "hosts drops the connection (routes, firewalls).") from exc
         except OSError as exc:
-            raise MeshError(f"could not reach rank {peer}'s control address {address} for {what} ({exc}); it has "
-                            "exited, or this host cannot reach it.") from exc
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise MeshError(f"rank {self.rank} could not open its control link to rank {peer} for {what}: this "
+                                f"process is out of file descriptors ({exc}); raise `ulimit -n` where the ranks run, "
+                                "or close the files and sockets the training function keeps open.") from exc
+            raise MeshError(f"could not reach rank {peer}'s control address {address[0]}:{address[1]} for {what} "
+                            f"({exc}); it has exited, or this host cannot reach it.") from exc
         try:
-            challenge = _read_exactly(sock, _CHALLENGE_BYTES, time.monotonic() + _HANDSHAKE_TIMEOUT)
+            limit = min(deadline, time.monotonic() + _HANDSHAKE_TIMEOUT)
+            challenge = _read_exactly(sock, _CHALLENGE_BYTES, limit)
             hello = _HELLO.pack(link_id, self.rank)
             sock.sendall(hello + hmac.new(self._key, challenge + hello, hashlib.sha256).digest())
+            answer = _read_exactly(sock, 1, limit)
+        except TimeoutError:
+            sock.close()
+            return "no answer to the handshake in time"
         except OSError as exc:
             sock.close()
-            raise MeshError(f"rank {peer} did not complete the control handshake for {what} ({exc}); it has "
-                            "exited or failed: its own error is in its output.") from exc
-        return sock
+            return f"the listener closed the connection during the handshake ({exc})"
+        if answer == _ACCEPTED:
+            return sock
+        sock.close()
+        if answer == _BUSY:
+            return "the listener was full and dropped this connection to make room"
+        raise MeshError(f"rank {peer} refused the control link for {what}: that process set was removed there, or "
+                        "hvd.shutdown() ran there; every rank must create and remove process sets together.")
 
-    def _accept_forever(self) -> None:
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                if self._closed:
-                    return
-                time.sleep(0.1)  # out of file descriptors, say: try again
-                continue
-            if not self._greeting.acquire(blocking=False):
-                sock.close()  # too many handshakes at once: refuse, as a full backlog would
-                continue
-            try:
-                threading.Thread(target=self._greet, args=(sock,), name="sparkhvd-control-greet",
-                                 daemon=True).start()
-            except RuntimeError:  # no thread to be had: refuse this one and keep accepting
-                self._greeting.release()
-                sock.close()
-                time.sleep(0.1)
-
-    def _greet(self, sock: socket.socket) -> None:
-        """File a connection that proves it knows the key under its (link id, rank); close any other."""
-        try:
-            self._greet_one(sock)
-        finally:
-            self._greeting.release()
-
-    def _greet_one(self, sock: socket.socket) -> None:
-        try:
-            deadline = time.monotonic() + _HANDSHAKE_TIMEOUT
-            challenge = os.urandom(_CHALLENGE_BYTES)
-            sock.settimeout(_HANDSHAKE_TIMEOUT)
-            sock.sendall(challenge)
-            hello = _read_exactly(sock, _HELLO.size, deadline)
-            proof = _read_exactly(sock, hashlib.sha256().digest_size, deadline)
-        except OSError:
-            sock.close()
-            return
-        if not hmac.compare_digest(proof, hmac.new(self._key, challenge + hello, hashlib.sha256).digest()):
-            sock.close()
-            return
+    def _file(self, sock: socket.socket, hello: bytes) -> None:
+        """Accept a proven connection under its (link id, rank), for ``_connect`` to claim."""
         key = _HELLO.unpack(hello)
         with self._changed:
-            if self._closed or key in self._arrived or key[0] in self._forgotten:
-                sock.close()
-                return
+            if self._closed or key[0] in self._forgotten:
+                raise Refused(f"a control link for set {key[0]} from rank {key[1]} that this rank cannot take (its set "
+                              "was removed, or hvd.shutdown() ran)", _REFUSED)
+            sock.send(_ACCEPTED)  # before any frame of the set can be sent on it
+            stale = self._arrived.get(key)  # a retry of a dial that gave up on its first try: the new one wins
             self._arrived[key] = sock
+            if stale is not None:
+                stale.close()
             self._changed.notify_all()
+
+
+def _summarise(tally: RefusalTally, pid: int) -> None:
+    if os.getpid() == pid:  # not in a forked child that exits normally
+        tally.close("while it was open")
+
+
+class _Greeting(Handshake):
+    """The accepting side of a control handshake: a random challenge out, then the connecting
+    rank's (link id, rank) and its HMAC of both under the run's key in."""
+
+    need = _HELLO.size + _PROOF_BYTES
+
+    def __init__(self, endpoint: Endpoint, sock: socket.socket):
+        self._endpoint = endpoint
+        self._sock = sock
+        self.greeting = self._challenge = os.urandom(_CHALLENGE_BYTES)
+
+    def check(self, data: bytes) -> int:
+        hello, proof = data[:_HELLO.size], data[_HELLO.size:]
+        if not hmac.compare_digest(proof, hmac.new(self._endpoint._key, self._challenge + hello,
+                                                   hashlib.sha256).digest()):
+            raise Refused("wrong key: the answer to the challenge is not an HMAC under this run's key")
+        self._endpoint._file(self._sock, hello)
+        return 0
+
+    def unserved(self, reason: str) -> bytes:
+        return _BUSY
 
 
 class Mesh:
@@ -241,6 +288,7 @@ class Mesh:
         self._payloads = {peer: bytearray() for peer in links}
         self._lock = threading.Lock()
         self._broken: str | None = None
+        self._received: dict = {}  # the exchange in progress: peer -> its frame, once read whole
 
     def allgather(self, header, payload, max_payload: int, what: str, consume):
         """Send (header, payload) to every member; return ``consume(frames)``.
@@ -266,7 +314,7 @@ class Mesh:
         unsent = {peer: [header, payload] for peer in self._links}
         got = dict.fromkeys(self._links, 0)
         length = {}
-        done = {}
+        done = self._received = {}
         deadline = time.monotonic() + self._timeout
         writing = False
         while unsent or len(done) < len(self._links):
@@ -294,6 +342,11 @@ class Mesh:
             for peer, sock in self._links.items():
                 self._selector.modify(sock, selectors.EVENT_READ, peer)
         return done
+
+    def waiting_for(self) -> list:
+        """The peers whose frame the exchange in progress still waits for (any thread; a diagnostic)."""
+        received = self._received
+        return sorted(peer for peer in list(self._links) if peer not in received)
 
     def _receive(self, peer: int, got: dict, length: dict, done: dict, max_payload: int, what: str) -> None:
         sock = self._links[peer]

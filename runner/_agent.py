@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ._client import RunAborted, ServiceClient, ServiceError
+from ._host import host_id
 from ._protocol import Kind
 
 #: Environment of the rank process; read by ``_worker`` only.
@@ -25,6 +26,8 @@ ENV_DRIVER = "SPARKHVD_DRIVER"
 ENV_RUN_ID = "SPARKHVD_RUN_ID"
 ENV_PLACEMENT = "SPARKHVD_PLACEMENT"
 ENV_PARENT = "SPARKHVD_PARENT_PID"
+ENV_NETWORK_INTERFACE = "SPARKHVD_NETWORK_INTERFACE"
+ENV_RETURN = "SPARKHVD_RETURN"  # "all": every rank ships its value; "0": only rank 0 does
 MAX_LINE_BYTES = 64 * 1024  # longer lines reach the driver in pieces of this size
 PUMP_DRAIN_S = 5.0  # after the rank's process group is gone, its pipes close at once
 
@@ -38,6 +41,8 @@ class TaskSpec:
     run_id: str
     python: str | None = None  # the rank process's interpreter; default: this one
     stall_tasks: frozenset = frozenset()  # fault tests: these task indices never register
+    network_interface: str | None = None  # the interface ranks talk on; default: the one toward the driver
+    every_value: bool = True  # False: only rank 0 ships its return value (HorovodRunner.run)
 
 
 def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[str] | None = None,
@@ -57,13 +62,19 @@ def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[s
         return {"task": task, "rank": None, "exit": None, "note": "stalled on purpose"}
     try:
         placement = client.request(Kind.REGISTER, {
-            "task": task, "host": host or socket.gethostname(), "pid": os.getpid(),
+            "task": task, "host": host or socket.gethostname(), "host_id": host_id(), "pid": os.getpid(),
             "gpus": list(gpus or [])}).meta
     except (RunAborted, ServiceError) as exc:
         client.close()
         return {"task": task, "rank": None, "exit": None, "note": str(exc)}
     rank = placement["rank"]
-    env = _rank_env(spec, placement, gpus)
+    try:
+        env = _rank_env(spec, placement, gpus)
+    except ValueError as exc:  # the executor's GPU settings: the rank's error, not a Spark task failure
+        _report(client, Kind.ERROR, {"rank": rank, "type": "ValueError", "message": str(exc), "traceback": ""})
+        _report(client, Kind.EXIT, {"rank": rank, "code": 1})
+        client.close()
+        return {"task": task, "rank": rank, "exit": 1, "note": str(exc)}
     proc = subprocess.Popen([spec.python or sys.executable, "-m", "sparkhvd.runner._worker"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=env, start_new_session=True)
@@ -83,13 +94,16 @@ def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[s
     _kill_group(proc)  # whatever the rank started and left running goes with it
     for pump in pumps:
         pump.join(PUMP_DRAIN_S)
+    _report(client, Kind.EXIT, {"rank": rank, "code": code})
+    client.close()
+    return {"task": task, "rank": rank, "exit": code, "note": ""}
+
+
+def _report(client: ServiceClient, kind: Kind, meta: dict) -> None:
     try:
-        client.request(Kind.EXIT, {"rank": rank, "code": code})
+        client.request(kind, meta)
     except (OSError, ConnectionError, RunAborted, ServiceError):
         pass  # the driver has gone or has finished; nothing left to tell it
-    finally:
-        client.close()
-    return {"task": task, "rank": rank, "exit": code, "note": ""}
 
 
 def _rank_env(spec: TaskSpec, placement: dict, gpus: list[str] | None) -> dict:
@@ -101,20 +115,45 @@ def _rank_env(spec: TaskSpec, placement: dict, gpus: list[str] | None) -> dict:
         ENV_RUN_ID: spec.run_id,
         ENV_PLACEMENT: json.dumps(placement),
         ENV_PARENT: str(os.getpid()),
+        ENV_RETURN: "all" if spec.every_value else "0",
         "PYTHONUNBUFFERED": "1",
     })
+    if spec.network_interface:
+        env[ENV_NETWORK_INTERFACE] = spec.network_interface
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = spec.network_interface
     if "OMP_NUM_THREADS" not in env:
         # As torchrun does: ranks sharing a host split its cores, instead of each starting one OpenMP
         # thread per core, whose spinning then starves the other ranks (measured: a Keras step at np=2
         # on 2 cores went from 20 ms to 7 ms).
         env["OMP_NUM_THREADS"] = str(omp_threads(placement["local_size"]))
     if gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")))
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     # Horovod and torchrun variables that would make hvd.init() join a different job.
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return env
+
+
+def visible_gpus(addresses: list, visible: str | None) -> list:
+    """The devices a rank sees: Spark's GPU addresses, mapped through an executor's own
+    ``CUDA_VISIBLE_DEVICES`` when it has one (Spark's addresses then index that list), as
+    pyspark's TorchDistributor does."""
+    addresses = [str(a) for a in addresses]
+    if not visible:
+        return addresses
+    if any(not a.isdigit() for a in addresses):
+        raise ValueError(f"Spark gave this task the GPU addresses {addresses}, which cannot index the executor's "
+                         f"CUDA_VISIBLE_DEVICES={visible!r}; make the discovery script print indices 0..n-1 into "
+                         "that list, or unset CUDA_VISIBLE_DEVICES in the executors' environment.")
+    devices = [d.strip() for d in visible.split(",") if d.strip()]
+    beyond = [a for a in addresses if int(a) >= len(devices)]
+    if beyond:
+        raise ValueError(f"Spark gave this task GPU address{'es' if len(beyond) > 1 else ''} {', '.join(beyond)}, "
+                         f"but the executor's CUDA_VISIBLE_DEVICES={visible!r} lists only {len(devices)} device"
+                         f"{'s' if len(devices) != 1 else ''}; make the discovery script print indices into that list "
+                         "(0.." f"{len(devices) - 1}), or unset CUDA_VISIBLE_DEVICES in the executors' environment.")
+    return [devices[int(a)] for a in addresses]
 
 
 def omp_threads(local_size: int) -> int:

@@ -4,8 +4,27 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 from ._protocol import Channel, Kind, Message
+
+_UNSERVED_RETRIES = 5  # a connection the driver dropped unserved (flooded listener) is made again
+
+
+#: A driver unreachable this long ends the connection (and so the rank: see _worker._watch), instead of
+#: leaving ranks on a cut-off host running until TCP gives up: idle, 30 s then 3 probes
+#: 10 s apart; with unacknowledged data, 60 s.
+_KEEPALIVE = (30, 10, 3)
+_USER_TIMEOUT_MS = 60_000
+
+
+def _keepalive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle, interval, count = _KEEPALIVE
+    for option, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count),
+                          ("TCP_USER_TIMEOUT", _USER_TIMEOUT_MS)):
+        if hasattr(socket, option):  # Linux; elsewhere the system's defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 class ServiceError(RuntimeError):
@@ -20,21 +39,54 @@ class ServiceClient:
     """A connection to the driver service. Thread-safe: one request at a time."""
 
     def __init__(self, address: tuple[str, int], secret: bytes, *, connect_timeout: float = 30.0):
-        sock = socket.create_connection(address, timeout=connect_timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._address = address
+        self._secret = secret
+        self._connect_timeout = connect_timeout
+        self._channel = self._open()
+        self._answered = False  # whether a request on this connection has been answered
+        self._lock = threading.Lock()
+
+    def _open(self) -> Channel:
+        where = f"{self._address[0]}:{self._address[1]}"
         try:
-            self._channel = Channel.connect(sock, secret)  # the greeting, still under the timeout
+            sock = socket.create_connection(self._address, timeout=self._connect_timeout)
+        except socket.timeout as exc:
+            raise TimeoutError(f"could not connect to the sparkhvd driver service at {where} within "
+                               f"{self._connect_timeout:g} s; the driver is unreachable from this host, or "
+                               "overloaded.") from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _keepalive(sock)
+        try:
+            channel = Channel.connect(sock, self._secret)  # the greeting, still under the timeout
+        except socket.timeout as exc:
+            sock.close()
+            raise TimeoutError(f"the sparkhvd driver service at {where} took the connection but did not greet it "
+                               f"within {self._connect_timeout:g} s: the driver process is overloaded (out of file "
+                               "descriptors, threads or memory) or stopped; its log says which.") from exc
         except OSError:
             sock.close()
             raise
         sock.settimeout(None)
-        self._lock = threading.Lock()
+        return channel
 
     def request(self, kind: Kind, meta: dict | None = None, blob: bytes = b"") -> Message:
-        """Send one request and return its answer; ERR and ABORT answers raise."""
+        """Send one request and return its answer; ERR and ABORT answers raise.
+
+        A first request that the driver dropped unserved, to make room while its port was
+        flooded, is sent again on a new connection (a few times, backing off).
+        """
         with self._lock:
-            self._channel.send(kind, meta, blob)
-            reply = self._channel.recv()
+            for attempt in range(_UNSERVED_RETRIES + 1):
+                self._channel.send(kind, meta, blob)
+                reply = self._channel.recv()
+                if self._answered or reply.kind != Kind.ERR or not reply.meta.get("unserved"):
+                    break
+                if attempt == _UNSERVED_RETRIES:
+                    break
+                self._channel.close()
+                time.sleep(0.05 * 2 ** attempt)
+                self._channel = self._open()
+            self._answered = True
         if reply.kind == Kind.ERR:
             raise ServiceError(reply.meta.get("message", "the driver service refused the request"))
         if reply.kind == Kind.ABORT:

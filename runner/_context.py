@@ -17,6 +17,7 @@ class WorkerContext:
     address: tuple[str, int]
     secret: bytes = field(repr=False)
     client: ServiceClient
+    local_address: str = ""  # where this rank listens for its peers (the network_interface's address)
 
     def new_client(self) -> ServiceClient:
         """A separate connection to the driver (the rendezvous store uses its own)."""

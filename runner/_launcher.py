@@ -24,6 +24,10 @@ class Launcher(abc.ABC):
     def failure(self) -> str | None:
         """Why the launch itself failed (a Spark job failure, say), or None."""
 
+    def lost(self, peers: dict) -> str | None:
+        """Why the tasks at these addresses (``address -> (hostname, ranks)``) may have vanished, if known."""
+        return None
+
     @abc.abstractmethod
     def join(self, timeout: float) -> bool:
         """Wait for every task to end; True if all have."""

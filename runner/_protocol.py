@@ -53,6 +53,7 @@ class Kind(enum.IntEnum):
     RESULT = 21
     ERROR = 22
     EXIT = 23  # a rank's process exited with this code
+    PROGRESS = 24  # one-way: a rank's heartbeat, with the collectives it is in (runner/_heartbeat.py)
     STORE_SET = 30
     STORE_GET = 31
     STORE_ADD = 32
@@ -164,19 +165,32 @@ class Channel:
 
     def recv(self) -> Message:
         header = _recv_exactly(self.sock, _HEADER.size, at_boundary=True)
-        magic, kind, seq, meta_len, blob_len = _HEADER.unpack(header)
+        self.check_header(header)
+        self.check_header_tag(header, _recv_exactly(self.sock, TAG_BYTES))
+        return self.recv_body(header)
+
+    def check_header(self, header: bytes) -> None:
+        """Refuse a received header whose magic or lengths are wrong (before its tag is read)."""
+        magic, _, _, meta_len, blob_len = _HEADER.unpack(header)
         if magic != MAGIC:
             raise ProtocolError(f"bad frame magic {magic!r}")
         if meta_len > MAX_META_BYTES or blob_len > self._max_blob:
             raise ProtocolError(
                 f"frame lengths meta={meta_len} blob={blob_len} exceed the limits "
                 f"{MAX_META_BYTES}/{self._max_blob}; refused before reading the body")
-        header_tag = _recv_exactly(self.sock, TAG_BYTES)
+
+    def check_header_tag(self, header: bytes, header_tag: bytes) -> None:
+        """Refuse a header not tagged under this run's secret, or out of sequence."""
         if not hmac.compare_digest(header_tag, self._header_tag(self._recv_dir, header)):
             raise AuthenticationError("frame header failed HMAC verification (wrong secret or tampered frame); "
                                       "refused before reading the body")
+        seq = _HEADER.unpack(header)[2]
         if seq != self._recv_seq:
             raise AuthenticationError(f"frame sequence {seq} where {self._recv_seq} was expected (replayed frame)")
+
+    def recv_body(self, header: bytes) -> Message:
+        """The rest of a frame whose header passed both checks; its whole tag is verified."""
+        _, kind, _, meta_len, blob_len = _HEADER.unpack(header)
         meta = _recv_exactly(self.sock, meta_len)
         blob = _recv_exactly(self.sock, blob_len)
         tag = _recv_exactly(self.sock, TAG_BYTES)

@@ -19,8 +19,13 @@ from ._errors import HorovodRunError, StartTimeoutError
 from ._launcher import Launcher
 from ._logs import LogRouter
 from ._service import DriverService, Failure
+from ._stall_inspector import StallInspector
 
 FAILURE_GRACE_S = 1.0  # after the first failure, wait this long for the other ranks' errors
+#: When the only errors are the survivors' (a peer closed its links), wait this long for the cause:
+#: the lost rank's exit code, or Spark's word on a lost executor.
+UNEXPLAINED_GRACE_S = 10.0
+_LOST_POLL_S = 0.5  # how often to ask the launcher about lost executors while a failure is unexplained
 ABORT_GRACE_S = 5.0  # after ABORT, wait this long for the rank processes to report their exit
 STOP_WAIT_S = 15.0  # after an abort, wait this long for the tasks to end
 EXIT_WAIT_S = 35.0  # after every result, wait this long for the rank processes to exit
@@ -48,6 +53,8 @@ def supervise(service: DriverService, launcher: Launcher, logs: LogRouter, *, np
     start = Deadline(start_timeout, "start_timeout")
     first_problem_at = None
     all_results_at = None
+    lost, lost_checked_at = None, 0.0
+    stalls = StallInspector(np=np, run_id=run_id, log_dir=logs.log_dir)  # the stall report, lost ranks
     try:
         while True:
             with service.cv:
@@ -63,10 +70,17 @@ def supervise(service: DriverService, launcher: Launcher, logs: LogRouter, *, np
                 return
             if failures or dead or launch_failure:
                 now = time.monotonic()
-                first_problem_at = first_problem_at or now
-                settled = len(exits) == np or launch_failure
-                if now - first_problem_at >= FAILURE_GRACE_S or settled:
-                    error = _failure_error(service, logs, failures, dead, launch_failure, run_id, launcher)
+                if first_problem_at is None:
+                    first_problem_at = now
+                if not explained(failures, dead, launch_failure, lost) and now - lost_checked_at >= _LOST_POLL_S:
+                    lost, lost_checked_at = launcher.lost(_unfinished_peers(service, failures, exits)), now
+                known = explained(failures, dead, launch_failure, lost)
+                waited = now - first_problem_at
+                if waited >= (FAILURE_GRACE_S if known else UNEXPLAINED_GRACE_S) or len(exits) == np \
+                        or launch_failure:
+                    if lost is None and (unfinished := _unfinished_peers(service, failures, exits)):
+                        lost = launcher.lost(unfinished)  # Spark's word on where the silent ranks ran
+                    error = _failure_error(service, logs, failures, dead, launch_failure, lost, run_id, launcher)
                     _stop(service, launcher, "another rank failed")
                     raise error
             elif len(registered) < np and start.expired():
@@ -77,6 +91,9 @@ def supervise(service: DriverService, launcher: Launcher, logs: LogRouter, *, np
                     f"{_ranks(missing)}) did not register with the driver "
                     + start.message(f"on {launcher.description}") + ", or look in the executor "
                     f"logs for why task {missing[0]} did not start.", log_dir=logs.log_dir, run_id=run_id)
+            elif (stalled := stalls.check(service)) is not None:
+                _stop(service, launcher, stalls.abort_reason)
+                raise stalled
             elif len(results) == np:
                 all_results_at = all_results_at or time.monotonic()
                 if time.monotonic() - all_results_at < EXIT_WAIT_S:
@@ -89,6 +106,20 @@ def supervise(service: DriverService, launcher: Launcher, logs: LogRouter, *, np
     except KeyboardInterrupt:
         _stop(service, launcher, "the run was interrupted on the driver (KeyboardInterrupt)")
         raise
+
+
+def _unfinished_peers(service: DriverService, failures: list[Failure], exits: dict) -> dict:
+    """``address -> (hostname, ranks)`` of the ranks that have neither exited nor reported an error."""
+    with service.cv:
+        if service.placements is None:
+            return {}
+        reported = {f.rank for f in failures} | set(exits) | set(service.results)
+        peers: dict[str, tuple[str, list[int]]] = {}
+        for task, placement in enumerate(service.placements):
+            if placement.rank not in reported:
+                reg = service.registrations[task]
+                peers.setdefault(reg.peer, (reg.host, []))[1].append(placement.rank)
+    return peers
 
 
 def _stop(service: DriverService, launcher: Launcher, reason: str) -> None:
@@ -134,37 +165,95 @@ def _ranks(ranks) -> str:
     return ",".join(str(r) for r in ranks)
 
 
-def _failure_error(service, logs, failures: list[Failure], dead: dict, launch_failure, run_id, launcher):
+#: Errors a rank gets because a peer went away: never the root cause while another one is known.
+#: By type (ours and torch.distributed's), or gloo's RuntimeError by its text; a user's own OSError
+#: (a database that refuses connections) is a cause, whatever its text.
+_COLLATERAL_TYPES = {"MeshError", "DistBackendError", "DistNetworkError", "RunAborted"}
+_GLOO_TEXT = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "GLHF", "pair.cc")
+
+
+def is_collateral(failure: Failure) -> bool:
+    """Whether a rank's error is what a lost peer causes (a closed control link, gloo's read error)."""
+    return failure.type in _COLLATERAL_TYPES or (
+        failure.type == "RuntimeError" and any(text in failure.message for text in _GLOO_TEXT))
+
+
+def explained(failures: list[Failure], dead: dict, launch_failure, lost) -> bool:
+    """Whether what is known names a root cause, not only the survivors' collateral errors."""
+    return bool(dead or launch_failure or lost or any(not is_collateral(f) for f in failures))
+
+
+def _failure_error(service, logs, failures: list[Failure], dead: dict, launch_failure, lost, run_id, launcher):
+    """One HorovodRunError whose headline is the root cause; collateral errors come after it."""
     failures = sorted(failures, key=lambda f: f.arrived)
+    causes = [f for f in failures if not is_collateral(f)]
+    collateral = [f for f in failures if is_collateral(f)]
+    where = _where(service)
     lines = []
-    if failures:
-        first = failures[0]
-        groups: dict[tuple, list[int]] = {}
-        for f in failures:
-            groups.setdefault((f.type, f.message), []).append(f.rank)
-        summary = "; ".join(f"rank{'s' if len(r) > 1 else ''} {_ranks(sorted(r))}: {t}: {m}"
-                            for (t, m), r in groups.items())
-        lines.append(f"HorovodRunner run {run_id} failed: {summary}")
-        lines.append(f"\nTraceback of rank {first.rank} (the first to fail):\n{first.traceback.rstrip()}")
+    if causes:
+        lines.append(_grouped(causes))
     for rank, code in sorted(dead.items()):
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        text = f"rank {rank}'s process {how} before returning a result"
+        text = f"rank {rank}'s process{where(rank)} {how} before returning a result"
         tail = logs.tail(rank)
-        if tail:
-            text += "; its last output lines:\n    " + "\n    ".join(tail[-10:])
-        lines.append(text if lines else f"HorovodRunner run {run_id} failed: {text}")
+        text += "; its last output lines:\n    " + "\n    ".join(tail[-10:]) if tail else "; it printed nothing"
+        lines.append(text)
+    if lost:
+        lines.append(lost)
     if launch_failure:
-        text = f"{launcher.description}: {launch_failure}"
-        lines.append(text if lines else f"HorovodRunner run {run_id} failed: {text}")
+        lines.append(f"{launcher.description}: {launch_failure}")
+    silent = _silent_ranks(service, failures, dead)
+    if silent and not lines:
+        lines.append(f"rank{'s' if len(silent) > 1 else ''} {_ranks(silent)}{where(silent[0]) if len(silent) == 1 else ''} "
+                     "stopped without a word: no error, no exit code and no result reached the driver, so their "
+                     "process, executor or host was lost (look in the Spark executor logs of that host)")
+    if collateral:
+        lead = "then, as a consequence, " if lines else ""
+        lines.append(lead + _grouped(collateral))
+    lines[0] = f"HorovodRunner run {run_id} failed: {lines[0]}"
+    first = (causes or collateral or [None])[0]
+    if first is not None:
+        lines.append(f"\nTraceback of rank {first.rank} (the first to fail{'' if causes else ', after the cause'}):"
+                     f"\n{first.traceback.rstrip()}")
     lines.append(f"\nEach rank's full output is in {logs.log_dir}/rank-<rank>.log.")
-    error = HorovodRunError("\n".join(lines),
-                            failures=[(f.rank, f.type, f.message, f.traceback) for f in failures],
+    ordered = causes + collateral
+    error = HorovodRunError("\n".join(lines), failures=[(f.rank, f.type, f.message, f.traceback) for f in ordered],
                             log_dir=logs.log_dir, run_id=run_id)
-    if failures and failures[0].pickled:
+    if first is not None and first.pickled:
         try:
             import cloudpickle
 
-            error.__cause__ = cloudpickle.loads(failures[0].pickled)  # an authenticated frame
+            error.__cause__ = cloudpickle.loads(first.pickled)  # an authenticated frame
         except Exception:  # noqa: BLE001 - the class may not exist on the driver
             pass
     return error
+
+
+def _grouped(failures: list[Failure]) -> str:
+    groups: dict[tuple, list[int]] = {}
+    for f in failures:
+        groups.setdefault((f.type, f.message), []).append(f.rank)
+    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {_ranks(sorted(r))}: {t}: {m}" for (t, m), r in groups.items())
+
+
+def _silent_ranks(service, failures, dead) -> list:
+    """Ranks that have neither returned, failed nor exited, and whose heartbeats have stopped."""
+    now = time.monotonic()
+    with service.cv:
+        if service.placements is None:
+            return []
+        done = set(service.results) | set(service.exits)
+        heard = {rank: (now - at, float(meta.get("interval") or 5)) for rank, (meta, at) in service.progress.items()}
+    done |= {f.rank for f in failures} | set(dead)
+    alive = {rank for rank, (ago, interval) in heard.items() if ago <= 2 * interval + 1}
+    return [r for r in range(service.np) if r not in done and r not in alive]
+
+
+def _where(service):
+    """``rank -> " on host H (address)"`` when the run spans several hosts, else ``""``."""
+    with service.cv:
+        by_rank = {} if service.placements is None else {
+            p.rank: service.registrations[t] for t, p in enumerate(service.placements)}
+    if len({reg.host_id for reg in by_rank.values()}) < 2:
+        return lambda rank: ""
+    return lambda rank: f" on host {by_rank[rank].host} ({by_rank[rank].peer})" if rank in by_rank else ""

@@ -55,6 +55,7 @@ class RunnerConfig:
     driver_log_verbosity: str = "all"
     start_timeout: float | None = None
     log_dir: str | None = None
+    network_interface: str | None = None
     _stall_tasks: frozenset = field(default=frozenset(), repr=False)  # fault tests only
 
     def __post_init__(self):
@@ -77,6 +78,12 @@ class RunnerConfig:
                                  "set it to e.g. 120, or pass start_timeout=.") from None
         if not self.start_timeout > 0:
             raise ValueError(f"start_timeout={self.start_timeout!r} must be a positive number of seconds.")
+        if self.network_interface is not None and (
+                not isinstance(self.network_interface, str) or not self.network_interface.strip()
+                or any(c in self.network_interface for c in ", \t")):
+            raise ValueError(f"network_interface={self.network_interface!r} must be the name of one network "
+                             "interface, such as 'eth0', present on every host that runs a rank; leave it unset to "
+                             "use the interface that routes to the driver.")
 
 
 class HorovodRunner:
@@ -92,13 +99,16 @@ class HorovodRunner:
     ``sparkhvd.log_to_driver``) and kept in ``<log_dir>/rank-<rank>.log``. A rank that raises
     fails the run with ``HorovodRunError`` naming the rank, its exception and traceback;
     the other ranks are stopped. Ranks that do not register within ``start_timeout`` seconds
-    (default 120, or ``$SPARKHVD_START_TIMEOUT``) fail the run too.
+    (default 120, or ``$SPARKHVD_START_TIMEOUT``) fail the run too. ``network_interface``
+    (Horovod's ``--network-interface``) names the interface ranks talk to each other on; by
+    default, the one that routes to the driver.
     """
 
     def __init__(self, np: int, *, driver_log_verbosity: str = "all", start_timeout: float | None = None,
-                 log_dir: str | None = None):
+                 log_dir: str | None = None, network_interface: str | None = None):
         self.config = RunnerConfig(np=np, driver_log_verbosity=driver_log_verbosity,
-                                   start_timeout=start_timeout, log_dir=log_dir)
+                                   start_timeout=start_timeout, log_dir=log_dir,
+                                   network_interface=network_interface)
         self.last_result: RunResult | None = None
 
     @property
@@ -108,13 +118,16 @@ class HorovodRunner:
     def run(self, main, **kwargs):
         """Run ``main(**kwargs)`` on every rank; return rank 0's value.
 
-        All ranks' values, the log files and the placement are in ``self.last_result``
-        (a RunResult), or call ``run_all`` to get it directly.
+        Only rank 0's value travels to the driver: the other entries of
+        ``self.last_result.values`` are None. ``run_all`` returns every rank's value.
         """
-        return self.run_all(main, **kwargs).value
+        return self._run(main, kwargs, every_value=False).value
 
     def run_all(self, main, **kwargs) -> RunResult:
         """Run ``main(**kwargs)`` on every rank; return a RunResult with every rank's value."""
+        return self._run(main, kwargs, every_value=True)
+
+    def _run(self, main, kwargs: dict, *, every_value: bool) -> RunResult:
         if not callable(main):
             raise TypeError(f"HorovodRunner.run needs a function to run, got {type(main).__name__}.")
         cfg = self.config
@@ -136,17 +149,20 @@ class HorovodRunner:
         os.makedirs(log_dir, exist_ok=True)
         logs = LogRouter(log_dir, cfg.driver_log_verbosity)
         secret = new_secret()
-        service = DriverService(np=np, secret=secret, payload=payload, bind_host=bind_host, on_log=logs)
+        service = DriverService(np=np, secret=secret, payload=payload, bind_host=bind_host, on_log=logs,
+                                run_id=run_id)
         if cfg.driver_log_verbosity == "all":
             print(f"[sparkhvd] run {run_id}: np={cfg.np} on {launcher.description}; function pickled to "
                   f"{_size(len(payload))}; logs in {log_dir}", flush=True)
         try:
             launcher.start(TaskSpec(address=service.address, secret=secret, run_id=run_id,
-                                    stall_tasks=cfg._stall_tasks))
+                                    stall_tasks=cfg._stall_tasks, network_interface=cfg.network_interface,
+                                    every_value=every_value))
             supervise(service, launcher, logs, np=np, start_timeout=cfg.start_timeout, run_id=run_id)
             import cloudpickle
 
-            values = [cloudpickle.loads(service.results[r]) for r in range(np)]  # authenticated frames
+            values = [cloudpickle.loads(service.results[r]) if every_value or r == 0 else None  # authenticated
+                      for r in range(np)]
             regs = [service.registrations[t] for t in range(np)]
             order = sorted(range(np), key=lambda t: service.placements[t].rank)
             self.last_result = RunResult(

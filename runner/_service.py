@@ -4,24 +4,37 @@ It registers tasks and hands out ranks, serves the pickled function, hosts the k
 store that the process groups rendezvous through, receives log lines, results and errors,
 and tells every worker to stop when the run is aborted. It decides nothing about the run's
 outcome: ``_run.py`` watches its state and decides.
+
+Until a connection's first frame header verifies under the run's secret, it costs one
+descriptor and a few bytes, never a thread: one thread reads every such handshake under a whole
+deadline (``FIRST_FRAME_TIMEOUT_S``), evicting the oldest when its slots are full, and counts
+what it refuses (``collective/_listener.py``). Authenticated connections, a thread each, are
+capped at ``CONNECTIONS_PER_RANK`` per rank plus ``CONNECTIONS_EXTRA``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ._protocol import Channel, Kind, Message, PeerClosed, ProtocolError
+from ..collective._listener import GuardedListener, Handshake, Refused, RefusalTally
+from ._protocol import _HEADER, MAGIC, NONCE_BYTES, TAG_BYTES, Channel, Kind, Message, PeerClosed, ProtocolError
 from ._topology import Placement, assign_ranks
 
 log = logging.getLogger("sparkhvd.service")
 
 LogSink = Callable[[int, str, list], None]
-FIRST_FRAME_TIMEOUT_S = 30.0  # a connection must authenticate within this long
+FIRST_FRAME_TIMEOUT_S = 30.0  # a connection's first frame header must be authenticated this long after it connects
+# Authenticated connections at once: each rank holds about five (its task agent with the log pumps,
+# the worker, the abort watch, the rendezvous store, the heartbeat); the rest is headroom for
+# hvd.init() after hvd.shutdown() and for user code that opens its own clients.
+CONNECTIONS_PER_RANK = 32
+CONNECTIONS_EXTRA = 64
 
 
 @dataclass
@@ -29,10 +42,11 @@ class Registration:
     """What a task told the driver about itself."""
 
     task: int
-    host: str
+    host: str  # the hostname, for messages
     pid: int
     gpus: list
     peer: str  # the address the driver saw the task's connection come from
+    host_id: str = ""  # what groups ranks by host (runner/_host.py); the hostname where absent
 
 
 @dataclass
@@ -51,8 +65,9 @@ class DriverService:
     """Serves one run of ``np`` tasks. Thread-safe; every state change notifies ``cv``."""
 
     def __init__(self, *, np: int, secret: bytes, payload: bytes, bind_host: str = "127.0.0.1",
-                 on_log: LogSink | None = None):
+                 on_log: LogSink | None = None, run_id: str | None = None):
         self.np = np
+        self.run_id = run_id
         self._secret = secret
         self._payload = payload
         self._on_log = on_log or (lambda rank, stream, lines: None)
@@ -62,24 +77,28 @@ class DriverService:
         self.results: dict[int, bytes] = {}
         self.failures: list[Failure] = []
         self.exits: dict[int, int] = {}
-        self.refusals: list[str] = []  # why connections were dropped (wrong key, replay, ...)
+        self.progress: dict[int, tuple] = {}  # rank -> (its latest heartbeat's meta, when it arrived)
         self.aborted: str | None = None
         self.finished = False
         self._store: dict[str, bytes] = {}
-        self._conns: set[socket.socket] = set()
-        self._server = socket.create_server((bind_host, 0), backlog=128)
-        self.address = (bind_host, self._server.getsockname()[1])
+        self._conns: set[socket.socket] = set()  # authenticated connections, each served by a thread
+        self.max_connections = CONNECTIONS_PER_RANK * np + CONNECTIONS_EXTRA
+        server = socket.create_server((bind_host, 0), backlog=128)
+        self.address = (bind_host, server.getsockname()[1])
+        self.tally = RefusalTally(f"the sparkhvd driver service at {bind_host}:{self.address[1]}", log)
+        self.refusals = self.tally.recent  # the last refusals in full ("peer: reason"), newest last
         self._handlers = {
             Kind.REGISTER: self._register, Kind.FETCH: self._fetch, Kind.WATCH: self._watch,
             Kind.LOG: self._log, Kind.RESULT: self._result, Kind.ERROR: self._error,
-            Kind.EXIT: self._exit,
+            Kind.EXIT: self._exit, Kind.PROGRESS: self._progress,
             Kind.STORE_SET: self._store_set, Kind.STORE_GET: self._store_get,
             Kind.STORE_ADD: self._store_add, Kind.STORE_CHECK: self._store_check,
             Kind.STORE_WAIT: self._store_wait, Kind.STORE_CAS: self._store_cas,
             Kind.STORE_DELETE: self._store_delete, Kind.STORE_NUM_KEYS: self._store_num_keys,
         }
-        self._thread = threading.Thread(target=self._accept_loop, name="sparkhvd-service", daemon=True)
-        self._thread.start()
+        self._listener = GuardedListener(server, self._greet, tally=self.tally, name="sparkhvd-service",
+                                         timeout=lambda: FIRST_FRAME_TIMEOUT_S)
+        self._thread = self._listener.thread
 
     # ---- driver-side control -------------------------------------------------------------
 
@@ -95,13 +114,7 @@ class DriverService:
         with self.cv:
             self.finished = True
             self.cv.notify_all()
-        try:
-            self._server.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
-        except OSError:
-            pass
-        self._server.close()
-        if self._thread is not threading.current_thread():
-            self._thread.join(5.0)
+        self._listener.close()
         with self.cv:
             conns = list(self._conns)
         for conn in conns:
@@ -110,34 +123,55 @@ class DriverService:
             except OSError:
                 pass
             conn.close()
+        self.tally.close(f"during run {self.run_id}" if self.run_id else "while it served its run")
 
     def _over(self) -> bool:
         return self.aborted is not None or self.finished
 
     # ---- connections ---------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, peer = self._server.accept()
-            except OSError as exc:
-                if self.finished:
-                    return  # closed
-                log.warning("sparkhvd driver service could not accept a connection (%s); retrying", exc)
-                time.sleep(0.1)  # e.g. out of file descriptors: keep serving the connections we have
-                continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self.cv:
-                self._conns.add(sock)
-            threading.Thread(target=self._serve, args=(sock, peer[0]), daemon=True,
-                             name=f"sparkhvd-conn-{peer[0]}:{peer[1]}").start()
+    def _greet(self, sock: socket.socket, peer: str) -> "_Greeting":
+        return _Greeting(self, sock, peer)
 
-    def _serve(self, sock: socket.socket, peer: str) -> None:
+    def _admit(self, channel: Channel, header: bytes, peer: str) -> None:
+        """Serve a connection whose first frame header is authenticated, on a thread of its own."""
+        sock = channel.sock
+        with self.cv:
+            serving = len(self._conns)
+            full = serving >= self.max_connections
+            if not full and not self.finished:
+                self._conns.add(sock)
+        if self.finished:
+            raise Refused("authenticated after the run had finished")
+        if full:
+            text = (f"the driver service already serves {serving} authenticated connections, its limit for "
+                    f"np={self.np} ({CONNECTIONS_PER_RANK} per rank + {CONNECTIONS_EXTRA}); close the ServiceClient "
+                    "connections you open (new_client()) when you are done with them.")
+            self._reply_and_refuse(channel, text)
+        sock.setblocking(True)
         try:
-            sock.settimeout(FIRST_FRAME_TIMEOUT_S)
-            channel = Channel.accept(sock, self._secret)
-            msg = channel.recv()
+            threading.Thread(target=self._serve, args=(channel, header, peer), daemon=True,
+                             name=f"sparkhvd-conn-{peer}").start()
+        except RuntimeError as exc:  # no thread to be had: refuse this one, keep serving the others
+            with self.cv:
+                self._conns.discard(sock)
+            self._reply_and_refuse(channel, f"the driver could not start a thread to serve this connection ({exc}); "
+                                            "it is out of threads or memory.")
+
+    def _reply_and_refuse(self, channel: Channel, text: str) -> None:
+        try:
+            channel.sock.settimeout(1.0)
+            self._refuse(channel, text)
+        except OSError:
+            pass
+        raise Refused(text)
+
+    def _serve(self, channel: Channel, header: bytes, peer: str) -> None:
+        """Answer an authenticated connection's requests until it closes or breaks."""
+        sock = channel.sock
+        try:
             sock.settimeout(None)  # authenticated: from here on a connection may idle
+            msg = channel.recv_body(header)
             while True:
                 handler = self._handlers.get(msg.kind)
                 if handler is None:
@@ -151,16 +185,10 @@ class DriverService:
                     self._refuse(channel, f"the driver service could not handle a {Kind(msg.kind).name} request: "
                                           f"{type(exc).__name__}: {exc}")
                 msg = channel.recv()
-        except socket.timeout:
-            with self.cv:
-                self.refusals.append(f"{peer}: no authenticated frame within {FIRST_FRAME_TIMEOUT_S:g} s")
         except PeerClosed:
             pass
         except ProtocolError as exc:
-            with self.cv:
-                self.refusals.append(f"{peer}: {exc}")
-                self.cv.notify_all()
-            log.warning("sparkhvd driver service dropped a connection from %s: %s", peer, exc)
+            self.tally.add(str(exc), peer)
         except OSError:
             pass
         finally:
@@ -212,9 +240,10 @@ class DriverService:
         """Record a task (cv held); once all have registered, assign the ranks."""
         self.registrations[task] = Registration(
             task=task, host=str(msg.meta.get("host")), pid=int(msg.meta.get("pid", 0)),
-            gpus=list(msg.meta.get("gpus") or []), peer=peer)
+            gpus=list(msg.meta.get("gpus") or []), peer=peer,
+            host_id=str(msg.meta.get("host_id") or msg.meta.get("host")))
         if len(self.registrations) == self.np:
-            self.placements = assign_ranks([self.registrations[t].host for t in range(self.np)])
+            self.placements = assign_ranks([self.registrations[t].host_id for t in range(self.np)])
         self.cv.notify_all()
 
     def _fetch(self, channel: Channel, msg: Message, peer: str) -> None:
@@ -248,6 +277,13 @@ class DriverService:
                                          traceback=str(meta.get("traceback", "")), pickled=msg.blob))
             self.cv.notify_all()
         channel.send(Kind.OK)
+
+    def _progress(self, channel: Channel, msg: Message, peer: str) -> None:
+        """A rank's heartbeat (one-way): kept for the stall report, read by ``_stall.py``."""
+        rank = int(msg.meta["rank"])
+        with self.cv:
+            if 0 <= rank < self.np:
+                self.progress[rank] = (msg.meta, time.monotonic())
 
     def _exit(self, channel: Channel, msg: Message, peer: str) -> None:
         with self.cv:
@@ -315,3 +351,42 @@ class DriverService:
         with self.cv:
             n = len(self._store)
         channel.send(Kind.OK, {"value": n})
+
+
+class _Greeting(Handshake):
+    """The unauthenticated phase of a driver-service connection: our nonce out, then the first
+    frame's header and header tag in, checked before anything else is read."""
+
+    def __init__(self, service: DriverService, sock: socket.socket, peer: str):
+        nonce = os.urandom(NONCE_BYTES)
+        self.greeting = MAGIC + nonce
+        self.need = _HEADER.size
+        self._service = service
+        self._peer = peer
+        self._channel = Channel(sock, service._secret, nonce, is_server=True)
+
+    def check(self, data: bytes) -> int:
+        header = data[:_HEADER.size]
+        try:
+            if len(data) == _HEADER.size:
+                self._channel.check_header(header)  # magic and lengths, before waiting for the tag
+                return _HEADER.size + TAG_BYTES
+            self._channel.check_header_tag(header, data[_HEADER.size:])
+        except ProtocolError as exc:
+            raise Refused(str(exc)) from None
+        self._service._admit(self._channel, header, self._peer)
+        return 0
+
+    def too_slow(self, timeout: float) -> str:
+        return f"no authenticated frame within {timeout:g} s"
+
+    def unserved(self, reason: str) -> bytes:
+        """Tell a real client it was dropped unserved, so it can connect again (see ServiceClient)."""
+        try:
+            self._channel.send(Kind.ERR, {"unserved": True, "message": (
+                f"{self._service.tally.what} dropped this connection before its first request arrived ({reason}); "
+                "the driver's log says whether its port is flooded with connections that never authenticate, and "
+                "from where.")})
+        except (OSError, ValueError):
+            pass
+        return b""

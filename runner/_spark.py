@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 import threading
 import time
@@ -14,6 +15,7 @@ from ._launcher import Launcher
 #: How long to wait for executors to register before judging the slot count (local-cluster,
 #: a cluster still starting): the slot check then fails in seconds, not Spark's ~10 minutes.
 _SLOT_WAIT_S = 15.0
+_SLOT_SETTLE_S = 5.0  # executors that register together come within this of each other
 _embedded = None  # the SparkSession sparkhvd created, if any
 
 
@@ -65,18 +67,44 @@ def check_barrier_conf(conf) -> None:
 
 
 def check_slots(sc, np: int) -> None:
-    """Fail in seconds, with both numbers and the fix, when np tasks cannot all run at once."""
+    """Fail in seconds, with both numbers and the fix, when np tasks cannot all run at once.
+
+    Executors of a cluster still starting register over a few seconds: wait for them until the
+    slots suffice, the most the configuration allows is below np, or no executor has joined for
+    ``_SLOT_SETTLE_S`` (bounded by ``_SLOT_WAIT_S``).
+    """
     check_barrier_conf(sc.getConf())
-    deadline = time.monotonic() + (0 if sc.master.startswith("local[") else _SLOT_WAIT_S)
+    bound = max_slots(sc.master, sc.getConf())
+    waiting = not sc.master.startswith("local[") and (bound is None or bound >= np)
+    deadline = time.monotonic() + (_SLOT_WAIT_S if waiting else 0)
+    seen, changed = -1, time.monotonic()
     while True:
         slots = task_slots(sc)
-        if slots >= np or time.monotonic() >= deadline:
+        now = time.monotonic()
+        if slots != seen:
+            seen, changed = slots, now
+        if slots >= np or now >= deadline or (slots > 0 and now - changed >= _SLOT_SETTLE_S):
             break
         time.sleep(0.2)
     if slots < np:
+        capped = bound is not None and bound < np
         raise RuntimeError(
-            f"np={np} needs {np} task slots but the cluster has {slots} ({sc.master}); "
-            f"use np<={slots}, add executors or cores, or use np=-{np} to run on the driver.")
+            f"np={np} needs {np} task slots but the cluster has {slots} ({sc.master}"
+            f"{f', at most {bound} by its configuration' if capped else ''}); "
+            f"use np<={max(bound if capped else slots, 1)}, add executors or cores, or use np=-{np} to run on "
+            "the driver.")
+
+
+def max_slots(master: str, conf) -> int | None:
+    """The most task slots the configuration allows, where it says (local-cluster, spark.cores.max)."""
+    task_cpus = max(1, int(conf.get("spark.task.cpus", "1") or 1))
+    match = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]", master)
+    if match:
+        return int(match.group(1)) * (int(match.group(2)) // task_cpus)
+    cores_max = conf.get("spark.cores.max")
+    if master.startswith("spark://") and cores_max and cores_max.isdigit():
+        return int(cores_max) // task_cpus
+    return None
 
 
 class SparkLauncher(Launcher):
@@ -90,9 +118,14 @@ class SparkLauncher(Launcher):
         self._thread = None
         self._error: str | None = None
         self._stopped = False
+        self._lost_before: set | None = None
 
     def start(self, spec: TaskSpec) -> None:
         self._group = f"sparkhvd-{spec.run_id}"
+        try:  # executors lost before this run are not this run's cause
+            self._lost_before = {executor_id for executor_id, _, _ in _removed_executors(self.sc)}
+        except Exception:  # noqa: BLE001 - a Spark without this private API: lost() says nothing
+            self._lost_before = None
         self._thread = threading.Thread(target=self._job, args=(spec,), daemon=True,
                                         name=f"sparkhvd-job-{spec.run_id}")
         self._thread.start()
@@ -111,8 +144,11 @@ class SparkLauncher(Launcher):
                 rdd = rdd.withResources(ResourceProfileBuilder().require(requests).build)
             rdd.collect()  # the outcome arrives through the driver service
         except Exception as exc:  # noqa: BLE001 - reported through failure()
-            if not self._stopped:
-                self._error = f"the Spark job failed: {_first_line(exc)}"
+            if _stopped(sc) or "SparkContext was shut down" in str(exc):
+                self._error = ("the SparkContext was stopped while the run was going (spark.stop(), or the "
+                               "session ended); start a new SparkSession to run again")
+            elif not self._stopped:
+                self._error = f"the Spark job failed: {spark_reason(exc)}"
 
     def failure(self) -> str | None:
         return self._error
@@ -123,10 +159,37 @@ class SparkLauncher(Launcher):
             return not self._thread.is_alive()
         return True
 
+    def lost(self, peers: dict) -> str | None:
+        """Executors at these addresses (``address -> (hostname, ranks)``) that Spark has removed, and why."""
+        if self.sc._jsc is None or self._lost_before is None:
+            return None
+        try:
+            removed = _removed_executors(self.sc)
+        except Exception:  # noqa: BLE001 - a Spark without this private API: no executor detail
+            return None
+        found = []
+        by_name = {hostname: (address, ranks) for address, (hostname, ranks) in peers.items()}
+        for executor_id, where, reason in removed:
+            if executor_id in self._lost_before:
+                continue
+            if where in peers:  # Spark names executors by address (standalone) or hostname (YARN)
+                address, (hostname, ranks) = where, peers[where]
+            else:
+                hostname, (address, ranks) = where, by_name.get(where, ("", []))
+            if ranks:
+                found.append(f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, sorted(ranks)))} ran on "
+                             f"executor {executor_id} on host {hostname} ({address}), which Spark lost: {reason}")
+        return "; ".join(found) or None
+
     def stop(self) -> None:
         self._stopped = True
-        if self._group is not None:
-            self.sc.cancelJobGroup(self._group)
+        if self._group is not None and self.sc._jsc is not None:
+            try:
+                self.sc.cancelJobGroup(self._group)
+            except Exception:  # noqa: BLE001 - spark.stop() came first: there is no job left to cancel
+                if not _stopped(self.sc):
+                    raise
+
 
 
 def _barrier_task(spec: TaskSpec, _partition):
@@ -138,9 +201,50 @@ def _barrier_task(spec: TaskSpec, _partition):
     yield run_task(spec, ctx.partitionId(), gpus=list(gpu.addresses) if gpu is not None else [])
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
+def _stopped(sc) -> bool:
+    try:
+        return sc._jsc is None or sc._jsc.sc().isStopped()
+    except Exception:  # noqa: BLE001 - the gateway is gone too
+        return True
+
+
+def _removed_executors(sc) -> list:
+    """``(id, host, reason)`` for each executor Spark has removed from this application."""
+    seq = sc._jsc.sc().statusStore().executorList(False)
+    it = seq.iterator()
+    removed = []
+    while it.hasNext():
+        summary = it.next()
+        if summary.isActive() or summary.id() == "driver":
+            continue
+        reason = summary.removeReason()
+        reason = reason.get() if reason.isDefined() else "no reason given"
+        removed.append((summary.id(), summary.hostPort().rsplit(":", 1)[0], reason))
+    return removed
+
+
+_SPARK_NOISE = ("Driver stacktrace:", "\tat ", "at org.apache.", "at java.", "at scala.")
+
+
+def spark_reason(exc: BaseException, max_lines: int = 12) -> str:
+    """Spark's own account of a failed job, without the Java stack (py4j puts the reason on the
+    lines after "An error occurred while calling ...")."""
+    java = getattr(exc, "java_exception", None)
+    text = ""
+    if java is not None:
+        try:
+            text = str(java.getMessage() or "") or str(java.toString())
+        except Exception:  # noqa: BLE001 - the gateway is gone
+            text = ""
+    text = text or str(exc)
+    kept = []
     for line in text.splitlines():
-        if line.strip():
-            return line.strip()[:500]
-    return text[:500]
+        if line.strip().startswith(_SPARK_NOISE):
+            if line.startswith("Driver stacktrace:"):
+                break
+            continue
+        if line.strip() and not line.startswith("An error occurred while calling"):
+            kept.append(line.rstrip())
+    if len(kept) > max_lines:  # a Python worker's traceback: its first lines and its last, which name the error
+        kept = kept[:3] + ["..."] + kept[3 - max_lines:]
+    return "\n    ".join(kept)[-4000:] or type(exc).__name__

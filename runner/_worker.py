@@ -17,8 +17,11 @@ import threading
 import traceback
 
 from . import _context
-from ._agent import ENV_DRIVER, ENV_PARENT, ENV_PLACEMENT, ENV_RUN_ID
+from . import _protocol
+from ._agent import ENV_DRIVER, ENV_NETWORK_INTERFACE, ENV_PARENT, ENV_PLACEMENT, ENV_RETURN, ENV_RUN_ID
 from ._client import RunAborted, ServiceClient
+from ._heartbeat import Heartbeat
+from ._host import address_of, address_toward, interface_of
 from ._protocol import SECRET_BYTES, Kind
 from ._topology import Placement
 
@@ -36,6 +39,8 @@ def main() -> int:
     client = ServiceClient(address, secret)
     threading.Thread(target=_watch, args=(address, secret, placement.rank), daemon=True,
                      name="sparkhvd-watch").start()
+    beat = Heartbeat.start(address, secret, placement.rank,  # for the stall report and lost-rank check
+                           on_lost=lambda reason: _leave(placement.rank, reason))
 
     import cloudpickle
 
@@ -47,13 +52,24 @@ def main() -> int:
             f"refers to; install it where the ranks run (pip install on every executor), or define "
             "the function in the notebook or driver script.", name=exc.name))
         return FAILED_EXIT_CODE
+    try:
+        local_address = _network(host)
+    except ValueError as exc:
+        _report_failure(client, placement.rank, exc)
+        return FAILED_EXIT_CODE
     _context._set(_context.WorkerContext(placement=placement, run_id=os.environ[ENV_RUN_ID],
-                                         address=address, secret=secret, client=client))
+                                         address=address, secret=secret, client=client,
+                                         local_address=local_address))
+    beat.running()
     try:
         value = fn(**kwargs)
     except BaseException as exc:  # noqa: BLE001 - the user's failure, reported whole
         _report_failure(client, placement.rank, exc)
         return FAILED_EXIT_CODE
+    beat.finishing()
+    if placement.rank != 0 and os.environ.get(ENV_RETURN) == "0":
+        client.request(Kind.RESULT, {"rank": placement.rank})  # run() keeps rank 0's only: nothing to ship
+        return 0
     try:
         blob = cloudpickle.dumps(value)
     except Exception as exc:  # noqa: BLE001
@@ -61,18 +77,48 @@ def main() -> int:
             f"the training function's return value ({type(value).__name__}) cannot be pickled: "
             f"{exc}; return plain Python objects, NumPy arrays or tensors"))
         return FAILED_EXIT_CODE
+    limit = _protocol.MAX_BLOB_BYTES  # read now: the driver service takes no larger frame
+    if len(blob) > limit:
+        size, blob = len(blob), None
+        _report_failure(client, placement.rank, ValueError(
+            f"rank {placement.rank}'s return value ({type(value).__name__}) pickles to {_size(size)}, over the "
+            f"{_size(limit)} the driver takes; save it to shared storage on the rank (torch.save to a path every "
+            "host and the driver reach) and return the path instead."))
+        return FAILED_EXIT_CODE
     client.request(Kind.RESULT, {"rank": placement.rank}, blob)
     return 0
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n} bytes"
+
+
+def _network(driver_host: str) -> str:
+    """Choose this rank's address for its peers and point gloo at the same interface.
+
+    gloo otherwise picks the address the hostname resolves to, which on many hosts is loopback
+    (Debian's 127.0.1.1): its peers on other hosts are then refused.
+    """
+    chosen = os.environ.get(ENV_NETWORK_INTERFACE)
+    try:
+        local = address_of(chosen) if chosen else address_toward(driver_host)
+    except OSError as exc:
+        raise ValueError(f"this rank cannot tell which of its addresses reaches the driver at {driver_host} ({exc}); "
+                         "pass network_interface= with the name of the interface the hosts reach each other "
+                         "on.") from exc
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        interface = interface_of(local)
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    return local
 
 
 def _report_failure(client: ServiceClient, rank: int, exc: BaseException) -> None:
     import cloudpickle
 
-    # Drop our own frame: the user's traceback starts at their function.
-    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
-    sys.stderr.write(text)
+    sys.stderr.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))  # whole, in the log
     sys.stderr.flush()
+    text = user_traceback(exc)
     try:
         pickled = cloudpickle.dumps(exc)
     except Exception:  # noqa: BLE001 - the text is enough
@@ -82,6 +128,33 @@ def _report_failure(client: ServiceClient, rank: int, exc: BaseException) -> Non
                                     "message": str(exc), "traceback": text}, pickled)
     except (OSError, ConnectionError, RunAborted):
         pass
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OURS = tuple(os.path.join(_PACKAGE, part) for part in ("runner" + os.sep, "collective" + os.sep, "data" + os.sep,
+                                                         "__init__.py"))
+
+
+def user_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback without sparkhvd's own frames (those stay in the rank's log)."""
+    formatted = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    hidden = 0
+    seen = set()
+    chain = [formatted]
+    while chain:
+        te = chain.pop()
+        if id(te) in seen:
+            continue
+        seen.add(id(te))
+        kept = [frame for frame in te.stack if not frame.filename.startswith(_OURS)]
+        hidden += len(te.stack) - len(kept)
+        te.stack = traceback.StackSummary.from_list(kept)
+        chain += [t for t in (te.__cause__, te.__context__) if t is not None]
+    text = "".join(formatted.format())
+    if hidden:
+        text += (f"({hidden} frame{'s' if hidden > 1 else ''} inside sparkhvd hidden; the whole traceback is in "
+                 "this rank's log)\n")
+    return text
 
 
 def _watch(address: tuple[str, int], secret: bytes, rank: int) -> None:
@@ -94,6 +167,11 @@ def _watch(address: tuple[str, int], secret: bytes, rank: int) -> None:
         reason = str(exc)
     except (OSError, ConnectionError) as exc:
         reason = f"lost the connection to the driver ({exc})"
+    _leave(rank, reason)
+
+
+def _leave(rank: int, reason: str) -> None:
+    """End this process now, unless it is already finishing on its own."""
     if not _finished.is_set():
         sys.stderr.write(f"sparkhvd: rank {rank} stopped by the driver: {reason}\n")
         sys.stderr.flush()

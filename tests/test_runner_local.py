@@ -42,7 +42,9 @@ def test_np_minus_one_runs_one_process_on_the_driver(capsys):
 def test_np_minus_two_kwargs_closure_and_every_value():
     runner = HorovodRunner(np=-2)
     assert runner.run(_whoami, offset=5)["value"] == 5
-    result = runner.last_result
+    assert runner.last_result.values[1] is None  # run() ships rank 0's value only
+    result = runner.run_all(_whoami, offset=5)
+    assert runner.last_result is result
     assert [v["value"] for v in result.values] == [5, 15]
     assert [p.rank for p in result.placements] == [0, 1]
     assert [(p.local_rank, p.local_size, p.cross_rank, p.cross_size) for p in result.placements] == [

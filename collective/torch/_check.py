@@ -27,7 +27,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .. import _engine
+from .. import _engine, _progress
 from .._mesh import HEADER_FIELDS
 from ._process_sets import require_member
 
@@ -68,7 +68,7 @@ def describe(t: torch.Tensor, skip_first_dim: bool = False) -> str:
 
 def verify(what: str, tensors: list, process_set, *, skip_first_dim: bool = False, extra: str = "",
            mirror: torch.Tensor | None = None, problem: str | None = None, inline: torch.Tensor | None = None,
-           inline_op=dist.ReduceOp.SUM, out: torch.Tensor | None = None) -> torch.Tensor | None:
+           inline_op=dist.ReduceOp.SUM, out: torch.Tensor | None = None, name=None) -> torch.Tensor | None:
     """Raise ValueError on every rank of the set unless all working ranks pass matching tensors.
 
     ``mirror``: the one tensor the following data op all-reduces with SUM, which a rank in
@@ -79,6 +79,7 @@ def verify(what: str, tensors: list, process_set, *, skip_first_dim: bool = Fals
     the exchange and the reduced result (``inline_op`` over the working ranks, in rank order) is
     returned, written into ``out`` (a contiguous tensor of the same dtype and element count) if
     given, else into a new flat tensor; the caller runs no data op. Otherwise returns None.
+    ``name``: the op's name, for the stall report.
     """
     require_member(process_set, what)
     if problem is None and any(t.dtype == torch.int16 and t.device.type == "cpu" for t in tensors):
@@ -111,7 +112,7 @@ def verify(what: str, tensors: list, process_set, *, skip_first_dim: bool = Fals
         with torch.no_grad():
             return rows, _reduce(payloads, _INLINE_OPS[inline_op], out)
 
-    rows, reduced = _exchange(row, payload, process_set, what, consume)
+    rows, reduced = _exchange(row, payload, process_set, what, consume, name)
     if any(v[_PROBLEM] for v in rows):
         _raise_problems(problem, process_set, what)
     check_agreement(rows, process_set, f"{what}({_short(text)})", skip_first_dim)  # first: every rank alike
@@ -163,7 +164,7 @@ def _gather_text(text: str | None, process_set, what: str) -> list:
         return [bytes(payload).decode(errors="replace") if _HEADER.unpack(header)[_PROBLEM] else None
                 for header, payload in frames]
 
-    return _link(process_set, what).allgather(_HEADER.pack(*row), data, _TEXT_LIMIT, what, consume)
+    return _allgather(process_set, what, None, _HEADER.pack(*row), data, _TEXT_LIMIT, consume)
 
 
 def exchange(row: list, process_set) -> list:
@@ -176,14 +177,25 @@ def _rows(frames: list) -> list:
     return [list(_HEADER.unpack(header)) for header, _ in frames]
 
 
-def _exchange(row: list, payload, process_set, what: str, consume):
+def _exchange(row: list, payload, process_set, what: str, consume, name=None):
     """Send this rank's frame to the set and return ``consume`` of everyone's: (rows, anything)."""
     global _last_joined
-    rows, result = _link(process_set, what).allgather(_HEADER.pack(*row), payload,
-                                                      inline_capacity(process_set.size()), what, consume)
+    rows, result = _allgather(process_set, what, name, _HEADER.pack(*row), payload,
+                              inline_capacity(process_set.size()), consume)
     if process_set.group is None:  # join() works on the global set: only its exchanges count
         _last_joined = [v[_JOINED] for v in rows]
     return rows, result
+
+
+def _allgather(process_set, what: str, name, header, payload, max_payload: int, consume):
+    """One control exchange on the set's links, registered for the stall report while it waits."""
+    entry = _progress.begin_check(what, name, process_set.ranks, process_set.link_id)
+    try:
+        mesh = _link(process_set, what)
+        _progress.attach(entry, mesh)
+        return mesh.allgather(header, payload, max_payload, what, consume)
+    finally:
+        _progress.end(entry)
 
 
 def _link(process_set, what: str):

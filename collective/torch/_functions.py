@@ -19,7 +19,7 @@ def broadcast_object(obj=None, root_rank: int = 0, name=None, process_set=global
 
     group = _group(process_set, "broadcast_object")
     verify("broadcast_object", [], process_set, extra=f"root_rank={root_rank}",
-           problem=_root_problem(root_rank, process_set))
+           problem=_root_problem(root_rank, process_set), name=name)
     rank = _engine.topology().rank
     if rank == root_rank:
         buf = io.BytesIO()
@@ -42,7 +42,7 @@ def allgather_object(obj, name=None, process_set=global_process_set) -> list:
     import cloudpickle
 
     group = _group(process_set, "allgather_object")
-    verify("allgather_object", [], process_set)
+    verify("allgather_object", [], process_set, name=name)
     data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
     lengths = [n[0] for n in gather_ints([data.numel()], data.device, process_set)]
     padded = torch.zeros(max(lengths), dtype=torch.uint8)

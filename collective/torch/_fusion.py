@@ -22,6 +22,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from .. import _progress
 from . import _timeline
 from ._check import inline_fits, verify
 from ._scale import scale_
@@ -104,7 +105,7 @@ def pack(tensors: list, threshold: int) -> list:
 
 
 class _Bucket:
-    __slots__ = ("params", "flat", "buffer", "pending", "work", "ctx", "started", "dense", "sparse")
+    __slots__ = ("params", "flat", "buffer", "pending", "work", "ctx", "started", "dense", "sparse", "op")
 
     def __init__(self, params: list):
         self.params = params
@@ -116,6 +117,7 @@ class _Bucket:
         self.work = None
         self.ctx = None
         self.started = 0.0
+        self.op = None  # the checked op of this step's reduction (stall report)
 
 
 class GradientBuckets:
@@ -196,6 +198,7 @@ class GradientBuckets:
         with torch.no_grad():
             bucket.flat = torch.cat([g.reshape(-1) for g in grads], out=buffer)
         bucket.work, bucket.ctx = self._launch_fn(bucket.flat, f"{self._label}, bucket {index} of {len(self.buckets)}")
+        bucket.op = _progress.take_op()
 
     def finish(self) -> None:
         """Launch the rest in order, wait for every bucket, and write the gradients back."""
@@ -215,7 +218,11 @@ class GradientBuckets:
         with torch.no_grad():
             for bucket in self.buckets:
                 if bucket.work is not None:
-                    bucket.work.wait()
+                    entry = _progress.begin_data(bucket.op, "DistributedOptimizer bucket", None)
+                    try:
+                        bucket.work.wait()
+                    finally:
+                        _progress.end(entry)
                 for i, handle in bucket.sparse.items():
                     bucket.params[i].grad = handle.wait()
                 if bucket.flat is None:
@@ -254,7 +261,7 @@ def launch_allreduce(flat: torch.Tensor, label: str, *, op_is_average: bool, pre
         scale_(wire, 1.0 / predivide)
     reduced = verify("DistributedOptimizer bucket", [wire], process_set, extra=label,
                      mirror=wire,  # a joined rank mirrors it
-                     inline=wire if inline_fits(wire, process_set) else None)
+                     inline=wire if inline_fits(wire, process_set) else None, name=label)
     if reduced is not None:  # a small bucket rode in the check's exchange
         return None, (reduced, ctx)
     return dist.all_reduce(wire, group=process_set.group, async_op=True), (wire, ctx)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .. import _progress
 from . import _timeline
 
 _in_flight: dict = {}  # (kind, name) -> Handle, for this rank's unfinished named operations
@@ -12,7 +13,7 @@ _in_flight: dict = {}  # (kind, name) -> Handle, for this rank's unfinished name
 class Handle:
     """An operation in flight: c10d works to wait for, then a step that produces the result."""
 
-    __slots__ = ("_works", "_finish", "_result", "_done", "name", "kind", "nbytes", "started")
+    __slots__ = ("_works", "_finish", "_result", "_done", "name", "kind", "nbytes", "started", "_op")
 
     def __init__(self, works: list, finish: Callable[[], object], name: str | None = None, *, kind: str = "op",
                  nbytes: int = 0):
@@ -24,11 +25,17 @@ class Handle:
         self.kind = kind
         self.nbytes = nbytes
         self.started = _timeline.now_us()
+        self._op = _progress.take_op()  # the checked op whose data this waits for (stall report)
 
     def wait(self):
         if not self._done:
-            for work in self._works:
-                work.wait()
+            if self._works:  # an op whose data rode in its check has nothing to wait for
+                entry = _progress.begin_data(self._op, self.kind, self.name)
+                try:
+                    for work in self._works:
+                        work.wait()
+                finally:
+                    _progress.end(entry)
             self._result = self._finish()
             self._done = True
             _timeline.record(self.kind, self.name, self.started, self.nbytes)

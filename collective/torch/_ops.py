@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .. import _progress
 from . import _fusion, _timeline
 from ._check import inline_fits, verify
 from ._handles import Handle, name_problem, register, synchronize
@@ -119,7 +120,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
             inline = scaled(tensor.detach(), prescale_factor)
     reduced = verify(_what, [tensor], process_set, extra=f"op={op.name}", mirror=_joinable(tensor, op),
                      problem=problem, inline=inline, inline_op=_C10D_OPS[op],
-                     out=tensor if tensor.is_contiguous() else None)
+                     out=tensor if tensor.is_contiguous() else None, name=name)
     size = process_set.size()
     with torch.no_grad():
         if reduced is not None:
@@ -176,7 +177,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                 reduced = verify("grouped_allreduce", members, process_set,
                                  extra=f"op={op.name}, bucket {i} of {len(buckets)}", mirror=_joinable(flat, op),
                                  problem=problem, inline=flat if inline_fits(flat, process_set) else None,
-                                 inline_op=_C10D_OPS[op])
+                                 inline_op=_C10D_OPS[op], name=name)
                 if reduced is not None:  # small: it rode in the check's exchange
                     flat = reduced
                 else:
@@ -223,7 +224,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     _check_tensor(tensor, "broadcast")
     group = _group(process_set, "broadcast")
     problem = _root_problem(root_rank, process_set) or name_problem(name, "broadcast")
-    verify("broadcast", [tensor], process_set, extra=f"root_rank={root_rank}", problem=problem)
+    verify("broadcast", [tensor], process_set, extra=f"root_rank={root_rank}", problem=problem, name=name)
     src = root_rank
     wire = tensor if tensor.is_contiguous() else tensor.detach().contiguous()
     with torch.no_grad():
@@ -269,7 +270,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set, _problem=
     _group(process_set, "allgather")
     t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
     verify("allgather", [t], process_set, skip_first_dim=True,
-           problem=_problem or name_problem(name, "allgather"))
+           problem=_problem or name_problem(name, "allgather"), name=name)
     shapes = gather_ints(list(t.shape), t.device, process_set)
     if len({s[1:] for s in shapes}) > 1:
         raise ValueError(f"allgather needs tensors whose dimensions after the first match on every rank; "
@@ -347,7 +348,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         problem = (f"alltoall splits {splits} must be {n} non-negative counts (one per rank) that add up "
                    f"to the first dimension ({rows}).")
     verify("alltoall", [tensor], process_set, skip_first_dim=True,
-           problem=problem or name_problem(name, "alltoall"))
+           problem=problem or name_problem(name, "alltoall"), name=name)
     send = torch.tensor(splits, dtype=torch.int64, device=tensor.device)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=process_set.group)
@@ -380,7 +381,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     group = _group(process_set, "reducescatter")
     scalar = "reducescatter needs a tensor with at least one dimension; got a scalar." if tensor.dim() == 0 else None
     verify("reducescatter", [tensor], process_set, extra=f"op={op.name}",  # every rank raises any problem
-           problem=_problem or scalar or name_problem(name, "reducescatter"))
+           problem=_problem or scalar or name_problem(name, "reducescatter"), name=name)
     n, me = process_set.size(), process_set.rank()
     counts = reducescatter_rows(tensor.shape[0], n)
     longest, trailing = counts[0], tuple(tensor.shape[1:])
@@ -430,5 +431,9 @@ def barrier(process_set=global_process_set) -> None:
     _group(process_set, "barrier")
     verify("barrier", [], process_set)
     started = _timeline.now_us()
-    dist.barrier(group=process_set.group)
+    entry = _progress.begin_data(_progress.take_op(), "barrier", None)
+    try:
+        dist.barrier(group=process_set.group)
+    finally:
+        _progress.end(entry)
     _timeline.record("barrier", None, started, 0)

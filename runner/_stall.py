@@ -1,0 +1,331 @@
+"""Stalls and lost ranks, seen from the driver: the settings and the report (pure logic).
+
+Every rank sends a heartbeat (``_heartbeat.py``) with the collectives it waits in. ``supervise``
+(``_run.py``) calls ``StallInspector.check`` (``_stall_inspector.py``) on each poll, which
+
+- prints the stall report to the driver's stderr once no rank has completed a collective for
+  ``HOROVOD_STALL_CHECK_TIME_SECONDS`` while some rank waits in one, or while a rank is still
+  running that long after the others returned; again after twice that, four times, ...;
+- fails the run with that report as the headline once the stall has lasted
+  ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (0, the default: never);
+- fails the run when a rank that should be alive has not been heard from for
+  ``SPARKHVD_HEARTBEAT_TIMEOUT_SECONDS``: its host, or the network to it, is down.
+
+Settings (named and parsed here; a rank reads its environment in ``_heartbeat.py``, the driver
+in ``_stall_inspector.py``): each rank sends the values of the ``FORWARDED`` variables its own
+environment sets with every heartbeat, and those take precedence (the lowest such rank's);
+otherwise the driver's environment, otherwise the default. So a value in the executors'
+environment (``spark.executorEnv.*``) works as it does for Horovod, and one set on the driver
+works too. ``HOROVOD_STALL_CHECK_DISABLE=1`` turns the report and its shutdown off (not the
+lost-rank check: ``SPARKHVD_HEARTBEAT_TIMEOUT_SECONDS=0`` does). ``SPARKHVD_HEARTBEAT_SECONDS``
+is read by each rank alone (in ``np<0`` runs the ranks inherit the driver's environment). A
+rank never heard from counts from when the ranks were placed; a rank is never taken for lost
+before three of its own heartbeat intervals have passed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+ENV_CHECK_TIME = "HOROVOD_STALL_CHECK_TIME_SECONDS"
+ENV_CHECK_DISABLE = "HOROVOD_STALL_CHECK_DISABLE"
+ENV_SHUTDOWN_TIME = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
+ENV_HEARTBEAT = "SPARKHVD_HEARTBEAT_SECONDS"
+ENV_HEARTBEAT_TIMEOUT = "SPARKHVD_HEARTBEAT_TIMEOUT_SECONDS"
+CHECK_DEFAULT_S = 60.0  # Horovod's
+SHUTDOWN_DEFAULT_S = 0.0  # Horovod's: never
+HEARTBEAT_DEFAULT_S = 5.0
+# Twelve missed heartbeats: a GC pause or a native call holding the GIL for tens of seconds is not
+# a lost host, and it is still well under the two minutes (spark.network.timeout) Spark takes to
+# give up on an executor it cannot reach, so the run fails with this message, not Spark's.
+HEARTBEAT_TIMEOUT_DEFAULT_S = 60.0
+FORWARDED = (ENV_CHECK_TIME, ENV_CHECK_DISABLE, ENV_SHUTDOWN_TIME, ENV_HEARTBEAT_TIMEOUT)
+
+ALIVE = ("starting", "running", "finishing")  # what a rank's heartbeat says it is doing
+RETURNED, FAILED, EXITED, SILENT = "returned", "failed", "exited", "silent"  # what the driver knows instead
+
+
+# ---- settings -----------------------------------------------------------------------------
+
+def parse_seconds(name: str, raw, default: float, where: str, *, positive: bool = False):
+    """``(seconds, problem)``: the value of ``raw``, or ``default`` and a sentence saying why not."""
+    if raw is None or not str(raw).strip():
+        return default, None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if math.isfinite(value) and (value > 0 or (value == 0 and not positive)):
+        return value, None
+    need = "a positive number of seconds" if positive else "a number of seconds (0 turns it off)"
+    return default, (f"{name}={raw!r} in {where} is not {need}; using {default:g} s instead. "
+                     f"Set it to a number such as {default if default > 0 else 60:g}.")
+
+
+def parse_flag(name: str, raw, where: str):
+    """``(on, problem)`` for a Horovod-style boolean variable."""
+    text = "" if raw is None else str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True, None
+    if text in ("", "0", "false", "no", "off"):
+        return False, None
+    return False, f"{name}={raw!r} in {where} is neither 1 nor 0; the stall check stays on. Set it to 1 to turn it off."
+
+
+@dataclass(frozen=True)
+class StallSettings:
+    """The stall check's settings for one run, and where each came from (for messages)."""
+
+    check_time: float = CHECK_DEFAULT_S
+    shutdown_time: float = SHUTDOWN_DEFAULT_S
+    disabled: bool = False
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT_DEFAULT_S
+    origin: dict = field(default_factory=dict, compare=False)  # variable -> "rank 1's environment", ...
+
+    @classmethod
+    def resolve(cls, driver_env, rank_settings: dict):
+        """``(settings, problems)`` from the driver's environment and ``{rank: {variable: value}}``
+        as the ranks sent them; a rank's value wins over the driver's, the lowest rank's over others'."""
+        raw, origin = {}, {}
+        for name in FORWARDED:
+            for rank in sorted(rank_settings):
+                if name in (rank_settings[rank] or {}):
+                    raw[name], origin[name] = rank_settings[rank][name], f"rank {rank}'s environment"
+                    break
+            else:
+                if driver_env.get(name) is not None:
+                    raw[name], origin[name] = driver_env[name], "the driver's environment"
+        check, p1 = parse_seconds(ENV_CHECK_TIME, raw.get(ENV_CHECK_TIME), CHECK_DEFAULT_S,
+                                  origin.get(ENV_CHECK_TIME, ""), positive=True)
+        shutdown, p2 = parse_seconds(ENV_SHUTDOWN_TIME, raw.get(ENV_SHUTDOWN_TIME), SHUTDOWN_DEFAULT_S,
+                                     origin.get(ENV_SHUTDOWN_TIME, ""))
+        timeout, p3 = parse_seconds(ENV_HEARTBEAT_TIMEOUT, raw.get(ENV_HEARTBEAT_TIMEOUT),
+                                    HEARTBEAT_TIMEOUT_DEFAULT_S, origin.get(ENV_HEARTBEAT_TIMEOUT, ""))
+        disabled, p4 = parse_flag(ENV_CHECK_DISABLE, raw.get(ENV_CHECK_DISABLE), origin.get(ENV_CHECK_DISABLE, ""))
+        problems = [p for p in (p1, p2, p3, p4) if p]
+        return cls(check, shutdown, disabled, timeout, origin), problems
+
+
+# ---- a frozen view of the run, and the report -----------------------------------------------
+
+@dataclass(frozen=True)
+class RankState:
+    """One rank as the driver sees it now; every time is in seconds before now."""
+
+    rank: int
+    status: str  # one of ALIVE (its latest heartbeat's word), or RETURNED, FAILED, EXITED, SILENT
+    host: str = ""
+    ops: tuple = ()  # collectives it waits in (dicts as collective/_progress.py makes them), oldest first
+    last: dict | None = None  # its latest finished collective: kind, name, ago
+    heard_ago: float | None = None  # its latest heartbeat; None: never heard from
+    interval: float = HEARTBEAT_DEFAULT_S
+    ended_ago: float | None = None  # RETURNED or FAILED: when
+
+
+@dataclass(frozen=True)
+class StallView:
+    """Every rank, at one moment, and how long no collective has completed."""
+
+    np: int
+    ranks: tuple  # RankState for rank 0, 1, ...
+    stalled_for: float
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}"
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+
+
+def _op(kind, name) -> str:
+    return f"{kind} {name!r}" if name else str(kind)
+
+
+def _set(members, np: int) -> str:
+    return "all ranks" if members is None or list(members) == list(range(np)) else f"process set {list(members)}"
+
+
+def _groups(view: StallView) -> list:
+    """The collectives in flight, one per (set, position on it): [(title, members, {rank: op})], oldest
+    first; members is None where the op's place is unknown (its check did not run)."""
+    found: dict = {}
+    for state in view.ranks:
+        if state.status not in ALIVE:
+            continue
+        for op in state.ops:
+            key = (op.get("link"), op.get("seq")) if op.get("seq") else ("data", state.rank, op.get("kind"))
+            entry = found.setdefault(key, {"op": op, "in": {}})
+            entry["in"][state.rank] = op
+            if op.get("name") and not entry["op"].get("name"):
+                entry["op"] = op
+    groups = []
+    for entry in found.values():
+        op = entry["op"]
+        if not op.get("seq"):
+            groups.append((_op(op["kind"], op.get("name")), None, entry["in"]))
+            continue
+        members = tuple(op["set"]) if op.get("set") is not None else tuple(range(view.np))
+        title = f"{_op(op['kind'], op.get('name'))} (collective #{op['seq']} of {_set(members, view.np)})"
+        groups.append((title, members, entry["in"]))
+    groups.sort(key=lambda g: (-max(op["age"] for op in g[2].values()),  # oldest first; ties: earliest
+                               min(op.get("seq") or 0 for op in g[2].values())))
+    return groups
+
+
+_STILL = {"starting": "starting (loading the training function)", "running": "running user code",
+          "finishing": "sending its result"}
+
+
+def doing(state: RankState, np: int, heard: bool = True) -> str:
+    """What a rank that is not in a given collective is doing instead, as a clause (``heard``: say when
+    its heartbeats are late)."""
+    if state.status == RETURNED:
+        return f"it returned {_s(state.ended_ago or 0)} ago"
+    if state.status == FAILED:
+        return f"it failed {_s(state.ended_ago or 0)} ago"
+    if state.status == EXITED:
+        return "its process has exited"
+    if state.status == SILENT or state.heard_ago is None:
+        return "the driver has not heard from it yet"
+    if state.status == "starting":
+        text = "it is still starting (loading the training function)"
+    elif state.status == "finishing":
+        text = "it has returned from the training function and is sending its result"
+    elif state.ops:
+        op = state.ops[0]
+        where = f", collective #{op['seq']} of {_set(op.get('set'), np)}" if op.get("seq") else ""
+        text = f"it waits in {_op(op['kind'], op.get('name'))}{where}, for {_s(op['age'])}"
+    elif state.last:
+        text = (f"it is running user code (its latest collective, {_op(state.last['kind'], state.last.get('name'))}, "
+                f"finished {_s(state.last['ago'])} ago)")
+    else:
+        text = "it is running user code (it has not called a collective yet)"
+    if heard and state.heard_ago > 2 * state.interval + 1:
+        text += f" (not heard from for {_s(state.heard_ago)})"
+    return text
+
+
+def _hosts(states) -> str:
+    hosts = sorted({s.host for s in states if s.host})
+    return f"host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)}" if hosts else "their hosts"
+
+
+def report(view: StallView, settings: StallSettings) -> tuple[str, list]:
+    """``(headline, lines)``: which ranks wait in which collective and what the others do instead."""
+    by_rank = {s.rank: s for s in view.ranks}
+    groups = _groups(view)
+    lines, missing_somewhere, cut = [], False, False
+    for title, members, in_it in groups:
+        parts = []
+        checking = sorted(r for r, op in in_it.items() if op.get("phase") != "data")
+        passed = sorted(r for r, op in in_it.items() if op.get("phase") == "data")
+        if checking:
+            parts.append(f"{_ranks(checking)} {'has' if len(checking) == 1 else 'have'} waited in it for "
+                         f"{_s(max(in_it[r]['age'] for r in checking))}")
+        if passed and members is None:
+            parts.append(f"{_ranks(passed)} {'waits' if len(passed) == 1 else 'wait'} for its data for "
+                         f"{_s(max(in_it[r]['age'] for r in passed))} (the driver does not know which ranks "
+                         "have reached it: with SPARKHVD_CHECK_COLLECTIVES=0 no collective is checked)")
+            lines.append(f"- {title}: " + "; ".join(parts) + ".")
+            continue
+        if passed:
+            parts.append(f"{_ranks(passed)} passed its check and {'waits' if len(passed) == 1 else 'wait'} for its "
+                         f"data for {_s(max(in_it[r]['age'] for r in passed))}")
+        absent = [r for r in members if r not in in_it and r in by_rank]
+        ref = next(iter(in_it.values()))
+        ahead = {r: op for r in absent if (op := _ahead(by_rank[r], ref.get("link"), ref.get("seq") or 0))}
+        if ahead:  # they sent their frames and moved on: the ranks still in it do not receive them
+            absent = [r for r in absent if r not in ahead]
+            nxt = min(ahead.values(), key=lambda op: op["seq"])
+            parts.append(f"{_ranks(ahead)} {'has' if len(ahead) == 1 else 'have'} passed it and "
+                         f"{'waits' if len(ahead) == 1 else 'wait'} in {_op(nxt['kind'], nxt.get('name'))} "
+                         f"(collective #{nxt['seq']})")
+            if not absent and checking:
+                cut = True
+                parts.append(_network(members, in_it, by_rank, passed=True))
+                lines.append(f"- {title}: " + "; ".join(parts) + ".")
+                continue
+        by_doing: dict = {}
+        for r in absent:
+            by_doing.setdefault(doing(by_rank[r], view.np), []).append(r)
+        for what, ranks in by_doing.items():
+            if checking:
+                parts.append(f"{_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} not reached it: {what}")
+            else:  # a rank waits for the data: every member has passed the check
+                parts.append(f"{_ranks(ranks)} passed its check too: {what}")
+        if absent and checking:
+            missing_somewhere = True
+        else:
+            parts.append(_network(members, in_it, by_rank))
+        lines.append(f"- {title}: " + "; ".join(parts) + ".")
+    returned = [s for s in view.ranks if s.status == RETURNED]
+    grouped = {r for _, members, in_it in groups for r in in_it}
+    late = [s for s in view.ranks if s.status in ALIVE and s.rank not in grouped]
+    since = _s(min(s.ended_ago or 0 for s in returned)) if returned else ""
+    if returned and late:
+        for s in late:
+            text = (f"- rank {s.rank} is still {_STILL.get(s.status, 'running')} {since} after "
+                    f"{_ranks(r.rank for r in returned)} returned")
+            if s.status == "running" and s.last:
+                text += (f"; its latest collective, {_op(s.last['kind'], s.last.get('name'))}, finished "
+                         f"{_s(s.last['ago'])} ago")
+            elif s.status == "running":
+                text += "; it has not called a collective"
+            lines.append(text + ".")
+    if groups:
+        headline = (f"no collective has completed for {_s(view.stalled_for)} while ranks wait in "
+                    f"{'one' if len(groups) == 1 else len(groups)} ({ENV_CHECK_TIME}={settings.check_time:g}):")
+    else:
+        headline = (f"{_ranks(s.rank for s in late)} {'is' if len(late) == 1 else 'are'} still running {since} after "
+                    f"{_ranks(s.rank for s in returned)} returned ({ENV_CHECK_TIME}={settings.check_time:g}):")
+    if missing_somewhere and not cut:  # behind a cut, ranks lag because of it, not their own code
+        lines.append("Every rank of a process set must call the same collectives in the same order: look at what "
+                     "the ranks that have not reached it do instead (their output is in the log files named below).")
+    if returned and late:
+        lines.append("A rank still running after the others returned is stuck, or does work the others do not "
+                     "wait for: look at its output (in the log files named below).")
+    fix = f"If the wait is expected, raise {ENV_CHECK_TIME} or set {ENV_CHECK_DISABLE}=1"
+    if settings.shutdown_time > 0:
+        fix += f"; the run fails once it has stalled for {settings.shutdown_time:g} s ({ENV_SHUTDOWN_TIME})."
+    else:
+        fix += f"; set {ENV_SHUTDOWN_TIME} to fail the run after a stall of that many seconds."
+    lines.append(fix)
+    return headline, lines
+
+
+def _ahead(state: RankState, link, seq: int) -> dict | None:
+    """The later collective on the same set that ``state``'s rank waits in, if it has passed ``seq``."""
+    for op in state.ops:
+        if seq and op.get("link") == link and (op.get("seq") or 0) > seq:
+            return op
+    return None
+
+
+def _network(members, in_it: dict, by_rank: dict, passed: bool = False) -> str:
+    """Every member has reached the collective (``passed``: some have even left it), and it still does
+    not finish: say where the links are cut."""
+    reached = "every other member has passed it" if passed else "every member has reached it"
+    states = [by_rank[r] for r in members if r in by_rank]
+    waits = {r: tuple(op.get("waiting_for") or ()) for r, op in in_it.items() if op.get("phase") != "data"}
+    waits = {r: w for r, w in waits.items() if w}
+    if waits:
+        by_wait: dict = {}
+        for r, w in waits.items():
+            by_wait.setdefault(w, []).append(r)
+        told = "; ".join(f"{_ranks(ranks)} ({_hosts([by_rank[r] for r in ranks if r in by_rank])}) still "
+                         f"{'waits' if len(ranks) == 1 else 'wait'} for the control frames of {_ranks(w)} "
+                         f"({_hosts([by_rank[r] for r in w if r in by_rank])})" for w, ranks in by_wait.items())
+        return (f"{reached}, yet {told}: those frames were sent and do not arrive, so the network "
+                f"between these hosts is cut or dropping packets while each still reaches the driver; check the "
+                "routes and firewalls between them")
+    if any(op.get("phase") != "data" for op in in_it.values()):
+        return (f"{reached}, yet its control exchange does not complete: the network between "
+                f"{_hosts(states)} is cut or dropping packets while each still reaches the driver; check the routes "
+                "and firewalls between them")
+    return (f"every member has reached it, yet its data transfer does not complete: the network between "
+            f"{_hosts(states)} is cut or dropping packets while each still reaches the driver; check the routes and "
+            "firewalls between them")

@@ -1,0 +1,92 @@
+"""Driver for tests/test_faults.py: a fault during a run on a local-cluster; prints RESULT <json>.
+
+``executor``: kill -9 the executor JVM of one rank. ``stop``: spark.stop() from another thread.
+"""
+
+import json
+import os
+import sys
+import threading
+import time
+
+import psutil
+from pyspark.sql import SparkSession
+
+from sparkhvd import HorovodRunError, HorovodRunner
+
+
+def train():
+    import time
+
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    print("in the loop", flush=True)
+    t = torch.ones(4)
+    end = time.time() + 100
+    while time.time() < end:
+        hvd.allreduce(t)
+        time.sleep(0.01)
+    return 1
+
+
+def rank_processes():
+    """This driver's rank processes (under its JVM's executors), not other runs' on the machine."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "sparkhvd.runner._worker" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def main(fault):
+    master = "local-cluster[2,1,1024]" if fault == "executor" else "local[2]"  # an executor JVM to kill
+    spark = (SparkSession.builder.master(master).config("spark.ui.enabled", "false")
+             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+    spark.sparkContext.setLogLevel("OFF")
+    faulted = []
+
+    def inject():
+        deadline = time.monotonic() + 120
+        while len(rank_processes()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # inside the allreduce loop
+        if fault == "executor":
+            victim = rank_processes()[-1]
+            while victim is not None and "CoarseGrainedExecutorBackend" not in " ".join(victim.cmdline()):
+                victim = victim.parent()
+            faulted.append(time.monotonic())
+            victim.kill()
+        else:
+            faulted.append(time.monotonic())
+            spark.stop()
+
+    refused = ""
+    if fault == "executor":  # np above the slots on a cluster: refused as soon as the count is known
+        started = time.monotonic()
+        try:
+            HorovodRunner(np=3).run(train)
+        except RuntimeError as exc:
+            refused = f"{time.monotonic() - started:.1f} s: {exc}"
+    threading.Thread(target=inject, daemon=True).start()
+    error = ""
+    try:
+        HorovodRunner(np=2).run(train)
+    except HorovodRunError as exc:
+        error = str(exc)
+    seconds = time.monotonic() - faulted[0] if faulted else -1
+    time.sleep(0.5)
+    left = [p.pid for p in rank_processes()]
+    nxt = HorovodRunner(np=2).run(lambda: 7) if fault == "executor" else None
+    print("RESULT " + json.dumps({"error": error, "seconds": seconds, "left": left, "next": nxt, "refused": refused}), flush=True)
+    if fault == "executor":
+        spark.stop()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,209 @@
+"""Faults on one host: each ends in one error whose headline is the root cause.
+
+The multi-host faults (a lost executor, a dropped link, a partition) are in tests/cluster/.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from sparkhvd import HorovodRunError, HorovodRunner
+
+HERE = os.path.dirname(__file__)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_inside_an_allreduce_heads_the_error_before_the_survivors(rank_processes):
+    def train():
+        import torch
+
+        import sparkhvd.collective.torch as hvd
+
+        hvd.init()
+        t = torch.ones(16 << 20)  # 64 MB: the kill lands inside gloo's transfer or the control exchange
+        for step in range(1000):
+            if hvd.rank() == 1 and step == 3:
+                print("rank 1 is about to be killed", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            hvd.allreduce_(t, op=hvd.Sum)
+        return "unreachable"
+
+    started = time.monotonic()
+    with pytest.raises(HorovodRunError) as info:
+        HorovodRunner(np=-2).run(train)
+    print(f"rank killed by a signal: the error came {time.monotonic() - started:.1f} s after the run started")
+    text = str(info.value)
+    headline = text.splitlines()[0]
+    assert "failed: rank 1's process was killed by signal 9 before returning a result" in headline, text
+    assert "rank 1 is about to be killed" in text
+    if "rank 0:" in text:  # the survivor's own error, when it reported one, comes after the cause
+        assert text.index("then, as a consequence, rank 0:") > text.index("killed by signal 9")
+    assert rank_processes() == []
+
+
+def test_run_ships_rank_zero_value_only_and_run_all_every_value():
+    import threading
+
+    def train():
+        import sparkhvd.collective.torch as hvd
+
+        hvd.init()
+        return "rank 0's value" if hvd.rank() == 0 else threading.Lock()  # rank 1's could not even be pickled
+
+    runner = HorovodRunner(np=-2)
+    assert runner.run(train) == "rank 0's value"
+    assert runner.last_result.values == ["rank 0's value", None]
+    with pytest.raises(HorovodRunError, match=r"rank 1: TypeError: the training function's return value \(lock\) "
+                                              "cannot be pickled"):
+        runner.run_all(train)
+
+
+def test_a_value_too_large_to_send_names_its_size_and_the_limit():
+    def train():
+        from sparkhvd.runner import _protocol
+
+        _protocol.MAX_BLOB_BYTES = 10_000  # stands in for the 2 GiB limit in this rank's process
+        return b"x" * 200_000
+
+    with pytest.raises(HorovodRunError, match=r"rank 0: ValueError: rank 0's return value \(bytes\) pickles to "
+                                              r"0\.2 MB, over the 10000 bytes the driver takes; save it to shared "
+                                              r"storage on the rank .* and return the path instead\."):
+        HorovodRunner(np=-1).run(train)
+
+
+def test_tracebacks_show_the_users_frames_not_sparkhvds():
+    def train():
+        import sparkhvd.collective.torch as hvd
+
+        hvd.init()
+        hvd.allreduce("not a tensor")  # the user's line, raised deep inside sparkhvd
+
+    with pytest.raises(HorovodRunError) as info:
+        HorovodRunner(np=-1).run(train)
+    text = str(info.value)
+    assert 'hvd.allreduce("not a tensor")' in text
+    assert "rank 0: TypeError: allreduce takes a torch.Tensor, got str." in text
+    for ours in ("_ops.py", "_worker.py", "_check.py", "_mesh.py"):
+        assert ours not in text
+    assert "inside sparkhvd hidden; the whole traceback is in this rank's log" in text
+    with open(os.path.join(info.value.log_dir, "rank-0.log")) as f:
+        assert "_ops.py" in f.read()  # the whole traceback stays in the rank's log
+
+
+def test_network_interface_is_checked_on_the_driver_and_on_every_rank():
+    with pytest.raises(ValueError, match=r"network_interface='eth0,eth1' must be the name of one network "
+                                         r"interface, such as 'eth0', present on every host"):
+        HorovodRunner(np=-1, network_interface="eth0,eth1")
+    with pytest.raises(HorovodRunError, match=r"ranks 0,1: ValueError: network_interface='nosuch9' has no IPv4 "
+                                              r"address on host .* \(its interfaces with one: .*lo 127\.0\.0\.1.*\); "
+                                              r"pass the name of the interface"):
+        HorovodRunner(np=-2, network_interface="nosuch9").run(lambda: 1)
+
+
+def _gloo_interface():
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum).item()
+    return os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME"), total
+
+
+def test_gloo_uses_the_interface_that_reaches_the_driver_or_the_chosen_one(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    # np<0: the driver listens on loopback, so the ranks talk over lo whatever the hostname resolves to.
+    assert HorovodRunner(np=-2).run_all(_gloo_interface).values == [("lo", None, 3.0)] * 2
+    assert HorovodRunner(np=-2, network_interface="lo").run_all(_gloo_interface).values == [("lo", "lo", 3.0)] * 2
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_on_the_driver_leaves_no_rank_running(tmp_path):
+    import psutil
+
+    pids = tmp_path / "pids"
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, time
+        from sparkhvd import HorovodRunner
+        def train():
+            with open({str(pids)!r}, "a") as f:
+                f.write(f"{{os.getpid()}}\\n")
+            time.sleep(120)
+        HorovodRunner(np=-2).run(train)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 40
+    while not (pids.exists() and len(pids.read_text().split()) == 2) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    rank_pids = [int(p) for p in pids.read_text().split()]
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    alive = rank_pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in rank_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.1)
+    assert alive == [], f"rank processes left behind after SIGTERM: {alive}"
+
+
+def test_the_configuration_bounds_the_slots():
+    from pyspark import SparkConf
+
+    from sparkhvd.runner._spark import max_slots
+
+    conf = SparkConf(loadDefaults=False)
+    assert max_slots("local-cluster[2, 1, 1024]", conf) == 2
+    assert max_slots("yarn", conf) is None and max_slots("spark://master:7077", conf) is None
+    conf.set("spark.cores.max", "6").set("spark.task.cpus", "2")
+    assert max_slots("spark://master:7077", conf) == 3
+    assert max_slots("local-cluster[2,3,1024]", conf) == 2  # 1 slot of 2 cpus per 3-core executor
+
+
+def test_spark_reason_keeps_what_spark_says_and_drops_the_java_stack(spark):
+    from sparkhvd.runner._spark import spark_reason
+
+    with pytest.raises(Exception) as info:
+        spark.sparkContext.parallelize([1], 1).map(lambda x: x / 0).collect()
+    reason = spark_reason(info.value)
+    assert "ZeroDivisionError: division by zero" in reason.splitlines()[-1]
+    assert "\tat " not in reason and "An error occurred while calling" not in reason
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("fault", ["executor", "stop"])
+def test_spark_faults_name_their_cause(fault):
+    """A real standalone cluster (local-cluster): an executor JVM killed, or spark.stop() mid-run."""
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "scripts", "fault_job.py"), fault],
+                          capture_output=True, text=True, env=env, timeout=180)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    import json
+
+    report = json.loads([line for line in out.splitlines() if line.startswith("RESULT ")][0][len("RESULT "):])
+    print(f"{fault}: the error came {report['seconds']:.1f} s after the fault; leftovers {report['left']}; "
+          f"next run {report['next']}")
+    headline = report["error"].splitlines()[0]
+    if fault == "executor":
+        assert ("which Spark lost: Command exited with code 137" in headline
+                or "ExecutorLostFailure" in report["error"].split("then, as a consequence")[0]), report["error"]
+        assert report["next"] == 7
+        print(f"np=3 on 2 slots refused after {report['refused']}")
+        assert re.search(r"np=3 needs 3 task slots but the cluster has [0-2] \(local-cluster\[2,1,1024\], at most 2 "
+                         r"by its configuration\); use np<=2", report["refused"]), report["refused"]
+    else:
+        assert "the SparkContext was stopped while the run was going (spark.stop(), or the session ended); " \
+               "start a new SparkSession to run again" in headline, report["error"]
+        assert "AttributeError" not in report["error"]
+    assert report["left"] == []
