@@ -1,0 +1,90 @@
+"""Training functions the cluster driver runs (by name). Pickled by value: hosts never import tests/."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def _model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def whoami():
+    """Where this rank runs, as the rank itself and Horovod's API see it."""
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    return {"hostname": socket.gethostname(), "pid": os.getpid(), "netns": os.readlink("/proc/self/ns/net"),
+            "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "hvd": {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
+                    "local_size": hvd.local_size(), "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size()}}
+
+
+def collectives(n: int = 5):
+    """allreduce (sum, average), allgather and broadcast of tensors built from the rank."""
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    x = torch.arange(n, dtype=torch.float64) + 1 + n * rank
+    gathered = hvd.allgather(torch.full((rank + 1, 2), float(rank)))  # uneven first dimensions
+    return {
+        "sum": hvd.allreduce(x, op=hvd.Sum, name="sum").tolist(),
+        "average": hvd.allreduce(x, op=hvd.Average, name="average").tolist(),
+        "int_sum": hvd.allreduce(torch.arange(n, dtype=torch.int64) * (rank + 1), op=hvd.Sum, name="ints").tolist(),
+        "allgather": gathered.tolist(),
+        "broadcast": {root: hvd.broadcast(x.clone(), root_rank=root, name=f"bcast.{root}").tolist()
+                      for root in range(size)},
+        "objects": hvd.allgather_object({"rank": rank, "host": socket.gethostname()}),
+    }
+
+
+def train(shards, lr: float = 0.1):
+    """DistributedOptimizer on this rank's shard; returns the final weights."""
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for x, y in shards[hvd.rank()]:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train_single(batches, lr: float = 0.1):
+    """The reference: one process, plain SGD on the concatenated batches."""
+    import torch
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for x, y in batches:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def allreduce_loop(steps: int = 1_000_000, numel: int = 1 << 16):
+    """Fault probes: allreduce until stopped; prints each rank's pid first."""
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    print(f"rank {hvd.rank()} pid {os.getpid()} on {socket.gethostname()}", flush=True)
+    x = torch.ones(numel)
+    for i in range(steps):
+        hvd.allreduce(x, name=f"loop.{i % 8}")
+    return steps

@@ -1,0 +1,169 @@
+"""np=4 on 2 namespace hosts with 2 (fake) GPU slots each: placement, pinning, collectives, training.
+
+Real Spark standalone, real processes, real gloo over the hosts' veth links. Seconds are
+printed, not asserted (run with -s to see them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+
+NP = 4
+
+
+def _print_seconds(what: str, outcome) -> None:
+    print(f"\n[cluster] {what}: {outcome.seconds:.1f} s")
+
+
+def _assert_ok(outcome):
+    assert outcome.ok, f"the run failed: {outcome.error_type}: {outcome.error}\n--- driver output ---\n{outcome.output}"
+
+
+def test_ranks_are_grouped_by_host_and_pinned_to_distinct_gpus(cluster, no_leftover_ranks):
+    outcome = cluster.driver.run("whoami", NP)
+    _print_seconds("whoami np=4", outcome)
+    _assert_ok(outcome)
+    values, hosts = outcome.values, outcome.hosts
+    names = {h.hostname for h in cluster.hosts}
+    # Ranks 0,1 on one host, 2,3 on the other: contiguous per host, as Horovod places them.
+    assert hosts[0] == hosts[1] and hosts[2] == hosts[3] and hosts[0] != hosts[2], hosts
+    assert set(hosts) == names
+    assert [v["hostname"] for v in values] == hosts  # where the driver says each rank ran, it ran
+    assert values[0]["netns"] == values[1]["netns"] != values[2]["netns"] == values[3]["netns"]
+    expected = [{"rank": r, "size": NP, "local_rank": r % 2, "local_size": 2, "cross_rank": r // 2, "cross_size": 2}
+                for r in range(NP)]
+    assert [v["hvd"] for v in values] == expected
+    assert [{k: p[k] for k in expected[0]} for p in outcome.placements] == expected
+    # Each rank sees one GPU; the two ranks on a host see different ones.
+    assert all(len(g) == 1 for g in outcome.gpus) and all(v["cuda"] and "," not in v["cuda"] for v in values)
+    for first in (0, 2):
+        assert values[first]["cuda"] != values[first + 1]["cuda"], values
+        assert sorted(outcome.gpus[first] + outcome.gpus[first + 1]) == ["0", "1"], outcome.gpus
+    # Where the executor has no CUDA_VISIBLE_DEVICES of its own (host A), it is Spark's address itself.
+    for r in range(NP):
+        if outcome.hosts[r] == cluster.hosts[0].hostname:
+            assert values[r]["cuda"] == outcome.gpus[r][0]
+
+
+def test_an_executors_own_cuda_visible_devices_is_respected(cluster, no_leftover_ranks):
+    from .conftest import HOST_B_VISIBLE_DEVICES
+
+    outcome = cluster.driver.run("whoami", NP)
+    _print_seconds("whoami np=4 (host B's executor has CUDA_VISIBLE_DEVICES)", outcome)
+    _assert_ok(outcome)
+    visible = HOST_B_VISIBLE_DEVICES.split(",")
+    on_b = [r for r in range(NP) if outcome.hosts[r] == cluster.hosts[1].hostname]
+    assert len(on_b) == 2
+    # Spark's addresses index the executor's own list, as pyspark's TorchDistributor maps them.
+    assert [outcome.values[r]["cuda"] for r in on_b] == [visible[int(outcome.gpus[r][0])] for r in on_b]
+    assert sorted(outcome.values[r]["cuda"] for r in on_b) == sorted(visible)
+
+
+def test_collectives_are_exact_across_hosts(cluster, no_leftover_ranks):
+    n = 5
+    outcome = cluster.driver.run("collectives", NP, n=n)
+    _print_seconds("collectives np=4", outcome)
+    _assert_ok(outcome)
+    inputs = [[float(i + 1 + n * r) for i in range(n)] for r in range(NP)]
+    total = [sum(col) for col in zip(*inputs)]
+    gathered = [[float(r)] * 2 for r in range(NP) for _ in range(r + 1)]
+    for rank, got in enumerate(outcome.values):
+        assert got["sum"] == total, f"rank {rank}"
+        assert got["average"] == [t / NP for t in total], f"rank {rank}"
+        assert got["int_sum"] == [i * sum(r + 1 for r in range(NP)) for i in range(n)], f"rank {rank}"
+        assert got["allgather"] == gathered, f"rank {rank}"
+        assert got["broadcast"] == {root: inputs[root] for root in range(NP)}, f"rank {rank}"
+        assert got["objects"] == [{"rank": r, "host": outcome.hosts[r]} for r in range(NP)], f"rank {rank}"
+
+
+def _shards(steps=3, rows=4):
+    g = torch.Generator().manual_seed(11)
+    return [[(torch.randn(rows, 4, generator=g), torch.randn(rows, 1, generator=g)) for _ in range(steps)]
+            for _ in range(NP)]
+
+
+def test_distributed_optimizer_gives_every_rank_the_single_process_weights(cluster, no_leftover_ranks):
+    from . import _jobs
+
+    shards = _shards()
+    outcome = cluster.driver.run("train", NP, shards=shards)
+    _print_seconds("DistributedOptimizer np=4", outcome)
+    _assert_ok(outcome)
+    together = _jobs.train_single([(torch.cat([s[k][0] for s in shards]), torch.cat([s[k][1] for s in shards]))
+                                   for k in range(len(shards[0]))])
+    first = outcome.values[0]
+    for rank, weights in enumerate(outcome.values):
+        for got, ref0, want in zip(weights, first, together):
+            assert torch.equal(got, ref0), f"rank {rank}'s weights differ from rank 0's"
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@contextlib.contextmanager
+def _loopback_hostnames(cluster):
+    try:
+        for host in cluster.hosts:
+            cluster.set_loopback_hostname(host, True)
+        yield
+    finally:
+        for host in cluster.hosts:
+            cluster.set_loopback_hostname(host, False)
+
+
+def test_hosts_whose_hostname_resolves_to_loopback_still_work(cluster, no_leftover_ranks):
+    with _loopback_hostnames(cluster):
+        host = cluster.hosts[0]
+        resolved = host.run("getent", "hosts", host.hostname).stdout.split()[0]
+        assert resolved == "127.0.1.1"  # the testbed really is set up the Debian way
+        outcome = cluster.driver.run("collectives", NP, n=3)
+    _print_seconds("collectives np=4, hostnames resolving to 127.0.1.1", outcome)
+    _assert_ok(outcome)
+    assert outcome.values[3]["sum"] == [float(sum(i + 1 + 3 * r for r in range(NP))) for i in range(3)]
+
+
+@contextlib.contextmanager
+def _same_hostname(cluster, name):
+    before = {h.name: h.hostname for h in cluster.hosts}
+    try:
+        for host in cluster.hosts:
+            cluster.set_hostname(host, name)
+        yield
+    finally:
+        for host in cluster.hosts:
+            cluster.set_hostname(host, before[host.name])
+
+
+def test_two_hosts_with_the_same_hostname_are_still_two_hosts(cluster, no_leftover_ranks):
+    with _same_hostname(cluster, "node"):
+        outcome = cluster.driver.run("whoami", NP)
+    _print_seconds("whoami np=4, both hosts named 'node'", outcome)
+    _assert_ok(outcome)
+    assert [v["hostname"] for v in outcome.values] == ["node"] * NP
+    assert [(v["hvd"]["local_rank"], v["hvd"]["local_size"], v["hvd"]["cross_rank"]) for v in outcome.values] \
+        == [(0, 2, 0), (1, 2, 0), (0, 2, 1), (1, 2, 1)]
+    assert _grouped_by_netns(outcome.values)
+
+
+def _grouped_by_netns(values) -> bool:
+    return values[0]["netns"] == values[1]["netns"] != values[2]["netns"] == values[3]["netns"]
+
+
+def test_network_interface_setting_chooses_the_hosts_interface(cluster, no_leftover_ranks):
+    with _loopback_hostnames(cluster):  # where the hostname alone would lead gloo to 127.0.1.1
+        outcome = cluster.driver.run("collectives", NP, n=2, runner={"network_interface": "eth0"})
+    _print_seconds("collectives np=4, network_interface='eth0'", outcome)
+    _assert_ok(outcome)
+    assert outcome.values[0]["sum"] == [float(sum(i + 1 + 2 * r for r in range(NP))) for i in range(2)]
+
+
+def test_a_network_interface_missing_on_the_hosts_fails_with_what_they_have(cluster, no_leftover_ranks):
+    outcome = cluster.driver.run("whoami", NP, runner={"network_interface": "nosuch0"})
+    _print_seconds("whoami np=4, network_interface='nosuch0' (fails)", outcome)
+    assert not outcome.ok
+    assert "network_interface='nosuch0' has no IPv4 address on host" in outcome.error, outcome.error
+    assert "eth0 198.18.0." in outcome.error, outcome.error  # the interfaces the host does have
+    assert cluster.driver.run("whoami", NP).ok  # and the next run works
