@@ -18,9 +18,11 @@ import torch.distributed as dist
 
 from ..runner import _context
 from ..runner._topology import Placement
+from . import _progress
 from ._mesh import Endpoint
 
 _TIMEOUT = datetime.timedelta(minutes=30)
+_INIT_LINK = -2  # the stall report's number for init()'s rendezvous (process sets count from 0)
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,11 @@ def init() -> Topology:
         if torch.cuda.is_available():  # a pinned task sees one GPU; on the driver, share by local_rank
             torch.cuda.set_device(p.local_rank % torch.cuda.device_count())
         topology = Topology(**p.as_dict(), source="sparkhvd")
-        dist.init_process_group(backend, store=store, rank=p.rank, world_size=p.size, timeout=_TIMEOUT)
+        waiting = _progress.begin_check("hvd.init", None, None, _INIT_LINK)  # the stall report sees who is late
+        try:
+            dist.init_process_group(backend, store=store, rank=p.rank, world_size=p.size, timeout=_TIMEOUT)
+        finally:
+            _progress.end(waiting)
         _owns_group = True
     elif dist.is_initialized():  # the user built the default group (e.g. under torchrun)
         topology = _from_torchrun(dist.get_rank(), dist.get_world_size())

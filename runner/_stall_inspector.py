@@ -34,7 +34,7 @@ class Observation:
     failed: frozenset
     exited: frozenset
     hosts: dict  # rank -> host name
-    where: dict  # rank -> "host h (address a[, executor e])"
+    where: dict  # rank -> "host h (address a)"
 
 
 def observe(service) -> Observation:
@@ -42,17 +42,16 @@ def observe(service) -> Observation:
     with service.cv:
         placements = service.placements
         regs = dict(service.registrations)
-        progress = dict(getattr(service, "progress", {}))
+        progress = dict(service.progress)
         returned, exited = frozenset(service.results), frozenset(service.exits)
         failed = frozenset(f.rank for f in service.failures)
     hosts, where = {}, {}
     # hosts named alike (network namespaces, cloned images) are told apart by their address
     by_rank = {p.rank: regs[t] for t, p in enumerate(placements or ()) if t in regs}
-    ambiguous = len({r.host for r in by_rank.values()}) < len({getattr(r, "host_id", r.host) for r in by_rank.values()})
+    ambiguous = len({r.host for r in by_rank.values()}) < len({r.host_id for r in by_rank.values()})
     for rank, reg in by_rank.items():
         hosts[rank] = f"{reg.host} ({reg.peer})" if ambiguous else reg.host
-        executor = getattr(reg, "executor", None)
-        where[rank] = f"host {reg.host} ({reg.peer}" + (f", executor {executor})" if executor else ")")
+        where[rank] = f"host {reg.host} ({reg.peer})"
     return Observation(placements is not None, progress, returned, failed, exited, hosts, where)
 
 

@@ -431,9 +431,34 @@ def test_a_late_rank_is_reported_and_the_run_fails_at_the_shutdown_time(monkeypa
     assert text.startswith(f"HorovodRunner run {info.value.run_id} failed after a stall of ")
     assert "(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=6): no collective has completed for " in text
     assert "- allreduce 'late' (collective #1 of all ranks): rank 0 has waited in it for " in text
-    assert "rank 1 has not reached it: it is running user code (it has not called a collective yet)" in text
+    assert "rank 1 has not reached it: it is running user code (its latest collective, hvd.init, finished " in text
     assert f"[sparkhvd] run {info.value.run_id} stalled: no collective has completed for " in err
     assert rank_processes() == []
+
+
+@pytest.mark.timeout(120)
+def _late_init(late_s):
+    import time
+
+    import sparkhvd.collective.torch as hvd
+    from sparkhvd.runner import _context
+
+    if _context.current().placement.rank == 1:
+        time.sleep(late_s)  # rank 0 already waits in hvd.init()'s rendezvous
+    hvd.init()
+    return hvd.rank()
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_late_to_init_is_reported(monkeypatch, capfd):
+    for name, value in {**SHORT, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "5"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(HorovodRunError) as info:
+        HorovodRunner(np=-2).run(_late_init, late_s=300)
+    text = str(info.value)
+    print(text)
+    assert "- hvd.init (collective #1 of all ranks): rank 0 has waited in it for " in text
+    assert "rank 1 has not reached it: it is running user code (it has not called a collective yet)" in text
 
 
 @pytest.mark.timeout(120)
