@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import os
 import secrets
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +18,7 @@ import torch.distributed as dist
 from ..runner import _context
 from ..runner._topology import Placement
 from . import _progress
-from ._mesh import Endpoint
+from ._mesh import Endpoint, local_address
 
 _TIMEOUT = datetime.timedelta(minutes=30)
 _INIT_LINK = -2  # the stall report's number for init()'s rendezvous (process sets count from 0)
@@ -90,25 +89,15 @@ def _control_endpoint(rank: int, ctx) -> Endpoint:
     """This rank's end of the control links, listening where its peers can reach it."""
     if ctx is not None:  # the worker chose the address: toward the driver, or network_interface's
         store, prefix, key = _store, "control/", ctx.secret
-        host = ctx.local_address or _local_address(ctx.address[0])
+        host = ctx.local_address or local_address(ctx.address[0])
     else:
         store = dist.distributed_c10d._get_default_store()
         prefix = f"sparkhvd/{_generation}/control/"
         if rank == 0:
             store.set(prefix + "key", secrets.token_hex(32))
         key = store.get(prefix + "key")
-        host = _local_address(os.environ.get("MASTER_ADDR"))
+        host = local_address(os.environ.get("MASTER_ADDR"))
     return Endpoint(rank=rank, host=host, key=key, store=store, prefix=prefix, timeout=_TIMEOUT.total_seconds())
-
-
-def _local_address(toward: str | None) -> str:
-    """The address of this host's interface that routes toward ``toward`` (no packet is sent)."""
-    if not toward:
-        return socket.gethostbyname(socket.gethostname())
-    family, _, _, _, address = socket.getaddrinfo(toward, 1, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(address)
-        return probe.getsockname()[0]
 
 
 def forget_links(link_id: int) -> None:

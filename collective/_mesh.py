@@ -245,6 +245,16 @@ class Endpoint:
             self._changed.notify_all()
 
 
+def local_address(toward: str | None) -> str:
+    """The address of this host's interface that routes toward ``toward`` (no packet is sent)."""
+    if not toward:
+        return socket.gethostbyname(socket.gethostname())
+    family, _, _, _, address = socket.getaddrinfo(toward, 1, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]
+
+
 def _summarise(tally: RefusalTally, pid: int) -> None:
     if os.getpid() == pid:  # not in a forked child that exits normally
         tally.close("while it was open")

@@ -33,16 +33,6 @@ def host_id() -> str:
     return f"{parts[0]}-{digest}"
 
 
-def address_toward(toward: str | None) -> str:
-    """The address of this host's interface that routes toward ``toward`` (no packet is sent)."""
-    if not toward:
-        return socket.gethostbyname(socket.gethostname())
-    family, _, _, _, address = socket.getaddrinfo(toward, 1, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(address)
-        return probe.getsockname()[0]
-
-
 def interfaces() -> dict:
     """``name -> IPv4 address`` of this host's interfaces that have one (Linux)."""
     found = {}

@@ -21,7 +21,8 @@ from . import _protocol
 from ._agent import ENV_DRIVER, ENV_NETWORK_INTERFACE, ENV_PARENT, ENV_PLACEMENT, ENV_RETURN, ENV_RUN_ID
 from ._client import RunAborted, ServiceClient
 from ._heartbeat import Heartbeat
-from ._host import address_of, address_toward, interface_of
+from ..collective._mesh import local_address
+from ._host import address_of, interface_of
 from ._protocol import SECRET_BYTES, Kind
 from ._topology import Placement
 
@@ -101,7 +102,7 @@ def _network(driver_host: str) -> str:
     """
     chosen = os.environ.get(ENV_NETWORK_INTERFACE)
     try:
-        local = address_of(chosen) if chosen else address_toward(driver_host)
+        local = address_of(chosen) if chosen else local_address(driver_host)
     except OSError as exc:
         raise ValueError(f"this rank cannot tell which of its addresses reaches the driver at {driver_host} ({exc}); "
                          "pass network_interface= with the name of the interface the hosts reach each other "
