@@ -238,3 +238,34 @@ def test_a_forked_child_closing_its_copy_leaves_the_parent_listening():
     assert errors == [None, None] and results[0] == [(0, b"a"), (1, b"b")]
     for ep in eps:
         ep.close()
+
+
+def test_a_peer_that_never_answers_the_connect_is_named_unreachable_not_flooded(monkeypatch):
+    """No SYN-ACK (a full accept queue here; a cut path or a dead host in life): one try, a true message."""
+    from sparkhvd.collective import _mesh
+
+    monkeypatch.setattr(_mesh, "_HANDSHAKE_TIMEOUT", 1.0)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(0)  # never accepts: once its queue is full, new SYNs go unanswered
+    fillers = []
+    try:
+        for _ in range(4):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(silent.getsockname())
+            fillers.append(s)
+        time.sleep(0.2)
+        store, (ep,) = _endpoints(1)
+        store.set("c/9", "%s:%d" % silent.getsockname())
+        started = time.monotonic()
+        with pytest.raises(MeshError, match=r"could not reach rank 9's control address 127\.0\.0\.1:\d+ for test op "
+                                            r"within 1 s; its host is down, or the network between the two hosts "
+                                            r"drops the connection \(routes, firewalls\)\."):
+            ep._dial(9, 0, "test op", time.monotonic() + 60)
+        print(f"named unreachable after {time.monotonic() - started:.1f} s")
+        ep.close()
+    finally:
+        for s in fillers:
+            s.close()
+        silent.close()
