@@ -65,6 +65,7 @@ def init() -> Topology:
             dist.init_process_group(backend, store=store, rank=p.rank, world_size=p.size, timeout=_TIMEOUT)
         finally:
             _progress.end(waiting)
+            _progress.take_op()  # init has no data wait: an unchecked first op must not take init's place
         _owns_group = True
     elif dist.is_initialized():  # the user built the default group (e.g. under torchrun)
         topology = _from_torchrun(dist.get_rank(), dist.get_world_size())

@@ -50,6 +50,12 @@ def take_op():
     return op
 
 
+def current_op():
+    """This thread's latest checked op, left in place: for an op that waits for data twice (sizes
+    first, then the data) and leaves ``take_op`` to the second wait."""
+    return getattr(_current, "op", None)
+
+
 def begin_data(op, kind: str, name) -> list:
     """The wait for the data of ``op`` (from ``take_op``, when the op started; None: unknown) starts."""
     if op is None:
@@ -96,7 +102,7 @@ def snapshot(limit: int = 32) -> dict:
     return {"done": _completed, "ops": ops,
             "last": None if last is None else {"kind": str(last[0])[:200],
                                                "name": None if last[1] is None else str(last[1])[:200],
-                                               "ago": round(now - last[6], 3)}}
+                                               "ago": round(now - last[6], 3), "phase": last[5]}}
 
 
 def _missing(mesh):

@@ -257,9 +257,11 @@ def report(view: StallView, settings: StallSettings) -> tuple[str, list]:
                 parts.append(f"{_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} not reached it: {what}")
             else:  # a rank waits for the data: every member has passed the check
                 parts.append(f"{_ranks(ranks)} passed its check too: {what}")
+        # The absent ranks finished its data (not just its check, then user code such as pickling the object):
+        finished = all((by_rank[r].last or {}).get("phase") == "data" for r in absent)
         if absent and checking:
             missing_somewhere = True
-        else:
+        elif not absent or finished:  # every member reached it or is done with it: only the network is left
             parts.append(_network(members, in_it, by_rank))
         lines.append(f"- {title}: " + "; ".join(parts) + ".")
     returned = [s for s in view.ranks if s.status == RETURNED]

@@ -139,7 +139,8 @@ def test_report_of_a_cut_after_one_side_passed_the_collective():
 def test_report_of_a_data_transfer_that_does_not_finish():
     view = StallView(np=2, stalled_for=70.0, ranks=(
         RankState(0, "running", "a", ops=(_op("allreduce", "g", phase="data", members=[0, 1], age=70),), heard_ago=1),
-        RankState(1, "running", "b", last={"kind": "allreduce", "name": "g", "ago": 71.0}, heard_ago=1),
+        RankState(1, "running", "b", last={"kind": "allreduce", "name": "g", "ago": 71.0, "phase": "data"},
+                  heard_ago=1),
     ))
     text = _text(view)
     print(text)
@@ -186,6 +187,22 @@ def test_the_rank_side_registry_snapshots_the_waits_in_flight():
     assert _progress.completed() == done + 2
     assert not [o for o in _progress.snapshot()["ops"] if o["link"] == 7]
     assert _progress.snapshot()["last"]["name"] == "w"
+
+
+def test_a_wait_for_sizes_leaves_the_op_to_the_data_wait_that_follows():
+    from sparkhvd.collective import _progress
+
+    entry = _progress.begin_check("allgather", "rows", None, 8)
+    _progress.end(entry)
+    sizes = _progress.begin_data(_progress.current_op(), "allgather", None)  # the sizes: the op stays
+    data = _progress.begin_data(_progress.take_op(), "allgather", None)  # the data: the op is taken
+    mine = [o for o in _progress.snapshot()["ops"] if o["link"] == 8]
+    assert [(o["kind"], o["name"], o["phase"]) for o in mine] == [("allgather", "rows", "data")] * 2
+    assert mine[0]["seq"] == mine[1]["seq"] >= 1
+    assert _progress.current_op() is None  # a later unchecked op does not pose as this one
+    _progress.end(sizes)
+    _progress.end(data)
+    assert not [o for o in _progress.snapshot()["ops"] if o["link"] == 8]
 
 
 def test_a_control_exchange_says_whose_frames_it_still_waits_for():
@@ -436,7 +453,6 @@ def test_a_late_rank_is_reported_and_the_run_fails_at_the_shutdown_time(monkeypa
     assert rank_processes() == []
 
 
-@pytest.mark.timeout(120)
 def _late_init(late_s):
     import time
 
@@ -542,3 +558,98 @@ def test_a_rank_the_driver_stops_hearing_from_fails_the_run(monkeypatch, rank_pr
     assert re.search(r" has not been heard from for \d+\.\d s; rank 1's last heartbeat said: ", text)
     assert "raise SPARKHVD_HEARTBEAT_TIMEOUT_SECONDS (now 4, from rank 0's environment)" in text
     assert rank_processes() == []
+
+
+def _slow_to_pickle(checked):
+    import time
+
+    import sparkhvd.collective.torch as hvd
+
+    class Slow:
+        def __reduce__(self):
+            time.sleep(300)  # rank 1 (the root) pickles; rank 0 already waits for the data
+            return (Slow, ())
+
+    hvd.init()
+    if not checked and hvd.rank() == 1:
+        time.sleep(300)  # no check: rank 0 goes straight to the data transfer below
+    return hvd.broadcast_object(Slow() if checked else "x", root_rank=1, name="obj") is not None
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_waiting_for_a_broadcast_objects_data_is_reported_in_it(monkeypatch, capfd, rank_processes):
+    for name, value in {**SHORT, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "6"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(HorovodRunError) as info:
+        HorovodRunner(np=-2).run(_slow_to_pickle, checked=True)
+    text = str(info.value)
+    print(text)
+    assert ("- broadcast_object 'obj' (collective #1 of all ranks): rank 0 passed its check and waits for its data "
+            "for ") in text
+    assert ("rank 1 passed its check too: it is running user code (its latest collective, broadcast_object 'obj', "
+            "finished ") in text
+    assert "network" not in text  # rank 1 is between the check and the data (pickling), not cut off
+    assert rank_processes() == []
+
+
+@pytest.mark.timeout(120)
+def test_an_unchecked_broadcast_object_is_reported_as_a_wait_for_data(monkeypatch, capfd, rank_processes):
+    for name, value in {**SHORT, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "6", "SPARKHVD_CHECK_COLLECTIVES": "0"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(HorovodRunError) as info:
+        HorovodRunner(np=-2).run(_slow_to_pickle, checked=False)
+    text = str(info.value)
+    print(text)
+    assert "- broadcast_object 'obj': rank 0 waits for its data for " in text  # not in hvd.init's place
+    assert "with SPARKHVD_CHECK_COLLECTIVES=0 no collective is checked" in text
+    assert rank_processes() == []
+
+
+def _data_waits():
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+    from sparkhvd.collective import _progress
+
+    hvd.init()
+    seen = []
+    begin_data = _progress.begin_data
+
+    def recording(op, kind, name):
+        seen.append((kind, None if op is None else op[0]))  # op[0]: what its check was for
+        return begin_data(op, kind, name)
+
+    _progress.begin_data = recording
+    hvd.broadcast_object({"a": 1}, root_rank=1, name="obj")
+    hvd.allgather_object(hvd.rank(), name="objs")
+    hvd.allgather(torch.ones(hvd.rank() + 1, 2), name="rows")
+    hvd.alltoall(torch.arange(4.0), splits=[1, 3])
+    x = torch.randn(4, 3, requires_grad=True)
+    hvd.SyncBatchNorm(3)(x).sum().backward()  # two reductions forward, one backward
+    model = torch.nn.Linear(2, 1)
+    model.bias.requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    model.bias.requires_grad_(True)  # trainable after wrapping: reduced on the reference path
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    if hvd.rank() == 1:  # too big to ride in the check: rank 0, joined, mirrors it with zeros
+        hvd.allreduce(torch.ones(300_000), op=hvd.Sum, name="big")
+    hvd.join()
+    _progress.begin_data = begin_data
+    return hvd.allgather_object((seen, _progress.snapshot()["ops"]))  # run() returns rank 0's result
+
+
+@pytest.mark.timeout(120)
+def test_every_wait_for_data_after_a_check_is_registered_under_its_checked_op():
+    results = HorovodRunner(np=-2).run(_data_waits)
+    for rank, (seen, in_flight) in enumerate(results):
+        print(rank, seen)
+        assert in_flight == []  # every wait ended
+        assert all(what == kind for kind, what in seen), seen  # None: registered as unchecked
+        kinds = {kind for kind, _ in seen}
+        assert {"broadcast_object", "allgather_object", "allgather", "alltoall", "SyncBatchNorm",
+                "DistributedOptimizer bucket"} <= kinds, kinds
+        assert [kind for kind, _ in seen].count("SyncBatchNorm") == 3
+        assert [kind for kind, _ in seen].count("allgather_object") == 2  # the sizes, then the data
+    assert ("join()", "join()") in results[0][0] and ("allreduce", "allreduce") in results[1][0]

@@ -254,7 +254,11 @@ def join(process_set) -> int:
             continue  # the data rode in the exchange: the working ranks left this rank's share out
         device = torch.device("cuda", torch.cuda.current_device()) if working[_CUDA] else torch.device("cpu")
         zeros = torch.zeros(working[_NUMEL], dtype=_DTYPES[working[_DTYPE]], device=device)
-        dist.all_reduce(zeros, group=process_set.group)  # this rank's contribution: zeros
+        entry = _progress.begin_data(_progress.take_op(), "join()", None)  # the working ranks' op, from this end
+        try:
+            dist.all_reduce(zeros, group=process_set.group)  # this rank's contribution: zeros
+        finally:
+            _progress.end(entry)
 
 
 def _short(text: str) -> str:

@@ -253,10 +253,18 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> 
 # ---- allgather ----------------------------------------------------------------------------
 
 def gather_ints(values: list, device, process_set=global_process_set) -> list:
-    """Every member's list of ints (same length on every member), as tuples in set-rank order."""
+    """Every member's list of ints (same length on every member), as tuples in set-rank order.
+
+    Registered as the data wait of this thread's latest checked op, which it leaves for the data
+    wait that follows (``take_op``)."""
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     out = [torch.empty_like(mine) for _ in range(process_set.size())]
-    dist.all_gather(out, mine, group=process_set.group)
+    op = _progress.current_op()
+    entry = _progress.begin_data(op, "allgather" if op is None else op[0], None)
+    try:
+        dist.all_gather(out, mine, group=process_set.group)
+    finally:
+        _progress.end(entry)
     return [tuple(int(x) for x in o.tolist()) for o in out]
 
 
@@ -351,7 +359,11 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
            problem=problem or name_problem(name, "alltoall"), name=name)
     send = torch.tensor(splits, dtype=torch.int64, device=tensor.device)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=process_set.group)
+    entry = _progress.begin_data(_progress.current_op(), "alltoall", name)  # the Handle below takes the op
+    try:
+        dist.all_to_all_single(recv, send, group=process_set.group)
+    finally:
+        _progress.end(entry)
     received = [int(x) for x in recv.tolist()]
     output = tensor.new_empty((sum(received),) + tuple(tensor.shape[1:]))
     work = dist.all_to_all_single(output, tensor.detach().contiguous(), output_split_sizes=received,

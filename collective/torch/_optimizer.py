@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .. import _progress
 from ._check import verify
 from ._compression import Compression
 from ._fusion import GradientBuckets, finish_allreduce, fusion_threshold, launch_allreduce, write_back
@@ -155,9 +156,14 @@ def _reduce_bucket(grads: list, op: ReduceOp, predivide: float, size: int, compr
     """One allreduce for a list of same-dtype gradients, through a flat buffer."""
     flat, ctx = compression.compress(_flatten_dense_tensors(grads))
     verify("DistributedOptimizer bucket", [flat], process_set, mirror=flat)
+    checked = _progress.take_op()
     if op == Average:
         scale_(flat, 1.0 / predivide)
-    dist.all_reduce(flat, group=process_set.group)
+    entry = _progress.begin_data(checked, "DistributedOptimizer bucket", None)
+    try:
+        dist.all_reduce(flat, group=process_set.group)
+    finally:
+        _progress.end(entry)
     if op == Average:
         scale_(flat, predivide / size)
     flat = compression.decompress(flat, ctx)

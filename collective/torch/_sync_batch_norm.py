@@ -14,14 +14,18 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .. import _engine
+from .. import _engine, _progress
 from ._check import verify
 from ._process_sets import global_process_set
 
 
 def _sum_all(t: torch.Tensor) -> torch.Tensor:
     verify("SyncBatchNorm", [t], global_process_set, mirror=t)  # a joined rank adds zeros: a count of 0
-    dist.all_reduce(t)
+    entry = _progress.begin_data(_progress.take_op(), "SyncBatchNorm", None)
+    try:
+        dist.all_reduce(t)
+    finally:
+        _progress.end(entry)
     return t
 
 
