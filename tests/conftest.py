@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors run this interpreter
+
+# Every run keeps its log folder (sparkhvd-<run>-* in the temp dir), and so do the drivers the tests
+# start in subprocesses: give the whole session one temp dir of its own, removed at the end, so the
+# suite leaves nothing behind. Subprocesses inherit it through TMPDIR.
+_SESSION_TMP = tempfile.mkdtemp(prefix="sparkhvd-tests-")
+os.environ["TMPDIR"] = tempfile.tempdir = _SESSION_TMP
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_SESSION_TMP, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
