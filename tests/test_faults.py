@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -124,36 +123,6 @@ def test_gloo_uses_the_interface_that_reaches_the_driver_or_the_chosen_one(monke
     # np<0: the driver listens on loopback, so the ranks talk over lo whatever the hostname resolves to.
     assert HorovodRunner(np=-2).run_all(_gloo_interface).values == [("lo", None, 3.0)] * 2
     assert HorovodRunner(np=-2, network_interface="lo").run_all(_gloo_interface).values == [("lo", "lo", 3.0)] * 2
-
-
-@pytest.mark.timeout(60)
-def test_sigterm_on_the_driver_leaves_no_rank_running(tmp_path):
-    import psutil
-
-    pids = tmp_path / "pids"
-    script = tmp_path / "driver.py"
-    script.write_text(textwrap.dedent(f"""
-        import os, time
-        from sparkhvd import HorovodRunner
-        def train():
-            with open({str(pids)!r}, "a") as f:
-                f.write(f"{{os.getpid()}}\\n")
-            time.sleep(120)
-        HorovodRunner(np=-2).run(train)
-    """))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 40
-    while not (pids.exists() and len(pids.read_text().split()) == 2) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    rank_pids = [int(p) for p in pids.read_text().split()]
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    alive = rank_pids
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in rank_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        time.sleep(0.1)
-    assert alive == [], f"rank processes left behind after SIGTERM: {alive}"
 
 
 def test_the_configuration_bounds_the_slots():

@@ -197,9 +197,8 @@ def test_bad_settings_are_clear_value_errors(monkeypatch):
         HorovodRunner(np=-1)
 
 
-@pytest.mark.timeout(120)
-def test_ctrl_c_on_the_driver_stops_every_rank(tmp_path):
-    """SIGINT to a driver process mid-run: KeyboardInterrupt, and the rank processes are gone."""
+def _driver_with_two_sleeping_ranks(tmp_path, run_line: str):
+    """A driver process whose 2 ranks sleep; returns it and the ranks' pids once both run."""
     pids = tmp_path / "pids"
     script = tmp_path / "driver.py"
     script.write_text(textwrap.dedent(f"""
@@ -209,27 +208,51 @@ def test_ctrl_c_on_the_driver_stops_every_rank(tmp_path):
             with open({str(pids)!r}, "a") as f:
                 f.write(f"{{os.getpid()}}\\n")
             time.sleep(120)
-        try:
-            HorovodRunner(np=-2).run(train)
-        except KeyboardInterrupt:
-            print("driver got KeyboardInterrupt", flush=True)
-            raise
-    """))
+    """) + textwrap.dedent(run_line))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     deadline = time.monotonic() + 60
     while not (pids.exists() and len(pids.read_text().split()) == 2) and time.monotonic() < deadline:
         time.sleep(0.1)
-    rank_pids = [int(p) for p in pids.read_text().split()]
+    return proc, [int(p) for p in pids.read_text().split()]
+
+
+def _alive(pids, wait: float = 0.5) -> list:
+    import psutil
+
+    deadline = time.monotonic() + wait
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_on_the_driver_stops_every_rank(tmp_path):
+    """SIGINT to a driver process mid-run: KeyboardInterrupt, and the rank processes are gone."""
+    proc, rank_pids = _driver_with_two_sleeping_ranks(tmp_path, """
+        try:
+            HorovodRunner(np=-2).run(train)
+        except KeyboardInterrupt:
+            print("driver got KeyboardInterrupt", flush=True)
+            raise
+    """)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert "driver got KeyboardInterrupt" in out
     assert proc.returncode != 0
-    import psutil
-
-    time.sleep(0.5)
-    alive = [p for p in rank_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    alive = _alive(rank_pids)
     assert alive == [], f"rank processes left behind: {alive}"
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_on_the_driver_leaves_no_rank_running(tmp_path):
+    proc, rank_pids = _driver_with_two_sleeping_ranks(tmp_path, "HorovodRunner(np=-2).run(train)\n")
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    alive = _alive(rank_pids, wait=10)
+    assert alive == [], f"rank processes left behind after SIGTERM: {alive}"
 
 
 def test_a_module_installed_only_on_the_driver_is_named(tmp_path, monkeypatch):
