@@ -38,6 +38,7 @@ _generation = 0  # init() count in this process: keeps each init's store keys ap
 # keep it alive once it is wrapped (new_group wraps the default store), so we do.
 _store = None
 _endpoint: Endpoint | None = None  # the control links between ranks (``_mesh.py``)
+_background_engine = None  # the process's negotiating engine (``_background.py``), in jobs of more than one
 
 
 class NotInitializedError(ValueError):
@@ -81,6 +82,7 @@ def init() -> Topology:
         _owns_group = True
     if topology.size > 1:
         _endpoint = _control_endpoint(topology.rank, ctx)
+        _start_engine(topology)
     _generation += 1
     _topology = topology
     return topology
@@ -101,10 +103,50 @@ def _control_endpoint(rank: int, ctx) -> Endpoint:
     return Endpoint(rank=rank, host=host, key=key, store=store, prefix=prefix, timeout=_TIMEOUT.total_seconds())
 
 
+def _start_engine(topology: Topology) -> None:
+    """The engine thread, with the global set's links (made now: every rank is in init())."""
+    global _background_engine
+    from ._background import Engine, max_payload
+    from .torch import _inline, _stand_in
+
+    everyone = list(range(topology.size))
+    waiting = _progress.begin_check("hvd.init", None, None, _INIT_LINK)
+    try:
+        sockets = _endpoint.star(0, everyone, "hvd.init()")
+    finally:
+        _progress.end(waiting)
+        _progress.take_op()
+    if torch.cuda.is_available():  # the engine thread starts NCCL ops on this process's device
+        device = torch.cuda.current_device()
+    else:
+        device = None
+    _background_engine = Engine(topology.rank, max_payload(), mirror=_stand_in.mirror, reduce=_inline.reduce,
+                                device=device)
+    _background_engine.add_link(0, everyone, sockets, None)
+
+
+def add_links(link_id: int, members: list, group) -> None:
+    """Make a new process set's links and hand them to the engine (on every member, together)."""
+    if _background_engine is None:
+        return
+    sockets = endpoint().star(link_id, members, f"process set {members}")
+    _background_engine.add_link(link_id, members, sockets, members, group=group)
+
+
 def forget_links(link_id: int) -> None:
     """Close a removed process set's control links."""
+    if _background_engine is not None:
+        _background_engine.remove_link(link_id)
     if _endpoint is not None:
         _endpoint.forget(link_id)
+
+
+def engine():
+    """The negotiating engine; raises unless ``init()`` ran in a job of more than one rank."""
+    if _background_engine is None:
+        raise NotInitializedError("sparkhvd has not been initialized in a job of more than one rank; "
+                                  "call hvd.init() first.")
+    return _background_engine
 
 
 def endpoint() -> Endpoint:
@@ -126,9 +168,12 @@ def _from_torchrun(rank: int, size: int) -> Topology:
 
 def shutdown() -> None:
     """Leave the job; ``init()`` may be called again afterwards."""
-    global _topology, _owns_group, _store, _endpoint
+    global _topology, _owns_group, _store, _endpoint, _background_engine
     if _topology is None:
         return
+    if _background_engine is not None:
+        _background_engine.close("hvd.shutdown() ran on this rank.")
+        _background_engine = None
     if _endpoint is not None:
         _endpoint.close()
         _endpoint = None

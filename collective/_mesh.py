@@ -112,6 +112,13 @@ class Endpoint:
                                     "while its control links were being made.")
             return mesh
 
+    def star(self, link_id: int, members: list, what: str) -> dict:
+        """One set's links for the engine: its coordinator (``members[0]``) links to every other member,
+        every other member only to the coordinator. Returns peer -> socket."""
+        coordinator = members[0]
+        ranks = list(members) if self.rank == coordinator else [coordinator, self.rank]
+        return self._connect(link_id, ranks, what)
+
     def forget(self, link_id: int) -> None:
         """Close one set's links (the set was removed)."""
         with self._lock:

@@ -132,6 +132,12 @@ def _callbacks(folder):
     history = model.fit(x, y, batch_size=8, epochs=3, verbose=0,
                         callbacks=[hvd.LearningRateScheduleCallback(0.1, multiplier=lambda e: 0.5 ** e)])
     out["schedule"] = history.history["lr"]
+    model = _model(seed=r)  # different on each rank; the first kernel stays each rank's own
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[model.layers[0].kernel]),
+                 hvd.callbacks.MetricAverageCallback(device="")]  # Horovod's spelling, arguments included
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=callbacks)
+    out["local_variables"] = ([w.tolist() for w in model.get_weights()], history.history["loss"])
     path = f"{folder}/best-{r}.keras"  # a path per rank, to see who writes
     model.fit(x, y, batch_size=8, epochs=2, verbose=0, validation_data=(x, y),
               callbacks=[hvd.BestModelCheckpoint(path, monitor="val_loss")])
@@ -154,3 +160,5 @@ def test_learning_rate_callbacks_checkpoint_and_load_model(tmp_path):
     assert (v0["written"], v1["written"]) == (True, False)  # rank 0 only
     assert v0["rewrapped"] == "_DistributedKerasMixin"
     assert v0["after_load"] == v1["after_load"]  # still averaging after load_model
+    (w0, loss0), (w1, loss1) = v0["local_variables"], v1["local_variables"]
+    assert w0[0] != w1[0] and w0[1:] == w1[1:] and loss0 == loss1  # the local kernel was not broadcast

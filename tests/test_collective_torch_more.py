@@ -328,8 +328,8 @@ def _disagreements():
         try:
             call()
             out[key] = "no error"
-        except ValueError as exc:
-            out[key] = str(exc)
+        except (ValueError, RuntimeError) as exc:  # RuntimeError: hvd.HorovodInternalError, as Horovod's
+            out[key] = f"{type(exc).__name__}: {exc}"
     out["still_works"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
     return out
 
@@ -337,29 +337,22 @@ def _disagreements():
 def test_ranks_that_disagree_get_the_same_clear_error():
     v0, v1 = HorovodRunner(np=-2).run_all(_disagreements).values
     assert v0 == v1  # every rank raises the same error
-    rule = "Every rank must call the same collectives in the same order, with the same dtype, device and shape"
-    assert v0["shape"] == (f"ranks disagree on a collective: rank 0: allreduce(op=Average: float32[4] on cpu); "
-                           f"rank 1: allreduce(op=Average: float32[5] on cpu). {rule} (and the same op and root_rank).")
+    rule = ("Every rank must call the ops of a name (unnamed ops are matched in the order each rank calls them) with "
+            "the same dtype, device and shape")
+    assert v0["shape"] == (f"HorovodInternalError: ranks disagree on the 1st unnamed allreduce: rank 0: "
+                           f"allreduce(op=Average: float32[4] on cpu); rank 1: allreduce(op=Average: float32[5] on "
+                           f"cpu). {rule} (and the same op and root_rank).")
     assert "rank 0: allreduce(op=Average: float32[4] on cpu); rank 1: allreduce(op=Average: float64[4] on cpu)" in v0["dtype"]
     assert "rank 0: allreduce(op=Sum: float32[4] on cpu); rank 1: allreduce(op=Max: float32[4] on cpu)" in v0["op"]
     assert "rank 0: broadcast(root_rank=0: float32[4] on cpu); rank 1: broadcast(root_rank=0: float32[5] on cpu)" in \
         v0["broadcast_shape"]
     assert "rank 0: broadcast(root_rank=0: float32[4] on cpu); rank 1: broadcast(root_rank=1: float32[4] on cpu)" in \
         v0["broadcast_root"]
-    assert "rank 1: grouped_allreduce(op=Average, bucket 0 of 1: float32[2] on cpu, float32[2] on cpu)" in v0["grouped"]
+    assert "rank 1: grouped_allreduce(op=Average: float32[2] on cpu, float32[2] on cpu)" in v0["grouped"]
     assert "rank 0: allgather(int64[*] on cpu); rank 1: allgather(int32[*] on cpu)" in v0["allgather_dtype"]
     assert "rank 0: reducescatter(op=Average: float32[4] on cpu)" in v0["reducescatter"]
     assert "rank 0: alltoall(float32[*, 1] on cpu); rank 1: alltoall(float32[*, 2] on cpu)" in v0["alltoall"]
     assert v0["still_works"] == 2.0
-
-
-def test_the_check_can_be_turned_off(monkeypatch):
-    from sparkhvd.collective.torch import _check
-
-    monkeypatch.setenv("SPARKHVD_CHECK_COLLECTIVES", "0")
-    assert _check.enabled() is False
-    monkeypatch.setenv("SPARKHVD_CHECK_COLLECTIVES", "1")
-    assert _check.enabled() is True
 
 
 def test_timeline_records_each_op_with_its_bytes(tmp_path):
@@ -406,7 +399,8 @@ def _one_rank_wrong():
         # only rank 0 has a first dimension the ranks cannot divide
         "alltoall": lambda: hvd.alltoall(torch.ones(6 if r else 5)),
         "root": lambda: hvd.broadcast(torch.ones(2), root_rank=0 if r else 9),
-        # every rank has "n" in flight; rank 0 reuses the name while the others start "m"
+        # every rank has "n" in flight; rank 0 reuses the name (an error there only, as in Horovod) while the
+        # others start "m", which no one else submits: it waits, and holds up nothing else
         "name": lambda: hvd.allreduce_async(torch.ones(1), name="n" if r == 0 else "m"),
     }.items():
         if key == "name":
@@ -441,7 +435,8 @@ def test_a_problem_on_one_rank_fails_every_rank_without_a_hang():
         "rank 0: alltoall without splits needs the first dimension (5) to be divisible by the number of ranks (3); "
         "pass splits= to send uneven parts.")
     assert v[1]["root"] == "rank 0: root_rank=9 is outside the ranks 0..2 of this job."
-    assert v[2]["name"].startswith("rank 0: another allreduce named 'n' is already in flight on this rank")
+    assert v[0]["name"].startswith("another allreduce named 'n' is already in flight on this rank")
+    assert v[1]["name"] == v[2]["name"] == "no error"
     assert [x["after"] for x in v] == [3.0, 3.0, 3.0] and [x["first"] for x in v] == [1.0, 1.0, 1.0]
     assert [x["last"] for x in v] == [2, 2, 2]
     expected = (torch.tensor([0.0, 1.0, 2.0]) - 1.0) / torch.sqrt(torch.tensor(2 / 3 + 1e-5))
@@ -453,7 +448,7 @@ def _inline_and_wire(numels):
     import torch
 
     import sparkhvd.collective.torch as hvd
-    from sparkhvd.collective.torch._check import inline_capacity
+    from sparkhvd.collective.torch._inline import capacity as inline_capacity
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
@@ -521,7 +516,7 @@ def _review_cases():
     t = torch.ones(3 + r)  # the ranks disagree: the op fails, and the tensor must stay as it was
     try:
         hvd.grouped_allreduce_([t], op=hvd.Sum, prescale_factor=2.0)
-    except ValueError:
+    except RuntimeError:  # hvd.HorovodInternalError
         pass
     out["untouched"] = t
     for numel in (4, 100_000):  # inside and beyond the control frame; truncated toward zero, as Horovod
@@ -638,11 +633,8 @@ def _horovod_signatures():
         hvd.sparse_allreduce_async(torch.ones(2))
     except ValueError as exc:
         out["sparse_dense"] = str(exc)
-    for n in (4, 1_100_000):  # inside and beyond the control frame
-        try:
-            hvd.allreduce(torch.ones(n, dtype=torch.int16))
-        except ValueError as exc:
-            out[f"int16_{n}"] = str(exc)
+    for n in (4, 1_100_000):  # gloo has no 16-bit integers: reduced through int32
+        out[f"int16_{n}"] = hvd.allreduce(torch.full((n,), 3 + r, dtype=torch.int16), op=hvd.Sum)
     out["average_0"] = hvd.allreduce(torch.tensor([1.0]), average=0)  # falsy: Sum, as Horovod
     big = torch.tensor([60000.0], dtype=torch.float16)  # out of place is the same op: sum, then divide
     out["fp16_average"] = (hvd.allreduce(big), hvd.allreduce_(big.clone()))
@@ -685,8 +677,7 @@ def test_horovod_call_forms_and_flags():
         assert v["sparse_dense"] == ("sparse_allreduce_async takes a sparse COO tensor, got torch.strided; use "
                                      "allreduce_async for dense ones.")
         for n in (4, 1_100_000):
-            assert v[f"int16_{n}"] == ("allreduce cannot carry int16 CPU tensors: torch's gloo backend has no 16-bit "
-                                       "integer type; cast to int32 first (tensor.int()).")
+            assert torch.equal(v[f"int16_{n}"], torch.full((n,), 7, dtype=torch.int16))
         assert torch.equal(v["average_0"], torch.tensor([2.0]))
         assert all(torch.isinf(t).all() for t in v["fp16_average"])  # 120000 overflows fp16 before the division
         gathered, scattered, grouped, grouped_ = v["grouped"]
@@ -782,9 +773,8 @@ def _two_optimizers_one_unused_parameter():
 
 def test_buckets_of_two_optimizers_never_pair_up():
     values = HorovodRunner(np=-2).run_all(_two_optimizers_one_unused_parameter).values
-    assert values[0] == values[1]
-    assert values[0].startswith("ranks disagree on a collective: rank 0: DistributedOptimizer bucket(optimizer ")
-    assert "use every parameter on every rank, or run such collectives after step()." in values[0]
+    # Buckets are matched by name: rank 1's late bucket of opt_a pairs with rank 0's, not with opt_b's
+    assert values == ["no error", "no error"]
 
 
 def _one_rank_differs():

@@ -175,10 +175,10 @@ def test_ranks_with_different_models_fail_at_wrap_time():
         model = torch.nn.Linear(3, 2 + hvd.rank())  # rank 1 built a different model
         try:
             hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-        except ValueError as exc:
+        except hvd.HorovodInternalError as exc:
             return str(exc)
 
     v0, v1 = HorovodRunner(np=-2).run_all(train).values
     assert v0 == v1
-    assert ("rank 0: DistributedOptimizer(op=Average: float32[2, 3] on cpu, float32[2] on cpu); "
-            "rank 1: DistributedOptimizer(op=Average: float32[3, 3] on cpu, float32[3] on cpu)") in v0
+    assert ("rank 0: DistributedOptimizer 0(op=Average: float32[2, 3] on cpu, float32[2] on cpu); "
+            "rank 1: DistributedOptimizer 0(op=Average: float32[3, 3] on cpu, float32[3] on cpu)") in v0

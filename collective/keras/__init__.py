@@ -1,8 +1,10 @@
 """The Horovod API for Keras 3: ``import sparkhvd.collective.keras as hvd``.
 
 ``DistributedOptimizer`` wraps any Keras 3 optimizer so that ``model.fit`` averages gradients
-across the ranks; the callbacks broadcast the initial state and average metrics. The
-topology and tensor functions are those of ``sparkhvd.collective.tensorflow``.
+across the ranks; the callbacks (also ``hvd.callbacks.X``, as in Horovod) broadcast the initial
+state and average metrics. The topology and tensor functions are those of
+``sparkhvd.collective.tensorflow``, which also answers as ``sparkhvd.collective.tensorflow.keras``
+(Horovod's ``horovod.tensorflow.keras``).
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from ..tensorflow import (Average, Compression, Max, Min, Product, Sum, allgathe
                           cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_initialized, local_rank,
                           local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
                           shutdown, size)
-from ._callbacks import (BestModelCheckpoint, BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
-                         LearningRateWarmupCallback, MetricAverageCallback)
+from . import callbacks
+from .callbacks import (BestModelCheckpoint, BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
+                        LearningRateWarmupCallback, MetricAverageCallback)
 from ._optimizer import DistributedOptimizer, load_model
 
 __all__ = [
@@ -23,5 +26,5 @@ __all__ = [
     "allreduce", "allgather", "broadcast", "broadcast_variables", "broadcast_object", "allgather_object",
     "DistributedOptimizer", "load_model", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
     "LearningRateWarmupCallback", "LearningRateScheduleCallback", "BestModelCheckpoint", "Compression",
-    "Average", "Sum", "Min", "Max", "Product",
+    "Average", "Sum", "Min", "Max", "Product", "callbacks",
 ]

@@ -5,8 +5,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from ..tensorflow._ops import broadcast_variables
-from ..torch import allgather_object
+from ..tensorflow import allgather_object, broadcast_variables
 from ._optimizer import turn_off_xla
 
 
@@ -16,16 +15,23 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     It also compiles the train step without XLA when the model asked for it (see DistributedOptimizer).
     """
 
-    def __init__(self, root_rank: int = 0, device: str = ""):
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables=None):
         super().__init__()
         self.root_rank = root_rank
+        self._local_vars = set()
+        for var in local_variables or ():
+            self.register_local_var(var)
+
+    def register_local_var(self, var):
+        """Leave ``var`` as each rank has it (Horovod's worker-local variable): it is not broadcast."""
+        self._local_vars.add(id(var))
 
     def set_model(self, model):
         super().set_model(model)
         turn_off_xla(model)  # fit() sets the model before it makes the train step
 
     def on_train_begin(self, logs=None):
-        broadcast_variables(self.model.variables, self.root_rank)
+        broadcast_variables([v for v in self.model.variables if id(v) not in self._local_vars], self.root_rank)
         optimizer = self.model.optimizer
         if optimizer is not None and optimizer.built:
             broadcast_variables(optimizer.variables, self.root_rank)
@@ -35,7 +41,11 @@ class MetricAverageCallback(keras.callbacks.Callback):
     """At each epoch's end, every logged metric becomes its average over the ranks.
 
     Put it before callbacks that read the metrics (checkpoints, early stopping, logging).
+    ``device`` is accepted for Horovod compatibility.
     """
+
+    def __init__(self, device: str = ""):
+        super().__init__()
 
     def on_epoch_end(self, epoch, logs=None):
         if not logs:

@@ -7,8 +7,8 @@ import warnings
 import tensorflow as tf
 
 from .. import _engine
-from ..torch._ops import Average, Sum, _resolve_op
-from ..tensorflow._ops import Compression, grouped_allreduce
+from ..tensorflow import Average, Compression, Sum, grouped_allreduce
+from ..tensorflow._compression import resolve_op
 
 
 def _in_xla_context() -> bool:
@@ -69,7 +69,7 @@ def DistributedOptimizer(optimizer, name=None, compression=Compression.none, bac
         raise ValueError(f"DistributedOptimizer wraps a Keras optimizer, got {type(optimizer).__name__}.")
     if isinstance(optimizer, _DistributedKerasMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the original optimizer once.")
-    op = _resolve_op(op, None)
+    op = resolve_op(op, None)
     if op not in (Average, Sum):
         raise ValueError(f"DistributedOptimizer reduces gradients with op=hvd.Average or hvd.Sum, got {op.name}.")
     if backward_passes_per_step != 1:

@@ -1,112 +1,189 @@
-"""Collectives on tf.Tensors, eager and in tf.function, with gradients; DistributedGradientTape."""
+"""Collectives on tf.Tensors, eager and in tf.function, with Horovod's gradients.
+
+Each op hands its tensors to ``sparkhvd.collective.torch``'s public asynchronous functions
+(through DLPack, ``_bridge.py``) and waits for the result; in a graph the whole op is one
+``py_function``. ``tf.IndexedSlices`` (sparse gradients) are reduced as Horovod does: their
+values and indices are allgathered, and Average divides the values by the set's size.
+"""
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from .. import _engine
-from ..torch import _ops as _torch_ops
-from ..torch._handles import synchronize
-from ..torch._process_sets import global_process_set
+from .. import torch as hvd_torch
+from ..torch import Average, Sum, global_process_set, synchronize
 from ._bridge import run, to_tf, to_torch
+from ._compression import Compression, resolve_op
 
 
-class Compression:
-    """``Compression.none`` and ``Compression.fp16`` for tf.Tensors."""
-
-    class none:
-        @staticmethod
-        def compress(tensor):
-            return tensor, None
-
-        @staticmethod
-        def decompress(tensor, ctx):
-            return tensor
-
-    class fp16:
-        @staticmethod
-        def compress(tensor):
-            if tensor.dtype.is_floating and tensor.dtype != tf.float16:
-                return tf.cast(tensor, tf.float16), tensor.dtype
-            return tensor, None
-
-        @staticmethod
-        def decompress(tensor, ctx):
-            return tensor if ctx is None else tf.cast(tensor, ctx)
+def _py_function(fn, tensors, shapes):
+    """``fn`` (tf.Tensors -> list of tf.Tensors) here, or in a graph through one py_function."""
+    if tf.executing_eagerly():
+        return list(fn(*tensors))
+    outs = tf.py_function(fn, list(tensors), Tout=[t.dtype for t in tensors])
+    for out, shape in zip(outs, shapes):
+        out.set_shape(shape)
+    return list(outs)
 
 
-def _reduce_now(tensor, op, prescale, postscale, process_set):
-    t = synchronize(_torch_ops.allreduce_async(to_torch(tensor), op=op, prescale_factor=prescale,
-                                               postscale_factor=postscale, process_set=process_set))
-    return to_tf(t, tensor.dtype)
+def _first_dim_unknown(shape: tf.TensorShape) -> tf.TensorShape:
+    return tf.TensorShape([None]).concatenate(shape[1:]) if shape.rank else tf.TensorShape([None])
+
+
+def _differentiable(x) -> bool:
+    return x.dtype.is_floating or x.dtype.is_complex
+
+
+def _size(process_set, dtype):
+    return tf.cast(process_set.size(), dtype)
+
+
+# ---- allreduce -------------------------------------------------------------------------------
+
+def _check_sparse(op, prescale_factor, postscale_factor, what):
+    if op not in (Average, Sum):
+        raise NotImplementedError(f"{what} of tf.IndexedSlices supports op=hvd.Average or hvd.Sum, got "
+                                  f"{op.name}; pass sparse_as_dense=True (or tf.convert_to_tensor the slices) to "
+                                  f"reduce them as a dense tensor with {op.name}.")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise NotImplementedError(f"{what} of tf.IndexedSlices does not scale (got prescale_factor="
+                                  f"{prescale_factor}, postscale_factor={postscale_factor}); multiply the slices' "
+                                  "values yourself, or convert them to a dense tensor first.")
 
 
 def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set):
-    """Reduce ``tensor`` across the ranks (default: Average); differentiable."""
-    op = _torch_ops._resolve_op(op, average)
+              prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,
+              ignore_name_scope=False):
+    """Reduce ``tensor`` across the ranks (default: Average); differentiable.
+
+    A ``tf.IndexedSlices`` is allgathered instead (values and indices), which reduces the dense
+    tensor it stands for; Average divides the values by the set's size.
+    """
+    op = resolve_op(op, average)
+    if isinstance(tensor, tf.IndexedSlices):
+        _check_sparse(op, prescale_factor, postscale_factor, "allreduce")
+        values, indices = grouped_allgather([tensor.values, tensor.indices], process_set=process_set)
+        if op == Average:
+            values = values / _size(process_set, values.dtype)
+        return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
     tensor = tf.convert_to_tensor(tensor)
     wire, ctx = compression.compress(tensor)
 
+    def now(v):
+        return to_tf(synchronize(hvd_torch.allreduce_async(to_torch(v), op=op, prescale_factor=prescale_factor,
+                                                           postscale_factor=postscale_factor,
+                                                           process_set=process_set)), v.dtype)
+
     @tf.custom_gradient
     def reduce(x):
-        out = run(lambda v: _reduce_now(v, op, prescale_factor, postscale_factor, process_set), x, x.shape)
+        out = run(now, x, x.shape)
         return out, lambda dy: allreduce(dy, op=op, prescale_factor=prescale_factor,
                                          postscale_factor=postscale_factor, process_set=process_set)
 
     return compression.decompress(reduce(wire), ctx)
 
 
-def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
-                      op=None, prescale_factor=1.0, postscale_factor=1.0, name=None,
-                      process_set=global_process_set):
-    """Reduce a list of tensors in one fused operation (one reduction per dtype); returns new tensors.
+def _grouped_dense(tensors, op, prescale_factor, postscale_factor, compression, process_set):
+    """One fused reduction (one per dtype) of dense tensors, with Horovod's gradient (the same reduction)."""
 
-    Inside ``tf.function`` the whole group is one ``py_function``.
+    def now(*ts):
+        wires = [compression.compress(t) for t in ts]
+        torch_tensors = [to_torch(w).clone() for w, _ in wires]
+        synchronize(hvd_torch.grouped_allreduce_async_(torch_tensors, op=op, prescale_factor=prescale_factor,
+                                                       postscale_factor=postscale_factor, process_set=process_set))
+        return [compression.decompress(to_tf(t, w.dtype), c) for t, (w, c) in zip(torch_tensors, wires)]
+
+    @tf.custom_gradient
+    def reduce(*xs):
+        outs = _py_function(now, xs, [x.shape for x in xs])
+
+        def grad(*dys):  # an output nobody used has no gradient: it still takes part, as zeros
+            real = [k for k, x in enumerate(xs) if _differentiable(x)]
+            reduced = _grouped_dense([tf.zeros_like(xs[k]) if dys[k] is None else dys[k] for k in real], op,
+                                     prescale_factor, postscale_factor, compression, process_set) if real else []
+            grads = [None] * len(xs)
+            for k, g in zip(real, reduced):
+                grads[k] = g
+            return grads
+
+        return outs, grad
+
+    return list(reduce(*tensors))
+
+
+def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
+                      op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,
+                      ignore_name_scope=False, name=None):
+    """Reduce a list of tensors in one fused operation (one reduction per dtype); differentiable.
+
+    ``tf.IndexedSlices`` in the list are allgathered together, as ``allreduce`` does with one.
+    Inside ``tf.function`` each of the two groups is one ``py_function``.
     """
-    op = _torch_ops._resolve_op(op, average)
+    if not tensors:
+        return []
+    op = resolve_op(op, average)
+    results = [None] * len(tensors)
+    sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
+    dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    gathered = []
+    if sparse:
+        _check_sparse(op, prescale_factor, postscale_factor, "grouped_allreduce")
+        slices = [tensors[i] for i in sparse]
+        gathered = grouped_allgather([s.values for s in slices] + [s.indices for s in slices],
+                                     process_set=process_set)
+        for k, (i, s) in enumerate(zip(sparse, slices)):
+            values = gathered[k]
+            if op == Average:
+                values = values / _size(process_set, values.dtype)
+            results[i] = tf.IndexedSlices(values, gathered[len(slices) + k], dense_shape=s.dense_shape)
+    if dense:
+        with tf.control_dependencies(gathered):  # in a graph, every rank runs the two groups in this order
+            reduced = _grouped_dense([tf.convert_to_tensor(tensors[i]) for i in dense], op, prescale_factor,
+                                     postscale_factor, compression, process_set)
+        for i, r in zip(dense, reduced):
+            results[i] = r
+    return results
+
+
+# ---- allgather, broadcast --------------------------------------------------------------------
+
+def _rows(x):
+    return tf.cast(tf.shape(x)[0], tf.int64) if x.shape.rank != 0 else tf.constant(1, tf.int64)
+
+
+def _allgather_grads(dys, xs, outs, process_set):
+    """Horovod's allgather gradient: this rank's rows of the average of the ranks' gradients."""
+    real = [k for k, x in enumerate(xs) if _differentiable(x)]  # the same on every rank: no gradient for ints
+    grads = [None] * len(xs)
+    if not real:
+        return grads
+    averaged = grouped_allreduce([tf.zeros_like(outs[k]) if dys[k] is None else dys[k] for k in real], op=Average,
+                                 process_set=process_set)
+    rows = tf.stack([_rows(xs[k]) for k in real])
+    with tf.control_dependencies(averaged):  # in a graph, every rank runs the two in this order
+        counts = allgather(tf.reshape(rows, [1, -1]), process_set=process_set)  # [set size, len(real)]
+    starts = tf.reduce_sum(counts[:process_set.rank()], axis=0)
+    for j, (k, a) in enumerate(zip(real, averaged)):
+        grads[k] = tf.reshape(a[starts[j]:starts[j] + rows[j]], tf.shape(xs[k]))
+    return grads
+
+
+def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """``allgather`` of each tensor in a list, as one operation; differentiable."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
 
     def now(*ts):
-        wires = [compression.compress(t) for t in ts]
-        torch_tensors = [to_torch(w).clone() for w, _ in wires]
-        synchronize(_torch_ops.grouped_allreduce_async_(torch_tensors, op=op, prescale_factor=prescale_factor,
-                                                        postscale_factor=postscale_factor, process_set=process_set))
-        return [compression.decompress(to_tf(t, w.dtype), c) for t, (w, c) in zip(torch_tensors, wires)]
-
-    if tf.executing_eagerly():
-        return now(*tensors)
-    outs = tf.py_function(now, tensors, Tout=[t.dtype for t in tensors])
-    for out, t in zip(outs, tensors):
-        out.set_shape(t.shape)
-    return list(outs)
-
-
-def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
-    """Rank ``root_rank``'s value of ``tensor``; differentiable (the root gets the averaged gradient)."""
-    tensor = tf.convert_to_tensor(tensor)
-
-    def now(v):
-        return to_tf(synchronize(_torch_ops.broadcast_async(to_torch(v), root_rank, process_set=process_set)),
-                     v.dtype)
+        outs = synchronize(hvd_torch.grouped_allgather_async([to_torch(t) for t in ts], process_set=process_set))
+        return [to_tf(o, t.dtype) for o, t in zip(outs, ts)]
 
     @tf.custom_gradient
-    def bcast(x):
-        out = run(now, x, x.shape)
+    def gather(*xs):
+        outs = _py_function(now, xs, [_first_dim_unknown(x.shape) for x in xs])
+        return outs, lambda *dys: _allgather_grads(dys, xs, outs, process_set)
 
-        def grad(dy):  # Horovod's convention: the average of the ranks' gradients, on the root
-            averaged = allreduce(dy, op=_torch_ops.Average, process_set=process_set)
-            return averaged if _engine.topology().rank == root_rank else tf.zeros_like(averaged)
-
-        return out, grad
-
-    return bcast(tensor)
-
-
-def _first_dim_unknown(shape: tf.TensorShape) -> tf.TensorShape:
-    return tf.TensorShape([None]).concatenate(shape[1:]) if shape.rank else tf.TensorShape([None])
+    return list(gather(*tensors))
 
 
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -114,24 +191,87 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     tensor = tf.convert_to_tensor(tensor)
 
     def now(v):
-        return to_tf(synchronize(_torch_ops.allgather_async(to_torch(v), process_set=process_set)), v.dtype)
+        return to_tf(synchronize(hvd_torch.allgather_async(to_torch(v), process_set=process_set)), v.dtype)
 
     @tf.custom_gradient
     def gather(x):
         out = run(now, x, _first_dim_unknown(x.shape))
-        rows = tf.shape(x)[0] if x.shape.rank else 1
-
-        def grad(dy):  # Horovod's convention: this rank's rows of the average of the ranks' gradients
-            averaged = allreduce(dy, op=_torch_ops.Average, process_set=process_set)
-            with tf.control_dependencies([averaged]):  # in a graph, every rank runs the two in this order
-                counts = allgather(tf.reshape(tf.cast(rows, tf.int64), [1]), process_set=process_set)
-            start = tf.reduce_sum(counts[:process_set.rank()])
-            return tf.reshape(averaged[start:start + tf.cast(rows, tf.int64)], tf.shape(x))
-
-        return out, grad
+        return out, lambda dy: _allgather_grads([dy], [x], [out], process_set)[0]
 
     return gather(tensor)
 
+
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Rank ``root_rank``'s value of ``tensor``; differentiable (the root gets the averaged gradient)."""
+    tensor = tf.convert_to_tensor(tensor)
+
+    def now(v):
+        return to_tf(synchronize(hvd_torch.broadcast_async(to_torch(v), root_rank, process_set=process_set)),
+                     v.dtype)
+
+    @tf.custom_gradient
+    def bcast(x):
+        out = run(now, x, x.shape)
+
+        def grad(dy):  # Horovod's convention: the average of the ranks' gradients, on the root
+            averaged = allreduce(dy, op=Average, process_set=process_set)
+            return averaged if hvd_torch.rank() == root_rank else tf.zeros_like(averaged)
+
+        return out, grad
+
+    return bcast(tensor)
+
+
+def _tf_variable(v):
+    if isinstance(v, tf.Variable):
+        return v
+    if isinstance(getattr(v, "value", None), tf.Variable):  # a Keras 3 variable wraps one
+        return v.value
+    raise TypeError(f"broadcast_ assigns tf.Variables in place, got {type(v).__name__}; use "
+                    "hvd.broadcast(tensor, root_rank) for a tensor.")
+
+
+def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
+    """Assign every rank's ``variables`` (tf.Variables) rank ``root_rank``'s values, in place.
+
+    Returns the variables' new values, as Horovod does. The variables travel together: every
+    broadcast starts before the first is waited for.
+    """
+    variables = [_tf_variable(v) for v in variables]
+    if not variables:
+        return []
+
+    def now(*ts):
+        handles = [hvd_torch.broadcast_async(to_torch(t), root_rank, process_set=process_set) for t in ts]
+        return [to_tf(synchronize(h), t.dtype) for h, t in zip(handles, ts)]
+
+    values = [v.read_value() for v in variables]
+    outs = _py_function(now, values, [v.shape for v in variables])
+    assigns = [v.assign(out) for v, out in zip(variables, outs)]
+    with tf.control_dependencies(assigns):
+        return [v.read_value() for v in variables]
+
+
+def broadcast_variables(variables, root_rank: int = 0, process_set=global_process_set, inplace=False):
+    """Assign every rank's variables rank ``root_rank``'s values.
+
+    Every variable travels in one ``broadcast_`` (``inplace`` is accepted for Horovod
+    compatibility: both ways assign in place). Eagerly it returns None; in a graph, the op
+    that does it (Horovod's ``tf.group``).
+    """
+    values = broadcast_(variables, root_rank, process_set=process_set)
+    return None if tf.executing_eagerly() else tf.group(*values)
+
+
+def broadcast_global_variables(root_rank):
+    """TF1 graphs: broadcast every global variable from ``root_rank`` (returns the op to run)."""
+    if tf.executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() needs a TF1 graph, but TensorFlow is executing eagerly; "
+                           "use hvd.broadcast_variables(model.variables, root_rank) instead.")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+
+
+# ---- alltoall, reducescatter -----------------------------------------------------------------
 
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Send ``splits[i]`` rows of ``tensor`` to rank i (even parts without splits); differentiable.
@@ -145,8 +285,8 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     received = []
 
     def now(v, s):
-        out, recv = synchronize(_torch_ops.alltoall_async(to_torch(v), to_torch(s) if given else None,
-                                                          process_set=process_set))
+        out, recv = synchronize(hvd_torch.alltoall_async(to_torch(v), to_torch(s) if given else None,
+                                                         process_set=process_set))
         return to_tf(out, v.dtype), to_tf(recv, tf.int32)
 
     @tf.custom_gradient
@@ -164,19 +304,19 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     return (output, received[0]) if given else output
 
 
-def reducescatter(tensor, device_dense="", compression=Compression.none, op=_torch_ops.Average, name=None,
+def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
                   process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0,
                   postscale_factor=1.0):
     """Reduce ``tensor`` across the ranks and keep this rank's rows of the result; differentiable.
 
     The first dimension is divided as evenly as possible; lower ranks take the extra rows.
     """
-    op = _torch_ops._resolve_op(op, None)
+    op = resolve_op(op, None)
     tensor = tf.convert_to_tensor(tensor)
     wire, ctx = compression.compress(tensor)
 
     def now(v):
-        return to_tf(synchronize(_torch_ops.reducescatter_async(
+        return to_tf(synchronize(hvd_torch.reducescatter_async(
             to_torch(v), op=op, process_set=process_set, prescale_factor=prescale_factor,
             postscale_factor=postscale_factor)), v.dtype)
 
@@ -185,7 +325,7 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=_tor
         out = run(now, x, _first_dim_unknown(x.shape))
 
         def grad(dy):  # Horovod's convention: the gathered gradients, times size() for Sum
-            scale = prescale_factor * postscale_factor * (process_set.size() if op == _torch_ops.Sum else 1)
+            scale = prescale_factor * postscale_factor * (process_set.size() if op == Sum else 1)
             return allgather(dy, process_set=process_set) * scale
 
         return out, grad
@@ -193,59 +333,9 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=_tor
     return compression.decompress(scatter(wire), ctx)
 
 
-def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=_torch_ops.Average, name=None,
+def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average, name=None,
                           process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0,
                           postscale_factor=1.0):
     """``reducescatter`` of each tensor in a list."""
     return [reducescatter(t, compression=compression, op=op, process_set=process_set,
                           prescale_factor=prescale_factor, postscale_factor=postscale_factor) for t in tensors]
-
-
-def broadcast_variables(variables, root_rank: int = 0, process_set=global_process_set) -> None:
-    """Assign every rank's variables rank ``root_rank``'s values."""
-    for v in variables:
-        v.assign(broadcast(v, root_rank, process_set=process_set))
-
-
-class DistributedGradientTape:
-    """Wraps a ``tf.GradientTape``: ``gradient()`` returns gradients averaged across the ranks.
-
-    ``op``: Average (default) or Sum; ``compression``: Compression.none or fp16;
-    ``sparse_as_dense``: IndexedSlices become dense tensors first (otherwise they are refused);
-    ``gradient_predivide_factor`` splits the averaging before and after the sum, as in Horovod.
-    """
-
-    def __init__(self, gradtape, device_dense="", device_sparse="", compression=Compression.none,
-                 sparse_as_dense=False, op=_torch_ops.Average, gradient_predivide_factor=1.0):
-        op = _torch_ops._resolve_op(op, None)
-        if op not in (_torch_ops.Average, _torch_ops.Sum):
-            raise ValueError(f"DistributedGradientTape reduces with op=hvd.Average or hvd.Sum, got {op.name}.")
-        self._tape = gradtape
-        self._compression = compression
-        self._sparse_as_dense = sparse_as_dense
-        self._op = op
-        self._predivide = float(gradient_predivide_factor)
-
-    def __getattr__(self, name):
-        return getattr(self._tape, name)
-
-    def gradient(self, target, sources, output_gradients=None, **kwargs):
-        grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
-        flat = tf.nest.flatten(grads)
-        dense = []
-        for g in flat:
-            if isinstance(g, tf.IndexedSlices):
-                if not self._sparse_as_dense:
-                    raise ValueError("a gradient is tf.IndexedSlices (from an embedding lookup); pass "
-                                     "sparse_as_dense=True to DistributedGradientTape to reduce it as a dense tensor.")
-                g = tf.convert_to_tensor(g)
-            dense.append(g)
-        present = [g for g in dense if g is not None]
-        pre, post = 1.0, 1.0
-        if self._op == _torch_ops.Average and self._predivide != 1.0:
-            pre, post = 1.0 / self._predivide, self._predivide
-        scaled = [g * pre if pre != 1.0 else g for g in present]
-        reduced = grouped_allreduce(scaled, op=self._op, compression=self._compression)
-        reduced = [r * post if post != 1.0 else r for r in reduced]
-        it = iter(reduced)
-        return tf.nest.pack_sequence_as(grads, [next(it) if g is not None else None for g in dense])

@@ -10,11 +10,12 @@ import torch as _torch
 import torch.distributed as _dist
 
 from .. import _engine
-from . import _check, _handles, _process_sets
+from . import _process_sets
 from ._autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
                         grouped_reducescatter, reducescatter)
 from ._compression import Compression
 from ._functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .._background import HorovodInternalError
 from ._handles import poll, synchronize
 from ._ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_async, allreduce_,
                    allreduce_async, allreduce_async_, alltoall_async, barrier, broadcast_, broadcast_async,
@@ -42,14 +43,6 @@ __all__ = [
     "Compression", "DistributedOptimizer", "SyncBatchNorm", "start_timeline", "stop_timeline",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError",
 ]
-
-
-class HorovodInternalError(RuntimeError):
-    """Horovod's error for a failed collective, kept so that ``except hvd.HorovodInternalError`` works.
-
-    sparkhvd raises ``ValueError`` for bad arguments and ``RuntimeError`` (or ``MeshError``) for a
-    failed peer; none of them is this class.
-    """
 
 
 def init(comm=None, process_sets=None) -> None:
@@ -85,12 +78,17 @@ def join(device: int = -1) -> int:
     ``size()``. Any other collective then fails on every rank with a clear error. ``device`` is
     accepted for Horovod compatibility (the zeros go where the others' tensors are).
     """
-    return _check.join(global_process_set)
+    if size() == 1:
+        return 0
+    from .._background import Op
+    from .._negotiate import JOIN
+
+    return synchronize(_engine.engine().submit(global_process_set.link_id, Op(
+        kind=JOIN, name=None, signature="", description="join()")))
 
 
 def shutdown() -> None:
     """Leave the job (``init()`` may be called again); forgets the process sets and unfinished names."""
-    _handles._in_flight.clear()
     _process_sets._reset()
     _engine.shutdown()
 

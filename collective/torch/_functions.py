@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import io
 
 import torch
-import torch.distributed as dist
 
-from .. import _engine, _progress
-from ._check import verify
-from ._ops import _group, _root_problem, broadcast_, gather_ints
+from .. import _engine
+from ._handles import synchronize
+from ._ops import allgather_async, broadcast_
 from ._process_sets import global_process_set
 
 
@@ -17,27 +15,17 @@ def broadcast_object(obj=None, root_rank: int = 0, name=None, process_set=global
     """Rank ``root_rank``'s ``obj`` on every rank of the set (pickled with cloudpickle)."""
     import cloudpickle
 
-    group = _group(process_set, "broadcast_object")
-    verify("broadcast_object", [], process_set, extra=f"root_rank={root_rank}",
-           problem=_root_problem(root_rank, process_set), name=name)
-    op = _progress.take_op()
-    rank = _engine.topology().rank
-    if rank == root_rank:
-        buf = io.BytesIO()
-        cloudpickle.dump(obj, buf)  # the user's pickling: not a wait on peers
-        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    base = "broadcast_object" if name is None else name
+    if _engine.topology().rank == root_rank:
+        data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
         length = torch.tensor([data.numel()], dtype=torch.int64)
     else:
         length = torch.zeros(1, dtype=torch.int64)
-    entry = _progress.begin_data(op, "broadcast_object", name)
-    try:
-        dist.broadcast(length, src=root_rank, group=group)
-        if rank != root_rank:
-            data = torch.empty(int(length.item()), dtype=torch.uint8)
-        dist.broadcast(data, src=root_rank, group=group)
-    finally:
-        _progress.end(entry)
-    if rank == root_rank:
+    broadcast_(length, root_rank, name=f"{base}.length" if name is not None else None, process_set=process_set)
+    if _engine.topology().rank != root_rank:
+        data = torch.empty(int(length.item()), dtype=torch.uint8)
+    broadcast_(data, root_rank, name=f"{base}.data" if name is not None else None, process_set=process_set)
+    if _engine.topology().rank == root_rank:
         return obj
     return cloudpickle.loads(data.numpy().tobytes())
 
@@ -46,19 +34,16 @@ def allgather_object(obj, name=None, process_set=global_process_set) -> list:
     """Every rank's ``obj``, as a list in rank order (pickled with cloudpickle)."""
     import cloudpickle
 
-    group = _group(process_set, "allgather_object")
-    verify("allgather_object", [], process_set, name=name)
     data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
-    lengths = [n[0] for n in gather_ints([data.numel()], data.device, process_set)]  # leaves the op to take
-    padded = torch.zeros(max(lengths), dtype=torch.uint8)
-    padded[: data.numel()] = data
-    gathered = [torch.empty_like(padded) for _ in lengths]
-    entry = _progress.begin_data(_progress.take_op(), "allgather_object", name)
-    try:
-        dist.all_gather(gathered, padded, group=group)
-    finally:
-        _progress.end(entry)
-    return [cloudpickle.loads(g[:n].numpy().tobytes()) for g, n in zip(gathered, lengths)]
+    handles = [allgather_async(torch.tensor([data.numel()], dtype=torch.int64),
+                               name=None if name is None else f"{name}.lengths", process_set=process_set),
+               allgather_async(data, name=None if name is None else f"{name}.data", process_set=process_set)]
+    lengths, gathered = (synchronize(h) for h in handles)
+    parts, offset = [], 0
+    for n in lengths.reshape(-1).tolist():
+        parts.append(cloudpickle.loads(gathered[offset:offset + n].numpy().tobytes()))
+        offset += n
+    return parts
 
 
 def broadcast_parameters(params, root_rank: int = 0, process_set=global_process_set) -> None:

@@ -20,11 +20,8 @@ import threading
 import weakref
 
 import torch
-import torch.distributed as dist
 
-from .. import _progress
 from . import _timeline
-from ._check import inline_fits, verify
 from ._scale import scale_
 
 DEFAULT_THRESHOLD = 64 * 1024 * 1024
@@ -105,7 +102,7 @@ def pack(tensors: list, threshold: int) -> list:
 
 
 class _Bucket:
-    __slots__ = ("params", "flat", "buffer", "pending", "work", "ctx", "started", "dense", "sparse", "op")
+    __slots__ = ("params", "flat", "buffer", "pending", "work", "ctx", "started", "dense", "sparse")
 
     def __init__(self, params: list):
         self.params = params
@@ -117,7 +114,6 @@ class _Bucket:
         self.work = None
         self.ctx = None
         self.started = 0.0
-        self.op = None  # the checked op of this step's reduction (stall report)
 
 
 class GradientBuckets:
@@ -198,7 +194,6 @@ class GradientBuckets:
         with torch.no_grad():
             bucket.flat = torch.cat([g.reshape(-1) for g in grads], out=buffer)
         bucket.work, bucket.ctx = self._launch_fn(bucket.flat, f"{self._label}, bucket {index} of {len(self.buckets)}")
-        bucket.op = _progress.take_op()
 
     def finish(self) -> None:
         """Launch the rest in order, wait for every bucket, and write the gradients back."""
@@ -218,11 +213,7 @@ class GradientBuckets:
         with torch.no_grad():
             for bucket in self.buckets:
                 if bucket.work is not None:
-                    entry = _progress.begin_data(bucket.op, "DistributedOptimizer bucket", None)
-                    try:
-                        bucket.work.wait()
-                    finally:
-                        _progress.end(entry)
+                    bucket.work.wait()
                 for i, handle in bucket.sparse.items():
                     bucket.params[i].grad = handle.wait()
                 if bucket.flat is None:
@@ -256,15 +247,13 @@ def write_back(p: torch.Tensor, reduced: torch.Tensor) -> None:
 def launch_allreduce(flat: torch.Tensor, label: str, *, op_is_average: bool, predivide: float, compression,
                      process_set):
     """Start one bucket's reduction: returns (work, context for finish_allreduce)."""
+    from ._ops import Sum, allreduce_async_
+
     wire, ctx = compression.compress(flat)
     if op_is_average:
         scale_(wire, 1.0 / predivide)
-    reduced = verify("DistributedOptimizer bucket", [wire], process_set, extra=label,
-                     mirror=wire,  # a joined rank mirrors it
-                     inline=wire if inline_fits(wire, process_set) else None, name=label)
-    if reduced is not None:  # a small bucket rode in the check's exchange
-        return None, (reduced, ctx)
-    return dist.all_reduce(wire, group=process_set.group, async_op=True), (wire, ctx)
+    handle = allreduce_async_(wire, op=Sum, name=label, process_set=process_set, _what="DistributedOptimizer bucket")
+    return handle, (wire, ctx)
 
 
 def finish_allreduce(flat: torch.Tensor, ctx, *, op_is_average: bool, predivide: float, size: int, compression):

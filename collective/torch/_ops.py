@@ -1,22 +1,26 @@
 """Horovod's tensor collectives on c10d: asynchronous cores, in-place and blocking variants.
 
-Every op takes ``process_set=`` (default: every rank). Ops run in call order, as c10d and DDP
-do: every rank of the set must call the same ops in the same order. The differentiable
+Every op takes ``process_set=`` (default: every rank) and goes to the background engine
+(``collective/_background.py``), which matches it across ranks by name (explicit, or an automatic
+one: the n-th unnamed op of its kind on the set) and starts its data op in the order the set's
+coordinator gives. Each function here describes its op (``Op``): what must agree across ranks,
+and ``launch``, which starts the c10d op once every member has submitted it. The differentiable
 out-of-place wrappers live in ``_autograd.py``.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .. import _progress
-from . import _fusion, _timeline
-from ._check import inline_fits, verify
-from ._handles import Handle, name_problem, register, synchronize
+from .. import _background, _engine
+from .._background import Handle, Op
+from . import _fusion, _inline
+from ._handles import GroupHandle, synchronize
 from ._scale import scale_, scaled
 from ._process_sets import ProcessSet, global_process_set, require_member
 
@@ -89,19 +93,43 @@ def _scale_after(tensor: torch.Tensor, op: ReduceOp, size: int, postscale: float
         scale_(tensor, postscale / size if average else postscale)
 
 
-def _fused(members: list, pooled: list) -> torch.Tensor:
-    """``members`` as one flat tensor: a view of a lone member, else a copy (into a pooled buffer on CPU)."""
-    if len(members) == 1:
-        return members[0].detach().reshape(-1)
-    numel = sum(m.numel() for m in members)
-    if members[0].device.type != "cpu":
-        return _flatten_dense_tensors([m.detach() for m in members])
-    buffer = _fusion.pool.take(members[0].dtype, numel)
-    pooled.append(buffer)
-    return torch.cat([m.detach().reshape(-1) for m in members], out=buffer[:numel])
+def describe(t: torch.Tensor, skip_first_dim: bool = False) -> str:
+    """What a rank passed, for the error when ranks disagree: ``float32[4, 3] on cpu``."""
+    shape = list(t.shape)
+    dims = str(["*"] + shape[1:]).replace("'", "") if skip_first_dim and shape else str(shape)
+    return f"{str(t.dtype).replace('torch.', '')}{dims} on {t.device.type}"
+
+
+def _submit(process_set: ProcessSet, op: Op) -> Handle:
+    """Hand ``op`` to the engine (a set of one needs no negotiation)."""
+    if process_set.size() == 1:
+        return _background.run_local(op)
+    return _engine.engine().submit(process_set.link_id, op)
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    """What gloo moves for ``tensor``: itself when contiguous and of a type gloo carries, else a contiguous byte
+    view (gloo moves bytes: bool, int8 and int16 travel as uint8)."""
+    t = tensor if tensor.is_contiguous() else tensor.contiguous()
+    if t.dtype in _BYTE_VIEWED and t.device.type == "cpu":
+        return t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+    return t
+
+
+_BYTE_VIEWED = {torch.bool, torch.int8, torch.int16, torch.uint16, torch.uint32, torch.uint64,
+                torch.complex64, torch.complex128}
+
+
+def _zeros_spec(t: torch.Tensor, kind: str, **more) -> dict:
+    """What a rank inside ``join()`` needs to mirror the op with zeros."""
+    return {"kind": kind, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
+            "cuda": int(t.is_cuda), **more}
 
 
 # ---- allreduce ----------------------------------------------------------------------------
+
+_REDUCED_VIA_INT32 = {torch.int16, torch.int8, torch.uint8, torch.bool}  # gloo has no 8/16-bit reduction
+
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=global_process_set, _what: str = "allreduce") -> Handle:
@@ -112,34 +140,55 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     """
     _check_tensor(tensor, "allreduce")
     op = _resolve_op(op, average)
-    group = _group(process_set, _what)
-    problem = name_problem(name, "allreduce")
-    inline = None
-    if problem is None and inline_fits(tensor, process_set):  # small: the data rides in the exchange
-        with torch.no_grad():
-            inline = scaled(tensor.detach(), prescale_factor)
-    reduced = verify(_what, [tensor], process_set, extra=f"op={op.name}", mirror=_joinable(tensor, op),
-                     problem=problem, inline=inline, inline_op=_C10D_OPS[op],
-                     out=tensor if tensor.is_contiguous() else None, name=name)
+    require_member(process_set, _what)
     size = process_set.size()
+    desc = describe(tensor)
+    inline = None
     with torch.no_grad():
-        if reduced is not None:
-            if reduced is not tensor:
-                tensor.copy_(reduced.view_as(tensor))
-            works = []
-        else:
+        if _inline.fits(tensor, size):  # small: the data rides in the control frames
+            inline = scaled(tensor.detach(), prescale_factor).reshape(-1).contiguous()
+
+    def launch(item, result):
+        if inline is not None:
+            with torch.no_grad():
+                tensor.copy_(_inline.read(result, inline.dtype).view_as(tensor))
+            return [], finish
+        with torch.no_grad():
             wire = tensor if tensor.is_contiguous() else tensor.contiguous()  # c10d reduces strided ones wrong
-            scale_(wire, prescale_factor)
-            works = [dist.all_reduce(wire, op=_C10D_OPS[op], group=group, async_op=True)]
+            widened = wire.to(torch.int32) if wire.dtype in _REDUCED_VIA_INT32 and not wire.is_cuda else None
+            target = wire if widened is None else widened
+            scale_(target, prescale_factor)
+            work = dist.all_reduce(target, op=_C10D_OPS[op], group=process_set.group, async_op=True)
+        state["wire"], state["widened"] = wire, widened
+        return [work], finish
+
+    state: dict = {}
 
     def finish():
         with torch.no_grad():
-            if works and wire is not tensor:
+            wire, widened = state.get("wire"), state.get("widened")
+            if widened is not None:
+                if op == Average and size > 1:
+                    widened = torch.div(widened * postscale_factor, size, rounding_mode="trunc")
+                    postscale = 1.0
+                else:
+                    postscale = postscale_factor
+                scale_(widened, postscale)
+                wire.copy_(widened.to(wire.dtype) if wire.dtype != torch.bool else widened > 0)
+                if wire is not tensor:
+                    tensor.copy_(wire)
+                return tensor
+            if wire is not None and wire is not tensor:
                 tensor.copy_(wire)
             _scale_after(tensor, op, size, postscale_factor)
         return tensor
 
-    return register(Handle(works, finish, name, kind="allreduce", nbytes=_nbytes(tensor)))
+    return _submit(process_set, Op(
+        kind="allreduce", name=name, signature=f"{op.name}|{desc}|{prescale_factor}|{postscale_factor}",
+        description=f"{_what}(op={op.name}: {desc})", joinable=op in (Sum, Average),
+        inline=None if inline is None else _inline.wire_bytes(inline), launch=launch, nbytes=_nbytes(tensor),
+        request={"z": _zeros_spec(tensor, "all_reduce") if inline is None else
+                 {"kind": "inline", "dtype": str(inline.dtype).replace("torch.", ""), "op": op.name}}))
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -156,39 +205,51 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
+def _fused(members: list, pooled: list) -> torch.Tensor:
+    """``members`` as one flat tensor: a view of a lone member, else a copy (into a pooled buffer on CPU)."""
+    if len(members) == 1:
+        return members[0].detach().reshape(-1)
+    numel = sum(m.numel() for m in members)
+    if members[0].device.type != "cpu":
+        return _flatten_dense_tensors([m.detach() for m in members])
+    buffer = _fusion.pool.take(members[0].dtype, numel)
+    pooled.append(buffer)
+    return torch.cat([m.detach().reshape(-1) for m in members], out=buffer[:numel])
+
+
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set) -> Handle:
-    """Start reducing a list of tensors in place, fused into one flat buffer per dtype and device."""
+    """Start reducing a list of tensors in place, fused into one flat buffer per dtype and device.
+
+    The list is one op for negotiation: its tensors are reduced together or not at all.
+    """
     tensors = list(tensors)
     for t in tensors:
         _check_tensor(t, "grouped_allreduce")
     op = _resolve_op(op, average)
-    group = _group(process_set, "grouped_allreduce")
+    require_member(process_set, "grouped_allreduce")
     size = process_set.size()
+    desc = ", ".join(describe(t) for t in tensors)
     buckets = _fusion.pack(tensors, _fusion.fusion_threshold())
-    works, flats, pooled = [], [], []
-    try:
+    inline = None
+    if len(buckets) == 1 and tensors:
         with torch.no_grad():
-            for i, members in enumerate(buckets):
-                flat = _fused(members, pooled)
-                problem = name_problem(name, "grouped_allreduce")
-                if problem is None:
-                    flat = scaled(flat, prescale_factor)  # not in place: flat may be a view of the only member
-                reduced = verify("grouped_allreduce", members, process_set,
-                                 extra=f"op={op.name}, bucket {i} of {len(buckets)}", mirror=_joinable(flat, op),
-                                 problem=problem, inline=flat if inline_fits(flat, process_set) else None,
-                                 inline_op=_C10D_OPS[op], name=name)
-                if reduced is not None:  # small: it rode in the check's exchange
-                    flat = reduced
-                else:
-                    works.append(dist.all_reduce(flat, op=_C10D_OPS[op], group=group, async_op=True))
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            if _inline.fits(flat, size):
+                inline = scaled(flat, prescale_factor)
+    flats, pooled = [], []
+
+    def launch(item, result):
+        if inline is not None:
+            flats.append((_inline.read(result, inline.dtype), tensors))
+            return [], finish
+        works = []
+        with torch.no_grad():
+            for members in buckets:
+                flat = scaled(_fused(members, pooled), prescale_factor)  # not in place: may view the only member
+                works.append(dist.all_reduce(flat, op=_C10D_OPS[op], group=process_set.group, async_op=True))
                 flats.append((flat, members))
-    except BaseException:
-        for work in works:
-            work.wait()  # the pooled buffers are in use until then
-        for buffer in pooled:
-            _fusion.pool.give(buffer)
-        raise
+        return works, finish
 
     def finish():
         with torch.no_grad():
@@ -200,7 +261,17 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
             _fusion.pool.give(buffer)
         return tuple(tensors)
 
-    return register(Handle(works, finish, name, kind="grouped_allreduce", nbytes=sum(map(_nbytes, tensors))))
+    stand_in = {"z": {"kind": "inline", "dtype": str(inline.dtype).replace("torch.", ""), "op": op.name}} \
+        if inline is not None else {}
+    if inline is None and tensors:
+        stand_in = {"z": {"kind": "all_reduce_buckets", "cuda": int(tensors[0].is_cuda),
+                          "buckets": [[str(b[0].dtype).replace("torch.", ""), sum(m.numel() for m in b)]
+                                      for b in buckets]}}
+    return _submit(process_set, Op(
+        kind="grouped_allreduce", name=name, signature=f"{op.name}|{desc}|{prescale_factor}|{postscale_factor}",
+        description=f"grouped_allreduce(op={op.name}: {desc})", joinable=op in (Sum, Average) and bool(stand_in),
+        inline=None if inline is None else _inline.wire_bytes(inline), launch=launch,
+        nbytes=sum(map(_nbytes, tensors)), request=stand_in))
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -222,21 +293,27 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
     """Start overwriting ``tensor`` with rank ``root_rank``'s value, in place."""
     _check_tensor(tensor, "broadcast")
-    group = _group(process_set, "broadcast")
-    problem = _root_problem(root_rank, process_set) or name_problem(name, "broadcast")
-    verify("broadcast", [tensor], process_set, extra=f"root_rank={root_rank}", problem=problem, name=name)
-    src = root_rank
-    wire = tensor if tensor.is_contiguous() else tensor.detach().contiguous()
-    with torch.no_grad():
-        work = dist.broadcast(wire, src=src, group=group, async_op=True)
+    require_member(process_set, "broadcast")
+    desc = describe(tensor)
+    state: dict = {}
+
+    def launch(item, result):
+        wire = _wire(tensor.detach())
+        state["wire"] = wire
+        with torch.no_grad():
+            return [dist.broadcast(wire, src=root_rank, group=process_set.group, async_op=True)], finish
 
     def finish():
-        if wire is not tensor:
+        wire = state["wire"]
+        if not tensor.is_contiguous():  # the data went into a contiguous copy
             with torch.no_grad():
-                tensor.copy_(wire)
+                tensor.copy_(wire.view(tensor.dtype).view_as(tensor))
         return tensor
 
-    return register(Handle([work], finish, name, kind="broadcast", nbytes=_nbytes(tensor)))
+    return _submit(process_set, Op(
+        kind="broadcast", name=name, signature=f"{root_rank}|{desc}", description=f"broadcast(root_rank={root_rank}: "
+        f"{desc})", problem=_root_problem(root_rank, process_set), launch=launch, nbytes=_nbytes(tensor),
+        joinable=True, request={"z": _zeros_spec(tensor, "broadcast", root=root_rank)}))
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
@@ -253,44 +330,41 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> 
 # ---- allgather ----------------------------------------------------------------------------
 
 def gather_ints(values: list, device, process_set=global_process_set) -> list:
-    """Every member's list of ints (same length on every member), as tuples in set-rank order.
-
-    Registered as the data wait of this thread's latest checked op, which it leaves for the data
-    wait that follows (``take_op``)."""
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    out = [torch.empty_like(mine) for _ in range(process_set.size())]
-    op = _progress.current_op()
-    entry = _progress.begin_data(op, "allgather" if op is None else op[0], None)
-    try:
-        dist.all_gather(out, mine, group=process_set.group)
-    finally:
-        _progress.end(entry)
-    return [tuple(int(x) for x in o.tolist()) for o in out]
+    """Every member's list of ints (same length on every member), as tuples in set-rank order."""
+    mine = torch.tensor([values], dtype=torch.int64)
+    gathered = synchronize(allgather_async(mine, process_set=process_set))
+    return [tuple(int(x) for x in row) for row in gathered.tolist()]
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set, _problem=None) -> Handle:
     """Start concatenating every member's ``tensor`` along the first dimension, in rank order.
 
-    The first dimension may differ between ranks; the others must match. (The shapes are
-    exchanged before this returns; the data moves asynchronously.)
+    The first dimension may differ between ranks; the others must match.
     """
     _check_tensor(tensor, "allgather")
-    _group(process_set, "allgather")
+    require_member(process_set, "allgather")
     t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
-    verify("allgather", [t], process_set, skip_first_dim=True,
-           problem=_problem or name_problem(name, "allgather"), name=name)
-    shapes = gather_ints(list(t.shape), t.device, process_set)
-    if len({s[1:] for s in shapes}) > 1:
-        raise ValueError(f"allgather needs tensors whose dimensions after the first match on every rank; "
-                         f"got shapes {[list(s) for s in shapes]} on ranks 0..{len(shapes) - 1}.")
-    rows = [s[0] for s in shapes]
-    longest = max(rows)
-    padded = t if t.shape[0] == longest else torch.cat(
-        [t, t.new_zeros((longest - t.shape[0],) + tuple(t.shape[1:]))])
-    gathered = [torch.empty_like(padded) for _ in rows]
-    work = dist.all_gather(gathered, padded.contiguous(), group=process_set.group, async_op=True)
-    return register(Handle([work], lambda: torch.cat([g[:n] for g, n in zip(gathered, rows)]), name,
-                           kind="allgather", nbytes=_nbytes(padded) * len(rows)))
+    desc = describe(t, skip_first_dim=True)
+    trailing = tuple(t.shape[1:])
+    out: dict = {}
+
+    def launch(item, result):
+        rows = [r or 0 for r in item["x"]]
+        longest = max(rows)
+        padded = t if t.shape[0] == longest else torch.cat([t, t.new_zeros((longest - t.shape[0],) + trailing)])
+        wire = _wire(padded)
+        gathered = [torch.empty_like(wire) for _ in rows]
+        out["rows"], out["gathered"] = rows, gathered
+        return [dist.all_gather(gathered, wire, group=process_set.group, async_op=True)], finish
+
+    def finish():
+        longest = max(out["rows"])
+        return torch.cat([g.view(t.dtype).view((longest,) + trailing)[:n] for g, n in zip(out["gathered"], out["rows"])])
+
+    return _submit(process_set, Op(
+        kind="allgather", name=name, signature=desc, description=f"allgather({desc})", fact=int(t.shape[0]),
+        problem=_problem, launch=launch, nbytes=_nbytes(t) * process_set.size(), joinable=True,
+        request={"z": _zeros_spec(t, "all_gather")}))
 
 
 def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set) -> Handle:
@@ -303,13 +377,17 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
     if op not in (Average, Sum):
         raise ValueError(f"sparse_allreduce_async supports op=hvd.Average or hvd.Sum, got {op.name}.")
     size = process_set.size()
-    problem = name_problem(name, "sparse_allreduce")  # every rank raises in the first gather's check
+    names = (None, None) if name is None else (f"{name}.indices", f"{name}.values")
     if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:  # a dense one on some rank
         problem = (f"sparse_allreduce_async takes a sparse COO tensor, got "
                    f"{getattr(tensor, 'layout', type(tensor).__name__)}; use allreduce_async for dense ones.")
-        allgather_async(torch.empty(0, 1, dtype=torch.int64), process_set=process_set, _problem=problem)
-    indices = allgather_async(tensor._indices().t().contiguous(), process_set=process_set, _problem=problem)
-    values = allgather_async(tensor._values(), process_set=process_set)
+        stand_ins = [allgather_async(torch.empty(0, 1, dtype=torch.int64), names[0], process_set, _problem=problem),
+                     allgather_async(torch.empty(0), names[1], process_set, _problem=problem)]  # the others' two ops
+        synchronize(stand_ins[0])  # every rank raises the problem
+    problem = None
+    indices = allgather_async(tensor._indices().t().contiguous(), names[0], process_set=process_set,
+                              _problem=problem)
+    values = allgather_async(tensor._values(), names[1], process_set=process_set)
 
     def finish():
         gathered = values.wait()
@@ -318,21 +396,14 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
                                                                                        rounding_mode="trunc")
         return torch.sparse_coo_tensor(indices.wait().t(), gathered, tensor.shape, check_invariants=True)
 
-    return register(Handle(indices._works + values._works, finish, name, kind="sparse_allreduce",
-                           nbytes=indices.nbytes + values.nbytes))
-
-
-def _grouped(kind: str, handles: list, name) -> Handle:
-    """One handle for several: ``synchronize`` gives the tuple of their results (Horovod's grouped ops)."""
-    return register(Handle([w for h in handles for w in h._works], lambda: tuple(h.wait() for h in handles), name,
-                           kind=kind, nbytes=sum(h.nbytes for h in handles)))
+    return GroupHandle([indices, values], finish, "sparse_allreduce")
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> Handle:
     """Start ``allgather`` of each tensor in a list; ``synchronize`` returns a tuple of results."""
-    problem = name_problem(name, "grouped_allgather")  # every rank raises in the first one's check
-    return _grouped("grouped_allgather", [allgather_async(t, process_set=process_set, _problem=problem if i == 0
-                                                          else None) for i, t in enumerate(tensors)], name)
+    handles = [allgather_async(t, None if name is None else f"{name}.{i}", process_set=process_set)
+               for i, t in enumerate(tensors)]
+    return GroupHandle(handles, lambda: tuple(h.wait() for h in handles), "grouped_allgather")
 
 
 # ---- alltoall, reducescatter --------------------------------------------------------------
@@ -340,11 +411,11 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set) 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> Handle:
     """Start sending ``splits[i]`` rows of ``tensor`` to rank i; the result is (tensor, received splits)."""
     _check_tensor(tensor, "alltoall")
-    _group(process_set, "alltoall")
+    require_member(process_set, "alltoall")
     n = process_set.size()
     rows = tensor.shape[0] if tensor.dim() else 0
     problem = None
-    if tensor.dim() == 0:  # every rank raises this in the check below, not this rank alone
+    if tensor.dim() == 0:  # every rank raises this, not this rank alone
         problem, splits = "alltoall needs a tensor with at least one dimension; got a scalar.", [0] * n
     elif splits is None:
         if rows % n:
@@ -355,22 +426,33 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     if problem is None and (len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows):
         problem = (f"alltoall splits {splits} must be {n} non-negative counts (one per rank) that add up "
                    f"to the first dimension ({rows}).")
-    verify("alltoall", [tensor], process_set, skip_first_dim=True,
-           problem=problem or name_problem(name, "alltoall"), name=name)
-    send = torch.tensor(splits, dtype=torch.int64, device=tensor.device)
-    recv = torch.empty_like(send)
-    entry = _progress.begin_data(_progress.current_op(), "alltoall", name)  # the Handle below takes the op
-    try:
-        dist.all_to_all_single(recv, send, group=process_set.group)
-    finally:
-        _progress.end(entry)
-    received = [int(x) for x in recv.tolist()]
-    output = tensor.new_empty((sum(received),) + tuple(tensor.shape[1:]))
-    work = dist.all_to_all_single(output, tensor.detach().contiguous(), output_split_sizes=received,
-                                  input_split_sizes=splits, group=process_set.group, async_op=True)
-    received_splits = torch.tensor(received, dtype=torch.int32)
-    return register(Handle([work], lambda: (output, received_splits), name, kind="alltoall",
-                           nbytes=_nbytes(tensor)))
+    desc = describe(tensor, skip_first_dim=True)
+    out: dict = {}
+
+    trailing = tuple(tensor.shape[1:])
+    as_bytes = tensor.dtype in _BYTE_VIEWED and tensor.device.type == "cpu"
+
+    def launch(item, result):
+        me = process_set.rank()
+        received = [int(row[me]) for row in item["x"]]
+        src = tensor.detach().contiguous()
+        if as_bytes:  # gloo moves bytes: rows of bytes
+            src = src.view(torch.uint8).reshape(rows, tensor.element_size() * math.prod(trailing))
+        output = src.new_empty((sum(received),) + tuple(src.shape[1:]))
+        out["output"], out["received"] = output, received
+        work = dist.all_to_all_single(output, src, output_split_sizes=received, input_split_sizes=splits,
+                                      group=process_set.group, async_op=True)
+        return [work], finish
+
+    def finish():
+        output = out["output"]
+        if as_bytes:
+            output = output.view(tensor.dtype).reshape((sum(out["received"]),) + trailing)
+        return output, torch.tensor(out["received"], dtype=torch.int32)
+
+    return _submit(process_set, Op(
+        kind="alltoall", name=name, signature=desc, description=f"alltoall({desc})", fact=splits, problem=problem,
+        launch=launch, nbytes=_nbytes(tensor)))
 
 
 def reducescatter_rows(rows: int, size: int) -> list:
@@ -390,48 +472,63 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     op = _resolve_op(op, None)
     if op not in (Average, Sum):
         raise ValueError(f"reducescatter supports op=hvd.Average or hvd.Sum, got {op.name}.")
-    group = _group(process_set, "reducescatter")
+    require_member(process_set, "reducescatter")
     scalar = "reducescatter needs a tensor with at least one dimension; got a scalar." if tensor.dim() == 0 else None
-    verify("reducescatter", [tensor], process_set, extra=f"op={op.name}",  # every rank raises any problem
-           problem=_problem or scalar or name_problem(name, "reducescatter"), name=name)
-    n, me = process_set.size(), process_set.rank()
-    counts = reducescatter_rows(tensor.shape[0], n)
-    longest, trailing = counts[0], tuple(tensor.shape[1:])
-    with torch.no_grad():
-        src = tensor.detach()
-        if len(set(counts)) > 1:  # pad every share to the largest
-            padded = src.new_zeros((n * longest,) + trailing)
-            start = 0
-            for r, c in enumerate(counts):
-                padded[r * longest:r * longest + c] = src[start:start + c]
-                start += c
-            src = padded
-        src = scaled(src, prescale_factor)
-        out = src.new_empty((longest,) + trailing)
-        work = dist.reduce_scatter_tensor(out, src.contiguous(), op=dist.ReduceOp.SUM, group=group, async_op=True)
+    desc = describe(tensor)
+    n = process_set.size()
+    out: dict = {}
+
+    def launch(item, result):
+        me = process_set.rank()
+        counts = reducescatter_rows(tensor.shape[0], n)
+        longest, trailing = counts[0], tuple(tensor.shape[1:])
+        with torch.no_grad():
+            src = tensor.detach()
+            if len(set(counts)) > 1:  # pad every share to the largest
+                padded = src.new_zeros((n * longest,) + trailing)
+                start = 0
+                for r, c in enumerate(counts):
+                    padded[r * longest:r * longest + c] = src[start:start + c]
+                    start += c
+                src = padded
+            src = scaled(src, prescale_factor)
+            widened = src.dtype in _REDUCED_VIA_INT32
+            if widened:
+                src = src.to(torch.int32)
+            result_ = src.new_empty((longest,) + trailing)
+            work = dist.reduce_scatter_tensor(result_, src.contiguous(), op=dist.ReduceOp.SUM,
+                                              group=process_set.group, async_op=True)
+        out["result"], out["count"] = result_, counts[me]
+        return [work], finish
 
     def finish():
-        mine = out[:counts[me]]
+        mine = out["result"][:out["count"]]
         with torch.no_grad():
             _scale_after(mine, op, n, postscale_factor)
-        return mine
+        return mine.to(tensor.dtype) if mine.dtype != tensor.dtype else mine
 
-    return register(Handle([work], finish, name, kind="reducescatter", nbytes=_nbytes(tensor)))
+    return _submit(process_set, Op(
+        kind="reducescatter", name=name, signature=f"{op.name}|{desc}|{prescale_factor}|{postscale_factor}",
+        description=f"reducescatter(op={op.name}: {desc})", problem=_problem or scalar, launch=launch,
+        nbytes=_nbytes(tensor)))
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                                 postscale_factor=1.0) -> Handle:
     """Start ``reducescatter`` of each tensor in a list; ``synchronize`` returns a tuple of results."""
-    problem = name_problem(name, "grouped_reducescatter")  # every rank raises in the first one's check
-    return _grouped("grouped_reducescatter",
-                    [reducescatter_async(t, op=op, process_set=process_set, prescale_factor=prescale_factor,
-                                         postscale_factor=postscale_factor, _problem=problem if i == 0 else None)
-                     for i, t in enumerate(tensors)], name)
+    handles = [reducescatter_async(t, None if name is None else f"{name}.{i}", op=op, process_set=process_set,
+                                   prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+               for i, t in enumerate(tensors)]
+    return GroupHandle(handles, lambda: tuple(h.wait() for h in handles), "grouped_reducescatter")
 
 
-def _joinable(tensor: torch.Tensor, op: ReduceOp):
-    """The tensor a joined rank stands in for with zeros, for reductions where zeros are neutral."""
-    return tensor if op in (Sum, Average) else None
+def check(what: str, tensors: list, process_set=global_process_set, extra: str = "", problem=None) -> None:
+    """Fail on every rank unless every member passes matching ``tensors`` (no data moves)."""
+    require_member(process_set, what)
+    desc = ", ".join(describe(t) for t in tensors)
+    text = f"{extra}: {desc}" if extra else desc
+    synchronize(_submit(process_set, Op(kind="check", name=what, signature=text, description=f"{what}({text})",
+                                        problem=problem, launch=lambda item, result: ([], None))))
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -440,12 +537,6 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def barrier(process_set=global_process_set) -> None:
     """Wait until every rank of the set has reached this call."""
-    _group(process_set, "barrier")
-    verify("barrier", [], process_set)
-    started = _timeline.now_us()
-    entry = _progress.begin_data(_progress.take_op(), "barrier", None)
-    try:
-        dist.barrier(group=process_set.group)
-    finally:
-        _progress.end(entry)
-    _timeline.record("barrier", None, started, 0)
+    require_member(process_set, "barrier")
+    synchronize(_submit(process_set, Op(kind="barrier", name=None, signature="", description="barrier()",
+                                        joinable=False, launch=lambda item, result: ([], None))))

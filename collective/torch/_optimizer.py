@@ -10,14 +10,12 @@ import operator
 import weakref
 
 import torch
-import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .. import _progress
-from ._check import verify
 from ._compression import Compression
 from ._fusion import GradientBuckets, finish_allreduce, fusion_threshold, launch_allreduce, write_back
-from ._ops import Average, ReduceOp, Sum, _resolve_op, sparse_allreduce_async
+from ._handles import synchronize
+from ._ops import Average, ReduceOp, Sum, _resolve_op, allreduce_async_, check, sparse_allreduce_async
 from ._process_sets import ProcessSet, global_process_set
 from ._scale import scale_
 
@@ -49,7 +47,8 @@ class _DistributedMixin:
         self._hvd_serial = next(_serials[process_set.link_id])  # alike on every member, whatever other sets do
         size = process_set.size()
         trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-        verify("DistributedOptimizer", trainable, process_set, extra=f"op={op.name}")  # the same model everywhere
+        check(f"DistributedOptimizer {self._hvd_serial}", trainable, process_set,  # the same model everywhere
+              extra=f"op={op.name}")
         if size > 1 and trainable:
             average = op == Average
             self._hvd_buckets = GradientBuckets(
@@ -155,15 +154,9 @@ class _DistributedMixin:
 def _reduce_bucket(grads: list, op: ReduceOp, predivide: float, size: int, compression, process_set) -> None:
     """One allreduce for a list of same-dtype gradients, through a flat buffer."""
     flat, ctx = compression.compress(_flatten_dense_tensors(grads))
-    verify("DistributedOptimizer bucket", [flat], process_set, mirror=flat)
-    checked = _progress.take_op()
     if op == Average:
         scale_(flat, 1.0 / predivide)
-    entry = _progress.begin_data(checked, "DistributedOptimizer bucket", None)
-    try:
-        dist.all_reduce(flat, group=process_set.group)
-    finally:
-        _progress.end(entry)
+    synchronize(allreduce_async_(flat, op=Sum, process_set=process_set, _what="DistributedOptimizer bucket"))
     if op == Average:
         scale_(flat, predivide / size)
     flat = compression.decompress(flat, ctx)

@@ -81,6 +81,8 @@ def add_process_set(process_set) -> ProcessSet:
     ps.link_id = _links_made
     ps.process_set_id = max(_sets) + 1
     _sets[ps.process_set_id] = ps
+    if _engine.topology().rank in ps.ranks and len(ps.ranks) > 1:
+        _engine.add_links(ps.link_id, ps.ranks, ps.group)  # every member makes them here, together
     return ps
 
 

@@ -11,22 +11,17 @@ concatenated batch. Evaluation mode, and a job of one, is plain BatchNorm.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .. import _engine, _progress
-from ._check import verify
+from .. import _engine
+from ._handles import synchronize
+from ._ops import Sum, allreduce_async_
 from ._process_sets import global_process_set
 
 
 def _sum_all(t: torch.Tensor) -> torch.Tensor:
-    verify("SyncBatchNorm", [t], global_process_set, mirror=t)  # a joined rank adds zeros: a count of 0
-    entry = _progress.begin_data(_progress.take_op(), "SyncBatchNorm", None)
-    try:
-        dist.all_reduce(t)
-    finally:
-        _progress.end(entry)
-    return t
+    """The sum over every rank, in place (a joined rank adds zeros: a count of 0)."""
+    return synchronize(allreduce_async_(t, op=Sum, process_set=global_process_set, _what="SyncBatchNorm"))
 
 
 class _SyncBatchNormFn(torch.autograd.Function):

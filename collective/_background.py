@@ -1,0 +1,471 @@
+"""The background engine: one thread per process negotiates every collective by name, then starts it.
+
+Any thread submits an op (user code, autograd hooks, TensorFlow's threads) and gets a ``Handle``
+at once. The engine thread sends the op's request to its set's coordinator (the set's lowest
+rank; ``_negotiate.Table`` decides there), receives the answers, and carries them out in the
+order the coordinator gave, so every member starts the same data ops (c10d, asynchronous) in
+the same order, whatever order they were submitted in. ``Handle.wait`` waits for the answer,
+then for the data. Control traffic is a star: each member talks only to its coordinator, so an
+op costs 2(n-1) small frames across a set of n, not n(n-1).
+
+Small reductions ride in the control frames (``inline``): the coordinator reduces the members'
+bytes in rank order and sends every member the same result, so no data op runs at all.
+
+The backend (``collective/torch/_ops.py``) describes each op with an ``Op``: its request, the
+bytes it sends inline, and ``launch``, which the engine calls with the answer to start the
+data movement. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import selectors
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+from . import _progress
+from ._channel import Channel
+from ._mesh import MeshError
+from ._negotiate import JOIN, Table
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed on every rank: the ranks disagreed on it, or a peer failed (Horovod's class)."""
+
+
+@dataclass
+class Op:
+    """One collective as the backend describes it to the engine."""
+
+    kind: str
+    name: str | None
+    signature: str
+    description: str
+    fact: object = None  # this rank's own fact (``_negotiate``'s ``x``)
+    problem: str | None = None
+    joinable: bool = False
+    inline: object = None  # bytes-like that ride in the request, or None
+    launch: Callable | None = None  # (item, inline result) -> (works, finish); in the engine thread
+    nbytes: int = 0
+    request: dict = field(default_factory=dict)
+
+
+class Handle:
+    """An op in flight: negotiated (``_answered``), then its data works, then ``finish`` gives the result."""
+
+    __slots__ = ("op", "name", "kind", "nbytes", "started", "_answered", "_error", "_works", "_finish",
+                 "_result", "_done", "_check", "_link", "__weakref__")
+
+    def __init__(self, op: Op, link):
+        self.op = op
+        self.name = op.name
+        self.kind = op.kind
+        self.nbytes = op.nbytes
+        self.started = time.perf_counter() * 1e6  # microseconds, as the timeline counts
+        self._answered = threading.Event()
+        self._error: BaseException | None = None
+        self._works: list = []
+        self._finish: Callable | None = None
+        self._result = None
+        self._done = False
+        self._check = None  # the stall report's entry while the op is negotiated
+        self._link = link
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._answered.set()
+
+    def wait(self):
+        """The op's result; raises what failed it. The op's name is free again afterwards."""
+        if self._done:
+            return self._result
+        try:
+            return self._wait()
+        finally:
+            if self._link is not None:
+                self._link.in_flight.discard(self.op.request.get("n"))
+
+    def _wait(self):
+        if not self._answered.is_set():
+            self._answered.wait()
+        if self._error is not None:
+            raise self._error
+        if self._works:
+            entry = _progress.begin_data(self._check_op(), self.kind, self.name)
+            try:
+                for work in self._works:
+                    work.wait()
+            finally:
+                _progress.end(entry)
+        self._result = self._finish() if self._finish is not None else None
+        self._done = True
+        return self._result
+
+    def _check_op(self):
+        check = self._check
+        return None if check is None else tuple(check[:5])
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        if not self._answered.is_set():
+            return False
+        return self._error is not None or all(work.is_completed() for work in self._works)
+
+    def __call__(self):
+        return self.wait()
+
+    def __repr__(self) -> str:
+        state = "done" if self._done else "answered" if self._answered.is_set() else "negotiating"
+        return f"<sparkhvd handle {self.op.request.get('n')} {state}>"
+
+
+class _Link:
+    """This rank's side of one set's negotiation: its channels, its ops awaiting answers, and, on the
+    coordinator, the table."""
+
+    def __init__(self, link_id: int, members: list, me: int, channels: dict, ranks):
+        self.link_id = link_id
+        self.members = members
+        self.me = me
+        self.ranks = ranks  # the set's ranks for the stall report (None: every rank)
+        self.channels = channels  # peer -> Channel: every worker on the coordinator, the coordinator elsewhere
+        self.coordinator = members[0]
+        self.table = Table(members) if me == self.coordinator else None
+        self.waiting: dict = {}  # name -> Handle, submitted and not answered yet
+        self.outbox: list = []  # (request, inline bytes) to send to the coordinator
+        self.mirrors: list = []  # works this rank started while joined (zeros in the others' reductions)
+        self.broken: str | None = None
+        self.group = None
+        self.unnamed = collections.defaultdict(itertools.count)  # kind -> numbers for its unnamed ops
+        self.in_flight: set = set()  # names submitted and not yet synchronized (a name is one op at a time)
+
+    def missing(self, name: str):
+        return self.table.waiting_for(name) if self.table is not None else None
+
+
+class Engine:
+    """The process's engine thread and every set's negotiation."""
+
+    def __init__(self, rank: int, max_payload: int, *, mirror: Callable, reduce: Callable, device=None):
+        self.rank = rank
+        self._device = device  # the CUDA device the engine thread starts NCCL ops on (None: no GPU)
+        self._max_payload = max_payload
+        self._mirror = mirror  # (item, group of the set) -> works: a joined rank's part in the others' op
+        self._reduce = reduce  # (request, payloads in set order) -> bytes: the coordinator's inline reduction
+        self._links: dict = {}
+        self._lock = threading.Lock()
+        self._queue: list = []  # (link, handle) submitted, not yet taken by the engine thread
+        self._woken = False
+        self._closed: str | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._thread = threading.Thread(target=self._main, name="sparkhvd-engine", daemon=True)
+        self._thread.start()
+
+    # ---- any thread --------------------------------------------------------------------------
+
+    def add_link(self, link_id: int, members: list, sockets: dict, ranks, group=None) -> None:
+        """Hand the engine one set's links (made by ``_mesh.Endpoint``); ``group`` is its c10d group."""
+        channels = {peer: Channel(sock, peer, self._max_payload) for peer, sock in sockets.items()}
+        link = _Link(link_id, list(members), self.rank, channels, ranks)
+        link.group = group
+        with self._lock:
+            self._links[link_id] = link
+            self._queue.append((link, None))  # the engine thread registers its channels
+        self._wake()
+
+    def remove_link(self, link_id: int) -> None:
+        with self._lock:
+            link = self._links.get(link_id)
+            if link is not None:
+                self._queue.append((link, "remove"))
+        self._wake()
+
+    def submit(self, link_id: int, op: Op) -> Handle:
+        """Queue ``op`` on a set; the handle is answered when every member has submitted its name."""
+        link = self._links.get(link_id)
+        if link is None:
+            raise MeshError(f"{op.kind} cannot run: its process set's control links are closed (hvd.shutdown() ran, "
+                            "or the set was removed).")
+        base = f"{op.kind}.{op.name}" if op.name is not None else None
+        handle = Handle(op, link)
+        with self._lock:
+            if self._closed is not None:
+                raise MeshError(f"{op.kind} cannot run: {self._closed}")
+            if link.broken is not None:
+                raise MeshError(f"{op.kind} cannot run: the control links broke in an earlier collective "
+                                f"({link.broken}); restart the job.")
+            full = JOIN if op.kind == JOIN else base if base is not None else f"{op.kind}.noname.{next(link.unnamed[op.kind])}"
+            if full in link.in_flight:
+                raise ValueError(f"another {op.kind} named {op.name!r} is already in flight on this rank; synchronize "
+                                 "it before reusing the name, or give this one another name.")
+            link.in_flight.add(full)
+            op.request.update(n=full, k=op.kind, s=op.signature, d=op.description, x=op.fact, p=op.problem,
+                              j=op.joinable, i=0 if op.inline is None else memoryview(op.inline).nbytes)
+            handle._check = _progress.begin_check(op.kind, op.name, link.ranks, link_id)
+            _progress.attach(handle._check, _Missing(link, full))
+            self._queue.append((link, handle))
+        self._wake()
+        return handle
+
+    def close(self, why: str) -> None:
+        """Stop the engine: ops still waiting fail with ``why``."""
+        with self._lock:
+            if self._closed is not None:
+                return
+            self._closed = why
+        self._wake()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+    def _wake(self) -> None:
+        if not self._woken:
+            self._woken = True
+            try:
+                self._wake_w.send(b"\0")
+            except OSError:
+                pass
+
+    # ---- the engine thread -------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            if self._device is not None:
+                import torch  # only where there is a GPU: the current device is per thread
+
+                torch.cuda.set_device(self._device)
+            while True:
+                for key, mask in self._selector.select():
+                    link = key.data
+                    if link is None:
+                        self._drain_wake()
+                    else:
+                        self._serve(link, key.fileobj, mask)
+                if self._take():
+                    break
+                for link in list(self._links.values()):
+                    if link.broken is None:
+                        self._progress(link)
+        except BaseException as exc:  # noqa: BLE001 - a bug here must fail every op, not hang them
+            traceback.print_exc()  # on the rank's stderr, which the driver shows
+            self._closed = f"the sparkhvd engine thread failed ({type(exc).__name__}: {exc})"
+        finally:
+            for link in list(self._links.values()):
+                self._break(link, self._closed or "hvd.shutdown() ran", notify=False)
+                for channel in link.channels.values():
+                    channel.close()
+            self._selector.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _drain_wake(self) -> None:
+        # Read the bytes first, then clear the flag, then (in ``_take``) read the queue: an op queued after
+        # the flag is cleared sends a byte of its own, and one queued before is in the queue ``_take`` reads.
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        self._woken = False
+
+    def _take(self) -> bool:
+        """Move submitted ops into their sets; True when the engine must stop."""
+        with self._lock:
+            queue, self._queue = self._queue, []
+            closed = self._closed
+        for link, handle in queue:
+            if handle is None:
+                for channel in link.channels.values():
+                    self._selector.register(channel.sock, selectors.EVENT_READ, link)
+            elif handle == "remove":
+                self._break(link, "its process set was removed", notify=False)
+                for channel in link.channels.values():
+                    self._selector.unregister(channel.sock)
+                    channel.close()
+                with self._lock:
+                    self._links.pop(link.link_id, None)
+            elif link.broken is not None:
+                handle._fail(MeshError(f"{handle.kind} cannot run: the control links broke in an earlier "
+                                       f"collective ({link.broken}); restart the job."))
+            else:
+                self._accept(link, handle)
+        return closed is not None
+
+    def _accept(self, link: _Link, handle: Handle) -> None:
+        request = handle.op.request
+        link.waiting[request["n"]] = handle
+        if link.table is not None:
+            link.table.add(self.rank, request)
+        else:
+            link.outbox.append((request, handle.op.inline))
+
+    def _serve(self, link: _Link, sock, mask: int) -> None:
+        if link.broken is not None:
+            return
+        channel = next(c for c in link.channels.values() if c.sock is sock)
+        try:
+            if mask & selectors.EVENT_WRITE:
+                channel.flush()
+            if mask & selectors.EVENT_READ:
+                for meta, payload in channel.receive():
+                    if link.table is not None:
+                        self._requests(link, channel.peer, meta, payload)
+                    else:
+                        self._answers(link, meta, payload)
+        except MeshError as exc:
+            self._break(link, str(exc), notify=True)
+
+    def _requests(self, link: _Link, peer: int, meta: dict, payload) -> None:
+        offset = 0
+        for request in meta.get("r", ()):
+            size = request.get("i") or 0
+            request["_payload"] = payload[offset:offset + size]
+            offset += size
+            link.table.add(peer, request)
+
+    def _progress(self, link: _Link) -> None:
+        """Send what waits to be sent; on the coordinator, answer what is ready."""
+        try:
+            if link.table is not None:
+                items = link.table.decide()
+                if items:
+                    payload = self._inline_results(link, items)
+                    blob = bytearray().join(payload)
+                    for channel in link.channels.values():
+                        channel.send({"b": items}, blob)
+                    self._answers(link, {"b": items}, memoryview(blob))
+            elif link.outbox:
+                outbox, link.outbox = link.outbox, []
+                requests = [r for r, _ in outbox]
+                blob = b"".join(bytes(memoryview(data).cast("B")) for _, data in outbox if data is not None)
+                link.channels[link.coordinator].send({"r": requests}, blob)
+            for channel in link.channels.values():
+                events = selectors.EVENT_READ | (selectors.EVENT_WRITE if channel.pending() else 0)
+                self._selector.modify(channel.sock, events, link)
+        except MeshError as exc:
+            self._break(link, str(exc), notify=True)
+
+    def _inline_results(self, link: _Link, items: list) -> list:
+        """Reduce each ready inline op's payloads (in set order, working members only) with this rank's own
+        op's reducer; the requests the table kept for it do not travel."""
+        blobs = []
+        for item in items:
+            requests = item.pop("_requests", None)
+            if "m" in item:
+                item["m"] = {k: v for k, v in item["m"].items() if not k.startswith("_")}
+            if item["a"] != "ok" or not any(q is not None and q.get("i") for q in requests):
+                continue
+            mine = link.waiting.get(item["n"][0])
+            payloads = [mine.op.inline if r == self.rank else q["_payload"]
+                        for r, q in zip(link.members, requests) if q is not None]
+            first = next(q for q in requests if q is not None)
+            result = self._reduce(first, payloads)
+            item["i"] = len(result)
+            blobs.append(result)
+        return blobs
+
+    def _answers(self, link: _Link, meta: dict, payload) -> None:
+        """Carry out the coordinator's answers, in its order."""
+        if "abort" in meta:
+            self._break(link, meta["abort"], notify=False)
+            return
+        offset = 0
+        for item in meta.get("b", ()):
+            size = item.get("i") or 0
+            result = payload[offset:offset + size] if size else None
+            offset += size
+            self._carry_out(link, item, result)
+
+    def _carry_out(self, link: _Link, item: dict, result) -> None:
+        action = item["a"]
+        if action == JOIN:
+            handle = link.waiting.pop(JOIN, None)
+            for work in link.mirrors:
+                work.wait()
+            link.mirrors = []
+            if handle is not None:
+                self._answered(handle, [], lambda last=item["x"]: last)
+            return
+        handle = link.waiting.pop(item["n"][0], None)
+        if action == "err":
+            if handle is not None:
+                error_class = ValueError if item.get("t") == "value" else HorovodInternalError
+                self._end_check(handle)
+                handle._fail(error_class(item["e"]))
+            elif item.get("je") and JOIN in link.waiting:
+                joined = link.waiting.pop(JOIN)
+                self._end_check(joined)
+                joined._fail(ValueError(item["je"]))
+            return
+        if handle is None:
+            if self.rank in item.get("J", ()):
+                link.mirrors.extend(self._mirror(item, link.group))
+            return
+        try:
+            works, finish = handle.op.launch(item, result)
+        except BaseException as exc:  # noqa: BLE001 - the caller's synchronize raises it
+            self._end_check(handle)
+            handle._fail(exc)
+            return
+        self._answered(handle, works, finish)
+
+    def _answered(self, handle: Handle, works: list, finish) -> None:
+        self._end_check(handle)
+        handle._works, handle._finish = works, finish
+        handle._answered.set()
+
+    @staticmethod
+    def _end_check(handle: Handle) -> None:
+        if handle._check is not None:
+            _progress.end(handle._check)
+
+    def _break(self, link: _Link, why: str, *, notify: bool) -> None:
+        """The set's links failed: every op waiting on them fails, and the coordinator tells the others."""
+        if link.broken is None:
+            link.broken = why
+            if notify and link.table is not None:
+                for channel in link.channels.values():
+                    try:
+                        channel.send({"abort": why})
+                    except MeshError:
+                        pass
+        for handle in list(link.waiting.values()):
+            self._end_check(handle)
+            handle._fail(MeshError(f"{handle.kind} failed: {link.broken}"))
+        link.waiting.clear()
+
+
+class _Missing:
+    """The stall report's ``waiting_for``: the members the coordinator has not heard from for a name."""
+
+    __slots__ = ("_link", "_name")
+
+    def __init__(self, link: _Link, name: str):
+        self._link, self._name = link, name
+
+    def waiting_for(self):
+        return self._link.missing(self._name)
+
+
+def max_payload() -> int:
+    """The largest inline payload of one control frame (the sum of a response's results)."""
+    return int(os.environ.get("SPARKHVD_MAX_CONTROL_PAYLOAD", str(64 << 20)))
+
+
+def run_local(op: Op) -> Handle:
+    """``op`` on a set of one: nothing to negotiate, so it starts now, in the caller's thread."""
+    if op.problem:
+        raise ValueError(op.problem)
+    handle = Handle(op, None)
+    works, finish = op.launch({"n": [op.name], "a": "ok", "x": [op.fact]}, None)
+    handle._works, handle._finish = works, finish
+    handle._answered.set()
+    return handle

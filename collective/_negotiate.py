@@ -1,0 +1,152 @@
+"""The coordinator's decisions: which ops every member of a set has submitted, and what each becomes.
+
+Horovod's controller (horovod/common/controller.cc) in a few pages of Python, with no framework in
+it. Every member sends its requests (one per op: its name, kind, signature, description and
+per-rank facts) to the set's coordinator, the set's lowest rank. An op is ready once every
+working member (one not inside ``join()``) has submitted it; ready ops are answered in the
+order they became ready, and every member carries them out in that order. That is the whole
+ordering rule: ranks may submit in any order, from any thread, and still run the same
+collectives in the same order.
+
+A request is a dict:
+
+- ``n`` name (matched across ranks), ``k`` kind ("allreduce", ...)
+- ``s`` signature: must be equal on every working member (dtype, shape, op, root, ...)
+- ``d`` readable description of what this rank passed, for the error when signatures differ
+- ``x`` this rank's own fact that may differ (allgather's first dimension, alltoall's splits)
+- ``p`` what is wrong with this rank's arguments, or None: every member then raises
+- ``j`` whether a joined rank may stand in for the op (contributes zeros or nothing)
+- ``i`` bytes of data that ride in the request (a small reduction), 0 for none
+
+A response item is a dict: ``n`` the names it covers, ``a`` the action ("ok", "err" or
+"join"), and for "ok": ``x`` every member's fact in set order, ``J`` the joined ranks (who
+mirror the op), ``m`` a working member's signature-bearing request (what joined ranks mirror);
+for "err": ``t`` ("value" for bad arguments, "internal" for ranks that disagree) and ``e``
+the message, ``je`` the message for joined ranks' ``join()``; for "join": ``x`` the rank that
+joined last.
+"""
+
+from __future__ import annotations
+
+JOIN = "join"
+
+_JOINABLE_HINT = ("only allreduce and grouped_allreduce with op=Average or Sum, allgather, broadcast from a "
+                  "working rank, DistributedOptimizer and SyncBatchNorm take part in join.")
+
+
+class Table:
+    """The coordinator's view of one set: the requests received, by name, in arrival order."""
+
+    def __init__(self, members: list):
+        self.members = list(members)  # global ranks in set order; the coordinator is members[0]
+        self._pending: dict = {}  # name -> {rank: request}, in the order names first arrived
+        self._joined: list = []  # ranks inside join(), in the order they joined
+        self._join_batch: list = []  # ranks that joined since the latest answered op ("together")
+
+    def add(self, rank: int, request: dict) -> None:
+        if request["k"] == JOIN:
+            self._joined.append(rank)
+            self._join_batch.append(rank)
+            return
+        self._pending.setdefault(request["n"], {})[rank] = request
+
+    def waiting_for(self, name: str) -> list:
+        """The working members that have not submitted ``name`` (a diagnostic for the stall report)."""
+        have = self._pending.get(name, {})
+        return [r for r in self.members if r not in have and r not in self._joined]
+
+    def submitted(self) -> dict:
+        """Every name in the table and the ranks that submitted it (the stall report's facts)."""
+        return {name: sorted(reqs) for name, reqs in self._pending.items()}
+
+    def decide(self) -> list:
+        """The response items for every op that is ready now, in order; the table forgets them."""
+        items = []
+        working = [r for r in self.members if r not in self._joined]
+        for name in list(self._pending):
+            requests = self._pending[name]
+            if any(r not in requests for r in working) or not working:
+                continue
+            del self._pending[name]
+            items.append(self._answer(name, requests, working))
+            self._join_batch = []
+        if self._joined and len(self._joined) == len(self.members):
+            last = max(self._join_batch) if self._join_batch else self._joined[-1]
+            items.append({"n": [JOIN], "a": JOIN, "x": last})
+            self._joined, self._join_batch = [], []
+        return items
+
+    def _answer(self, name: str, requests: dict, working: list) -> dict:
+        ordered = [(r, requests[r]) for r in self.members if r in requests]
+        problems = [(r, q["p"]) for r, q in ordered if q.get("p")]
+        if problems:
+            return _error(name, "value", _problem_text(problems, len(ordered)))
+        signatures = {q["s"] for r, q in ordered if r in working}
+        if len(signatures) > 1:
+            return _error(name, "internal", _disagreement(ordered, working))
+        if self._joined:
+            first = requests[working[0]]
+            root = (first.get("z") or {}).get("root")
+            if root in self._joined:
+                item = _error(name, "value", f"broadcast from rank {root} cannot run: rank {root} has called "
+                                             "hvd.join() and has no data to send.")
+                item["je"] = (f"a broadcast from rank {root} ran while rank {root} had called hvd.join(); the "
+                              "root of a broadcast must not have joined.")
+                self._joined, self._join_batch = [], []
+                return item
+            if not first.get("j"):
+                joined = ",".join(map(str, self._joined))
+                kind = first["k"]
+                item = _error(name, "value", f"{kind} cannot run while ranks {joined} have called hvd.join(); "
+                                             f"{_JOINABLE_HINT}")
+                item["je"] = (f"an operation that cannot take part in join ran while ranks {joined} had called "
+                              f"hvd.join(); {_JOINABLE_HINT}")
+                self._joined, self._join_batch = [], []  # their join() raises: they are working again
+                return item
+        facts = [requests[r].get("x") if r in requests else None for r in self.members]
+        item = {"n": [name], "a": "ok", "x": facts,
+                "_requests": [requests.get(r) if r in working else None for r in self.members]}
+        if self._joined:
+            item["J"] = list(self._joined)
+            item["m"] = requests[working[0]]
+        return item
+
+
+def _error(name: str, kind: str, text: str) -> dict:
+    return {"n": [name], "a": "err", "t": kind, "e": text}
+
+
+def _problem_text(problems: list, members: int) -> str:
+    """One message if every member hit the same problem, else each rank's."""
+    texts = {p for _, p in problems}
+    if len(texts) == 1 and len(problems) == members:
+        return texts.pop()
+    return "; ".join(f"rank {r}: {p}" for r, p in problems)
+
+
+def _disagreement(ordered: list, working: list) -> str:
+    groups: dict = {}
+    for rank, request in ordered:
+        if rank in working:
+            groups.setdefault(request["d"], []).append(rank)
+    listing = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}: {text}"
+                        for text, ranks in groups.items())
+    kind = ordered[0][1]["k"]
+    rule = ("the same dtype, device and dimensions after the first" if kind in ("allgather", "alltoall")
+            else "the same dtype, device and shape")
+    hint = ""
+    if any(text.startswith("DistributedOptimizer") for text in groups):
+        hint = (" Each DistributedOptimizer bucket is matched by its name: two ranks whose models or bucket sizes "
+                "differ cut different buckets; build the same model and optimizer on every rank.")
+    return (f"ranks disagree on {label(ordered[0][1]['n'])}: {listing}. Every rank must call the ops of a name (unnamed "
+            f"ops are matched in the order each rank calls them) with {rule} (and the same op and root_rank).{hint}")
+
+
+def label(name: str) -> str:
+    """A name as the user knows it: ``allreduce 'grads'``, or ``the 3rd unnamed allgather``."""
+    kind, _, rest = name.partition(".")
+    if rest.startswith("noname."):
+        n = int(rest[len("noname."):]) + 1
+        suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+        return f"the {n}{suffix} unnamed {kind}"
+    return f"{kind} {rest!r}"

@@ -1,0 +1,56 @@
+"""The small-tensor fast path: a CPU reduction small enough rides in the control frames.
+
+Each member sends its bytes with its request; the coordinator reduces them in set order and
+sends every member the same result, so every rank gets the same bits and no gloo collective
+runs at all. Up to ``capacity`` bytes this is several times faster than gloo's allreduce on
+this project's machines (``bench/allreduce.py`` measures both).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_BUDGET = 1 << 20  # bytes the coordinator receives for one op, over all its members
+_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
+           torch.int64}
+_COMBINE = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MIN: torch.minimum, dist.ReduceOp.MAX: torch.maximum,
+            dist.ReduceOp.PRODUCT: torch.mul}
+
+
+def capacity(size: int) -> int:
+    """The most bytes one member's tensor may have to ride inline in a set of ``size``."""
+    return _BUDGET // max(1, size - 1) // 64 * 64
+
+
+def fits(tensor: torch.Tensor, size: int) -> bool:
+    """Whether a reduction of ``tensor`` rides inline (decided alike on ranks whose signatures agree)."""
+    return (size > 1 and tensor.device.type == "cpu" and tensor.dtype in _DTYPES
+            and 0 < tensor.numel() * tensor.element_size() <= capacity(size))
+
+
+def wire_bytes(flat: torch.Tensor) -> memoryview:
+    """A contiguous 1-D tensor's bytes, without a copy."""
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def reduce(request: dict, payloads: list) -> memoryview:
+    """The coordinator's reduction of an inline op: the members' payloads (in set order) -> the result's bytes."""
+    spec = request["z"]
+    dtype = getattr(torch, spec["dtype"])
+    combine = _COMBINE[_BY_NAME[spec["op"]]]
+    tensors = [torch.frombuffer(p, dtype=dtype) for p in payloads]
+    with torch.no_grad():
+        result = tensors[0].clone()
+        for t in tensors[1:]:
+            combine(result, t, out=result)
+    return wire_bytes(result)
+
+
+_BY_NAME = {"Average": dist.ReduceOp.SUM, "Sum": dist.ReduceOp.SUM, "Min": dist.ReduceOp.MIN,
+            "Max": dist.ReduceOp.MAX, "Product": dist.ReduceOp.PRODUCT}
+
+
+def read(result, dtype: torch.dtype) -> torch.Tensor:
+    """The reduced tensor (flat) from the answer's bytes, without a copy."""
+    return torch.frombuffer(result, dtype=dtype)

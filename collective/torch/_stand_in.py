@@ -1,0 +1,44 @@
+"""A rank inside ``join()`` stands in for itself in the others' ops: zeros in a reduction, no rows in
+an allgather, a receiver in a broadcast. The engine calls ``mirror`` with the coordinator's answer,
+whose ``m`` is a working member's request and its ``z``, what the data op looks like there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._ops import _REDUCED_VIA_INT32, _wire
+
+
+def mirror(item: dict, group) -> list:
+    """Start this joined rank's part in the op ``item`` answers; returns the works to wait for."""
+    spec = item["m"].get("z") or {}
+    kind = spec.get("kind")
+    if kind in (None, "inline"):  # the data rode in the control frames, without this rank's share
+        return []
+    device = torch.device("cuda", torch.cuda.current_device()) if spec["cuda"] else torch.device("cpu")
+    if kind == "all_reduce_buckets":  # grouped_allreduce: one reduction per fused bucket, in order
+        return [dist.all_reduce(torch.zeros(n, dtype=getattr(torch, dtype), device=device), group=group,
+                                async_op=True) for dtype, n in spec["buckets"]]
+    dtype = getattr(torch, spec["dtype"])
+    if kind == "all_reduce":
+        if dtype in _REDUCED_VIA_INT32 and device.type == "cpu":
+            dtype = torch.int32  # as the working ranks widen it
+        return [dist.all_reduce(torch.zeros(_numel(spec["shape"]), dtype=dtype, device=device), group=group,
+                                async_op=True)]
+    if kind == "all_gather":
+        rows = [r or 0 for r in item["x"]]
+        zeros = _wire(torch.zeros((max(rows),) + tuple(spec["shape"][1:]), dtype=dtype, device=device))
+        return [dist.all_gather([torch.empty_like(zeros) for _ in rows], zeros, group=group, async_op=True)]
+    if kind == "broadcast":
+        scratch = _wire(torch.empty(spec["shape"], dtype=dtype, device=device))
+        return [dist.broadcast(scratch, src=spec["root"], group=group, async_op=True)]
+    raise RuntimeError(f"sparkhvd cannot stand in for a joined rank in {kind!r}; this is a bug in sparkhvd.")
+
+
+def _numel(shape: list) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,137 @@
+"""The negotiating engine: ops matched by name across ranks, real async, dtypes gloo lacks, join.
+
+The coordinator's decisions (``collective/_negotiate.py``) are pure logic and are tested here
+directly; everything else runs in real rank processes over real gloo.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparkhvd import HorovodRunner
+from sparkhvd.collective._negotiate import JOIN, Table, label
+
+
+def _request(name, signature="float32[4]", problem=None, fact=None, joinable=False, kind="allreduce"):
+    return {"n": name, "k": kind, "s": signature, "d": f"{kind}({signature})", "x": fact, "p": problem,
+            "j": joinable, "i": 0}
+
+
+def test_an_op_is_ready_once_every_member_submitted_it_in_any_order():
+    table = Table([0, 1, 2])
+    table.add(1, _request("b", fact=10))
+    table.add(0, _request("a"))
+    table.add(2, _request("b", fact=12))
+    assert table.decide() == []
+    assert table.waiting_for("b") == [0] and table.submitted() == {"b": [1, 2], "a": [0]}
+    table.add(0, _request("b", fact=11))
+    items = table.decide()
+    assert [(i["n"], i["a"], i["x"]) for i in items] == [(["b"], "ok", [11, 10, 12])]
+    table.add(1, _request("a"))
+    table.add(2, _request("a"))
+    assert [i["n"] for i in table.decide()] == [["a"]]
+
+
+def test_disagreements_and_problems_become_errors_for_every_member():
+    table = Table([0, 1])
+    table.add(0, _request("allreduce.noname.0", "float32[4]"))
+    table.add(1, _request("allreduce.noname.0", "float32[5]"))
+    table.add(0, _request("x", problem="bad root"))
+    table.add(1, _request("x", problem="bad root"))
+    mismatch, problem = table.decide()
+    assert mismatch["a"] == "err" and mismatch["t"] == "internal"
+    assert mismatch["e"].startswith("ranks disagree on the 1st unnamed allreduce: rank 0: allreduce(float32[4]); "
+                                    "rank 1: allreduce(float32[5]).")
+    assert (problem["t"], problem["e"]) == ("value", "bad root")  # every rank had it: said once
+
+
+def test_joined_ranks_are_stood_in_for_and_join_ends_when_all_have_joined():
+    table = Table([0, 1, 2])
+    table.add(2, {"n": JOIN, "k": JOIN})
+    table.add(0, _request("g", joinable=True))
+    table.add(1, _request("g", joinable=True))
+    (item,) = table.decide()
+    assert item["a"] == "ok" and item["J"] == [2] and item["m"]["n"] == "g"
+    table.add(0, _request("h"))  # not joinable: fails, and the joined rank's join() with it
+    table.add(1, _request("h"))
+    (item,) = table.decide()
+    assert item["a"] == "err" and "cannot run while ranks 2 have called hvd.join()" in item["e"]
+    assert item["je"].startswith("an operation that cannot take part in join ran while ranks 2 had called")
+    for r in (0, 2, 1):
+        table.add(r, {"n": JOIN, "k": JOIN})
+    assert table.decide() == [{"n": [JOIN], "a": JOIN, "x": 2}]  # all three in one batch: the highest
+
+
+def test_labels_name_ops_as_users_know_them():
+    assert label("allreduce.grads") == "allreduce 'grads'"
+    assert label("allgather.noname.21") == "the 22nd unnamed allgather"
+    assert label("broadcast.noname.10") == "the 11th unnamed broadcast"
+
+
+def _engine_cases():
+    import time
+
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    out = {}
+    # named async ops submitted in opposite orders on the two ranks pair by name
+    if r == 0:
+        a = hvd.allreduce_async(torch.ones(3), name="a", op=hvd.Sum)
+        b = hvd.allgather_async(torch.full((2,), r), name="b")
+    else:
+        b = hvd.allgather_async(torch.full((2,), r), name="b")
+        a = hvd.allreduce_async(torch.ones(3), name="a", op=hvd.Sum)
+    out["opposite"] = (hvd.synchronize(a), hvd.synchronize(b))
+    # poll() is False while the peer has not submitted; a barrier in between does not need the op
+    h = hvd.allreduce_async(torch.ones(1 << 18), name="late", op=hvd.Sum) if r == 0 else None
+    hvd.barrier()
+    if r == 0:
+        time.sleep(0.3)
+        out["polled_before"] = hvd.poll(h)
+    hvd.barrier()
+    if r == 1:
+        h = hvd.allreduce_async(torch.ones(1 << 18), name="late", op=hvd.Sum)
+    out["late"] = hvd.synchronize(h)[:2]
+    out["polled_after"] = hvd.poll(h)
+    # dtypes gloo does not carry travel as bytes, or are reduced through int32
+    for dtype in (torch.bool, torch.int8, torch.uint8, torch.int16):
+        key = str(dtype).replace("torch.", "")
+        value = torch.tensor([r, 1, 0, 1], dtype=torch.int64).to(dtype)
+        out[f"broadcast_{key}"] = hvd.broadcast(value, root_rank=1)
+        out[f"allgather_{key}"] = hvd.allgather(value[: r + 1])
+        out[f"alltoall_{key}"] = hvd.alltoall(value)
+        if dtype != torch.bool:
+            out[f"allreduce_{key}"] = hvd.allreduce(value, op=hvd.Sum)
+    # a joined rank stands in for allgather (no rows) and broadcast (a receiver)
+    if r == 1:
+        out["last"] = hvd.join()
+    else:
+        out["joined_allgather"] = hvd.allgather(torch.tensor([5, 6]))
+        out["joined_broadcast"] = hvd.broadcast(torch.tensor([7.0]), root_rank=0)
+        out["last"] = hvd.join()
+    return out
+
+
+def test_engine_pairs_by_name_is_truly_async_and_carries_every_dtype():
+    v0, v1 = HorovodRunner(np=-2).run_all(_engine_cases).values
+    for v in (v0, v1):
+        assert torch.equal(v["opposite"][0], torch.full((3,), 2.0))
+        assert torch.equal(v["opposite"][1], torch.tensor([0, 0, 1, 1]))
+        assert torch.equal(v["late"], torch.full((2,), 2.0)) and v["polled_after"] is True
+        for dtype in (torch.bool, torch.int8, torch.uint8, torch.int16):
+            key = str(dtype).replace("torch.", "")
+            one = torch.tensor([1, 1, 0, 1]).to(dtype)
+            assert torch.equal(v[f"broadcast_{key}"], one), key
+            assert torch.equal(v[f"allgather_{key}"], torch.tensor([0, 1, 1]).to(dtype)), key
+            if dtype != torch.bool:
+                assert torch.equal(v[f"allreduce_{key}"], torch.tensor([1, 2, 0, 2]).to(dtype)), key
+        assert v["last"] == 0  # rank 1 joined first, rank 0 last
+    assert v0["polled_before"] is False
+    assert torch.equal(v0["alltoall_int16"], torch.tensor([0, 1, 1, 1], dtype=torch.int16))
+    assert torch.equal(v1["alltoall_int8"], torch.tensor([0, 1, 0, 1], dtype=torch.int8))
+    assert torch.equal(v0["joined_allgather"], torch.tensor([5, 6]))
+    assert torch.equal(v0["joined_broadcast"], torch.tensor([7.0]))
