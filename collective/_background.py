@@ -59,9 +59,9 @@ class Handle:
     """An op in flight: negotiated (``_answered``), then its data works, then ``finish`` gives the result."""
 
     __slots__ = ("op", "name", "kind", "nbytes", "started", "_answered", "_error", "_works", "_finish",
-                 "_result", "_done", "_check", "_link", "__weakref__")
+                 "_result", "_done", "_check", "_link", "_engine", "__weakref__")
 
-    def __init__(self, op: Op, link):
+    def __init__(self, op: Op, link, engine=None):
         self.op = op
         self.name = op.name
         self.kind = op.kind
@@ -75,9 +75,18 @@ class Handle:
         self._done = False
         self._check = None  # the stall report's entry while the op is negotiated
         self._link = link
+        self._engine = engine
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
+        self._settle()
+
+    def _settle(self) -> None:
+        """The answer is in (the engine's side): wake whoever waits."""
+        if self._answered.is_set():
+            return
+        if self._engine is not None:
+            self._engine._settled()
         self._answered.set()
 
     def wait(self):
@@ -92,6 +101,8 @@ class Handle:
 
     def _wait(self):
         if not self._answered.is_set():
+            if self._engine is not None:
+                self._engine.drive(self)
             self._answered.wait()
         if self._error is not None:
             raise self._error
@@ -160,7 +171,10 @@ class Engine:
         self._reduce = reduce  # (request, payloads in set order) -> bytes: the coordinator's inline reduction
         self._links: dict = {}
         self._lock = threading.Lock()
-        self._queue: list = []  # (link, handle) submitted, not yet taken by the engine thread
+        self._work = threading.Condition(self._lock)  # the engine thread waits here while nothing is in flight
+        self._turn_lock = threading.Lock()  # held by the one thread doing the engine's work (``_turn``)
+        self._unanswered = 0  # ops submitted and not answered yet
+        self._queue: list = []  # (link, handle) submitted, not yet taken by a turn
         self._woken = False
         self._closed: str | None = None
         self._wake_r, self._wake_w = socket.socketpair()
@@ -179,7 +193,8 @@ class Engine:
         link.group = group
         with self._lock:
             self._links[link_id] = link
-            self._queue.append((link, None))  # the engine thread registers its channels
+            self._queue.append((link, None))  # the next turn registers its channels
+            self._work.notify()
         self._wake()
 
     def remove_link(self, link_id: int) -> None:
@@ -187,22 +202,30 @@ class Engine:
             link = self._links.get(link_id)
             if link is not None:
                 self._queue.append((link, "remove"))
+                self._work.notify()
         self._wake()
 
-    def submit(self, link_id: int, op: Op) -> Handle:
-        """Queue ``op`` on a set; the handle is answered when every member has submitted its name."""
+    def submit(self, link_id: int, op: Op, *, sync: bool = False) -> Handle:
+        """Queue ``op`` on a set; the handle is answered when every member has submitted its name.
+
+        ``sync``: the caller waits for it at once, and does the engine's work itself meanwhile when no
+        other thread is doing it (``drive``): no hand-off to the engine thread and back.
+        """
         link = self._links.get(link_id)
         if link is None:
             raise MeshError(f"{op.kind} cannot run: its process set's control links are closed (hvd.shutdown() ran, "
                             "or the set was removed).")
         base = f"{op.kind}.{op.name}" if op.name is not None else None
-        handle = Handle(op, link)
-        with self._lock:
+        handle = Handle(op, link, None)
+        with self._lock:  # a failed link fails the op in synchronize, as any failure of a peer does
             if self._closed is not None:
-                raise MeshError(f"{op.kind} cannot run: {self._closed}")
+                handle._fail(MeshError(f"{op.kind} cannot run: {self._closed}"))
+                return handle
             if link.broken is not None:
-                raise MeshError(f"{op.kind} cannot run: the control links broke in an earlier collective "
-                                f"({link.broken}); restart the job.")
+                handle._fail(MeshError(f"{op.kind} cannot run: the control links broke in an earlier collective "
+                                       f"({link.broken}); restart the job."))
+                return handle
+            handle._engine = self
             full = JOIN if op.kind == JOIN else base if base is not None else f"{op.kind}.noname.{next(link.unnamed[op.kind])}"
             if full in link.in_flight:
                 raise ValueError(f"another {op.kind} named {op.name!r} is already in flight on this rank; synchronize "
@@ -213,8 +236,32 @@ class Engine:
             handle._check = _progress.begin_check(op.kind, op.name, link.ranks, link_id)
             _progress.attach(handle._check, _Missing(link, full))
             self._queue.append((link, handle))
-        self._wake()
+            self._unanswered += 1
+            if not sync:
+                self._work.notify()
+        if not sync:
+            self._wake()
         return handle
+
+    def drive(self, handle: Handle) -> None:
+        """Wait for ``handle``'s answer, doing the engine's work in this thread unless another thread is."""
+        if self._turn_lock.acquire(blocking=False):
+            try:
+                while not handle._answered.is_set():
+                    if self._turn():
+                        break
+            finally:
+                self._turn_lock.release()
+        with self._work:  # async work left (or none of ours done): the engine thread goes on with it
+            if self._queue or self._unanswered or self._closed:
+                self._work.notify()
+        if not handle._answered.is_set():
+            self._wake()  # the thread in a turn takes our op from the queue
+            handle._answered.wait()
+
+    def _settled(self) -> None:
+        with self._lock:
+            self._unanswered -= 1
 
     def close(self, why: str) -> None:
         """Stop the engine: ops still waiting fail with ``why``."""
@@ -222,6 +269,7 @@ class Engine:
             if self._closed is not None:
                 return
             self._closed = why
+            self._work.notify()
         self._wake()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
@@ -242,29 +290,48 @@ class Engine:
                 import torch  # only where there is a GPU: the current device is per thread
 
                 torch.cuda.set_device(self._device)
-            while True:
-                for key, mask in self._selector.select():
-                    link = key.data
-                    if link is None:
-                        self._drain_wake()
-                    else:
-                        self._serve(link, key.fileobj, mask)
-                if self._take():
-                    break
-                for link in list(self._links.values()):
-                    if link.broken is None:
-                        self._progress(link)
+            closed = False
+            while not closed:
+                with self._work:
+                    while not (self._closed or self._queue or self._unanswered):
+                        self._work.wait()
+                with self._turn_lock:
+                    while not closed:
+                        closed = self._turn()
+                        with self._lock:
+                            if not (self._queue or self._unanswered or self._closed):
+                                break
         except BaseException as exc:  # noqa: BLE001 - a bug here must fail every op, not hang them
             traceback.print_exc()  # on the rank's stderr, which the driver shows
             self._closed = f"the sparkhvd engine thread failed ({type(exc).__name__}: {exc})"
         finally:
+            with self._turn_lock:
+                for link in list(self._links.values()):
+                    self._break(link, self._closed or "hvd.shutdown() ran", notify=False)
+                    for channel in link.channels.values():
+                        channel.close()
+                self._selector.close()
+                self._wake_r.close()
+                self._wake_w.close()
+
+    def _turn(self) -> bool:
+        """One round of the engine's work, by whichever thread holds ``_turn_lock``: wait for frames (not while
+        submitted ops wait to be taken), read them, take the submitted ops, send and answer what can be.
+        True once the engine is closed (every op waiting has failed)."""
+        for key, mask in self._selector.select(0 if self._queue else None):
+            link = key.data
+            if link is None:
+                self._drain_wake()
+            else:
+                self._serve(link, key.fileobj, mask)
+        if self._take():
             for link in list(self._links.values()):
-                self._break(link, self._closed or "hvd.shutdown() ran", notify=False)
-                for channel in link.channels.values():
-                    channel.close()
-            self._selector.close()
-            self._wake_r.close()
-            self._wake_w.close()
+                self._break(link, self._closed, notify=False)
+            return True
+        for link in list(self._links.values()):
+            if link.broken is None:
+                self._progress(link)
+        return False
 
     def _drain_wake(self) -> None:
         # Read the bytes first, then clear the flag, then (in ``_take``) read the queue: an op queued after
@@ -400,10 +467,6 @@ class Engine:
                 error_class = ValueError if item.get("t") == "value" else HorovodInternalError
                 self._end_check(handle)
                 handle._fail(error_class(item["e"]))
-            elif item.get("je") and JOIN in link.waiting:
-                joined = link.waiting.pop(JOIN)
-                self._end_check(joined)
-                joined._fail(ValueError(item["je"]))
             return
         if handle is None:
             if self.rank in item.get("J", ()):
@@ -420,7 +483,7 @@ class Engine:
     def _answered(self, handle: Handle, works: list, finish) -> None:
         self._end_check(handle)
         handle._works, handle._finish = works, finish
-        handle._answered.set()
+        handle._settle()
 
     @staticmethod
     def _end_check(handle: Handle) -> None:

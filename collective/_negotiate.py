@@ -22,16 +22,15 @@ A response item is a dict: ``n`` the names it covers, ``a`` the action ("ok", "e
 "join"), and for "ok": ``x`` every member's fact in set order, ``J`` the joined ranks (who
 mirror the op), ``m`` a working member's signature-bearing request (what joined ranks mirror);
 for "err": ``t`` ("value" for bad arguments, "internal" for ranks that disagree) and ``e``
-the message, ``je`` the message for joined ranks' ``join()``; for "join": ``x`` the rank that
-joined last.
+the message; for "join": ``x`` the rank that joined last.
 """
 
 from __future__ import annotations
 
 JOIN = "join"
 
-_JOINABLE_HINT = ("only allreduce and grouped_allreduce with op=Average or Sum, allgather, broadcast from a "
-                  "working rank, DistributedOptimizer and SyncBatchNorm take part in join.")
+_JOINABLE_HINT = ("only allreduce and grouped_allreduce with op=Average or Sum, DistributedOptimizer and "
+                  "SyncBatchNorm take part in join (as in Horovod); the joined ranks go on waiting in join().")
 
 
 class Table:
@@ -86,23 +85,10 @@ class Table:
             return _error(name, "internal", _disagreement(ordered, working))
         if self._joined:
             first = requests[working[0]]
-            root = (first.get("z") or {}).get("root")
-            if root in self._joined:
-                item = _error(name, "value", f"broadcast from rank {root} cannot run: rank {root} has called "
-                                             "hvd.join() and has no data to send.")
-                item["je"] = (f"a broadcast from rank {root} ran while rank {root} had called hvd.join(); the "
-                              "root of a broadcast must not have joined.")
-                self._joined, self._join_batch = [], []
-                return item
             if not first.get("j"):
                 joined = ",".join(map(str, self._joined))
-                kind = first["k"]
-                item = _error(name, "value", f"{kind} cannot run while ranks {joined} have called hvd.join(); "
-                                             f"{_JOINABLE_HINT}")
-                item["je"] = (f"an operation that cannot take part in join ran while ranks {joined} had called "
-                              f"hvd.join(); {_JOINABLE_HINT}")
-                self._joined, self._join_batch = [], []  # their join() raises: they are working again
-                return item
+                return _error(name, "internal", f"{first['k']} cannot run while ranks {joined} have called "
+                                                f"hvd.join(); {_JOINABLE_HINT}")
         facts = [requests[r].get("x") if r in requests else None for r in self.members]
         item = {"n": [name], "a": "ok", "x": facts,
                 "_requests": [requests.get(r) if r in working else None for r in self.members]}

@@ -52,14 +52,14 @@ def test_joined_ranks_are_stood_in_for_and_join_ends_when_all_have_joined():
     table.add(1, _request("g", joinable=True))
     (item,) = table.decide()
     assert item["a"] == "ok" and item["J"] == [2] and item["m"]["n"] == "g"
-    table.add(0, _request("h"))  # not joinable: fails, and the joined rank's join() with it
+    table.add(0, _request("h"))  # not joinable: fails on the working ranks; rank 2 stays joined
     table.add(1, _request("h"))
     (item,) = table.decide()
-    assert item["a"] == "err" and "cannot run while ranks 2 have called hvd.join()" in item["e"]
-    assert item["je"].startswith("an operation that cannot take part in join ran while ranks 2 had called")
-    for r in (0, 2, 1):
+    assert item["a"] == "err" and item["t"] == "internal"
+    assert "cannot run while ranks 2 have called hvd.join()" in item["e"]
+    for r in (0, 1):
         table.add(r, {"n": JOIN, "k": JOIN})
-    assert table.decide() == [{"n": [JOIN], "a": JOIN, "x": 2}]  # all three in one batch: the highest
+    assert table.decide() == [{"n": [JOIN], "a": JOIN, "x": 1}]  # 0 and 1 joined together last: the highest
 
 
 def test_labels_name_ops_as_users_know_them():
@@ -106,12 +106,11 @@ def _engine_cases():
         out[f"alltoall_{key}"] = hvd.alltoall(value)
         if dtype != torch.bool:
             out[f"allreduce_{key}"] = hvd.allreduce(value, op=hvd.Sum)
-    # a joined rank stands in for allgather (no rows) and broadcast (a receiver)
+    # a joined rank stands in for a large reduction with zeros
     if r == 1:
         out["last"] = hvd.join()
     else:
-        out["joined_allgather"] = hvd.allgather(torch.tensor([5, 6]))
-        out["joined_broadcast"] = hvd.broadcast(torch.tensor([7.0]), root_rank=0)
+        out["joined_sum"] = hvd.allreduce(torch.full((300_000,), 2.0), op=hvd.Sum)[:2]
         out["last"] = hvd.join()
     return out
 
@@ -133,5 +132,4 @@ def test_engine_pairs_by_name_is_truly_async_and_carries_every_dtype():
     assert v0["polled_before"] is False
     assert torch.equal(v0["alltoall_int16"], torch.tensor([0, 1, 1, 1], dtype=torch.int16))
     assert torch.equal(v1["alltoall_int8"], torch.tensor([0, 1, 0, 1], dtype=torch.int8))
-    assert torch.equal(v0["joined_allgather"], torch.tensor([5, 6]))
-    assert torch.equal(v0["joined_broadcast"], torch.tensor([7.0]))
+    assert torch.equal(v0["joined_sum"], torch.full((2,), 2.0))

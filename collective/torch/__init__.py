@@ -84,7 +84,7 @@ def join(device: int = -1) -> int:
     from .._negotiate import JOIN
 
     return synchronize(_engine.engine().submit(global_process_set.link_id, Op(
-        kind=JOIN, name=None, signature="", description="join()")))
+        kind=JOIN, name=None, signature="", description="join()"), sync=True))
 
 
 def shutdown() -> None:

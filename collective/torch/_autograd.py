@@ -16,7 +16,6 @@ import torch
 from .. import _engine
 from . import _ops
 from ._compression import Compression
-from ._handles import synchronize
 from ._process_sets import global_process_set
 
 
@@ -24,8 +23,8 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, prescale, postscale, process_set, name=None):
         ctx.args = (op, prescale, postscale, process_set)
-        return synchronize(_ops.allreduce_async(tensor, name=name, op=op, prescale_factor=prescale,
-                                                postscale_factor=postscale, process_set=process_set))
+        return _ops.now(_ops.allreduce_async, tensor, name=name, op=op, prescale_factor=prescale,
+                                                postscale_factor=postscale, process_set=process_set)
 
     @staticmethod
     def backward(ctx, grad):
@@ -51,8 +50,8 @@ class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, prescale, postscale, process_set, *tensors):
         ctx.args = (op, prescale, postscale, process_set)
-        return tuple(synchronize(_ops.grouped_allreduce_async(
-            tensors, op=op, prescale_factor=prescale, postscale_factor=postscale, process_set=process_set)))
+        return tuple(_ops.now(_ops.grouped_allreduce_async,
+            tensors, op=op, prescale_factor=prescale, postscale_factor=postscale, process_set=process_set))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -72,7 +71,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, process_set, name=None):
         ctx.args = (root_rank, process_set)
-        return synchronize(_ops.broadcast_async(tensor, root_rank, name=name, process_set=process_set))
+        return _ops.now(_ops.broadcast_async, tensor, root_rank, name=name, process_set=process_set)
 
     @staticmethod
     def backward(ctx, grad):
@@ -91,7 +90,7 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, process_set, name=None):
         ctx.args = (tensor.shape[0] if tensor.dim() else 1, process_set)
-        return synchronize(_ops.allgather_async(tensor, name=name, process_set=process_set))
+        return _ops.now(_ops.allgather_async, tensor, name=name, process_set=process_set)
 
     @staticmethod
     def backward(ctx, grad):
@@ -115,7 +114,7 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set) -> tup
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, process_set):
-        output, received = synchronize(_ops.alltoall_async(tensor, splits, process_set=process_set))
+        output, received = _ops.now(_ops.alltoall_async, tensor, splits, process_set=process_set)
         ctx.args = (received, process_set)
         ctx.mark_non_differentiable(received)
         return output, received
@@ -142,8 +141,8 @@ class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, prescale, postscale, process_set):
         ctx.args = (op, process_set, prescale * postscale)
-        return synchronize(_ops.reducescatter_async(tensor, op=op, process_set=process_set,
-                                                    prescale_factor=prescale, postscale_factor=postscale))
+        return _ops.now(_ops.reducescatter_async, tensor, op=op, process_set=process_set,
+                                                    prescale_factor=prescale, postscale_factor=postscale)
 
     @staticmethod
     def backward(ctx, grad):

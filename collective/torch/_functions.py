@@ -82,6 +82,11 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, got "
                          f"{type(optimizer).__name__}.")
+    if not optimizer.state:  # as Horovod, whose state-initializing step leaves trainable parameters a zero gradient
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
     is_root = _engine.topology().rank == root_rank
     state = _to_cpu(optimizer.state_dict()) if is_root else None
     state = broadcast_object(state, root_rank, process_set=process_set)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
+import threading
 
 import torch
 import torch.distributed as dist
@@ -104,7 +105,21 @@ def _submit(process_set: ProcessSet, op: Op) -> Handle:
     """Hand ``op`` to the engine (a set of one needs no negotiation)."""
     if process_set.size() == 1:
         return _background.run_local(op)
-    return _engine.engine().submit(process_set.link_id, op)
+    return _engine.engine().submit(process_set.link_id, op, sync=getattr(_caller, "blocking", False))
+
+
+_caller = threading.local()  # .blocking: this thread waits for the ops it submits at once (``now``)
+
+
+def now(start, *args, **kwargs):
+    """``synchronize(start(*args, **kwargs))`` for a blocking call: the engine thread is not woken for the
+    op, since this thread does the engine's work itself while it waits (``Engine.drive``)."""
+    _caller.blocking = True
+    try:
+        handle = start(*args, **kwargs)
+    finally:
+        _caller.blocking = False
+    return synchronize(handle)
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
@@ -120,10 +135,9 @@ _BYTE_VIEWED = {torch.bool, torch.int8, torch.int16, torch.uint16, torch.uint32,
                 torch.complex64, torch.complex128}
 
 
-def _zeros_spec(t: torch.Tensor, kind: str, **more) -> dict:
+def _zeros_spec(t: torch.Tensor, kind: str) -> dict:
     """What a rank inside ``join()`` needs to mirror the op with zeros."""
-    return {"kind": kind, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
-            "cuda": int(t.is_cuda), **more}
+    return {"kind": kind, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "cuda": int(t.is_cuda)}
 
 
 # ---- allreduce ----------------------------------------------------------------------------
@@ -202,7 +216,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` across the ranks in place and return it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    return now(allreduce_async_, tensor, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def _fused(members: list, pooled: list) -> torch.Tensor:
@@ -284,8 +298,8 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set) -> tuple:
     """Reduce a list of tensors in place (fused); returns them, as a tuple (as Horovod)."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                                process_set))
+    return now(grouped_allreduce_async_, tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set)
 
 
 # ---- broadcast ----------------------------------------------------------------------------
@@ -312,8 +326,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
 
     return _submit(process_set, Op(
         kind="broadcast", name=name, signature=f"{root_rank}|{desc}", description=f"broadcast(root_rank={root_rank}: "
-        f"{desc})", problem=_root_problem(root_rank, process_set), launch=launch, nbytes=_nbytes(tensor),
-        joinable=True, request={"z": _zeros_spec(tensor, "broadcast", root=root_rank)}))
+        f"{desc})", problem=_root_problem(root_rank, process_set), launch=launch, nbytes=_nbytes(tensor)))
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
@@ -324,7 +337,7 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` with rank ``root_rank``'s value, in place; returns it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return now(broadcast_async_, tensor, root_rank, name, process_set)
 
 
 # ---- allgather ----------------------------------------------------------------------------
@@ -332,7 +345,7 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> 
 def gather_ints(values: list, device, process_set=global_process_set) -> list:
     """Every member's list of ints (same length on every member), as tuples in set-rank order."""
     mine = torch.tensor([values], dtype=torch.int64)
-    gathered = synchronize(allgather_async(mine, process_set=process_set))
+    gathered = now(allgather_async, mine, process_set=process_set)
     return [tuple(int(x) for x in row) for row in gathered.tolist()]
 
 
@@ -363,8 +376,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set, _problem=
 
     return _submit(process_set, Op(
         kind="allgather", name=name, signature=desc, description=f"allgather({desc})", fact=int(t.shape[0]),
-        problem=_problem, launch=launch, nbytes=_nbytes(t) * process_set.size(), joinable=True,
-        request={"z": _zeros_spec(t, "all_gather")}))
+        problem=_problem, launch=launch, nbytes=_nbytes(t) * process_set.size()))
 
 
 def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set) -> Handle:
@@ -527,8 +539,8 @@ def check(what: str, tensors: list, process_set=global_process_set, extra: str =
     require_member(process_set, what)
     desc = ", ".join(describe(t) for t in tensors)
     text = f"{extra}: {desc}" if extra else desc
-    synchronize(_submit(process_set, Op(kind="check", name=what, signature=text, description=f"{what}({text})",
-                                        problem=problem, launch=lambda item, result: ([], None))))
+    now(_submit, process_set, Op(kind="check", name=what, signature=text, description=f"{what}({text})",
+                                 problem=problem, launch=lambda item, result: ([], None)))
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -538,5 +550,5 @@ def _nbytes(t: torch.Tensor) -> int:
 def barrier(process_set=global_process_set) -> None:
     """Wait until every rank of the set has reached this call."""
     require_member(process_set, "barrier")
-    synchronize(_submit(process_set, Op(kind="barrier", name=None, signature="", description="barrier()",
-                                        joinable=False, launch=lambda item, result: ([], None))))
+    now(_submit, process_set, Op(kind="barrier", name=None, signature="", description="barrier()",
+                                 launch=lambda item, result: ([], None)))

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import itertools
 import operator
+import warnings
 import weakref
 
 import torch
@@ -14,8 +15,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ._compression import Compression
 from ._fusion import GradientBuckets, finish_allreduce, fusion_threshold, launch_allreduce, write_back
-from ._handles import synchronize
-from ._ops import Average, ReduceOp, Sum, _resolve_op, allreduce_async_, check, sparse_allreduce_async
+from ._ops import Average, ReduceOp, Sum, _resolve_op, allreduce_async_, check, now, sparse_allreduce_async
 from ._process_sets import ProcessSet, global_process_set
 from ._scale import scale_
 
@@ -60,6 +60,12 @@ class _DistributedMixin:
                                                 predivide=self._hvd_predivide, size=size, compression=compression),
                 reduce_sparse=None if sparse_as_dense else self._hvd_reduce_sparse,
                 label=f"optimizer {self._hvd_serial}")
+
+    @property
+    def _parameter_names(self) -> dict:
+        """Each parameter's name (parameter -> name), as Horovod's optimizer keeps them."""
+        return {p: self._hvd_names[id(p)] for group in self.param_groups for p in group["params"]
+                if id(p) in self._hvd_names}
 
     @property
     def backward_passes_per_step(self) -> int:
@@ -141,6 +147,11 @@ class _DistributedMixin:
             self._hvd_skip = False
 
     def step(self, closure=None):
+        if self._hvd_synchronized and not self._hvd_skip:
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                          "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                          "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
+                          "your code.")  # Horovod's words: its test matches them
         if not self._hvd_skip and not self._hvd_synchronized:
             self.synchronize()
         self._hvd_synchronized = False
@@ -156,7 +167,7 @@ def _reduce_bucket(grads: list, op: ReduceOp, predivide: float, size: int, compr
     flat, ctx = compression.compress(_flatten_dense_tensors(grads))
     if op == Average:
         scale_(flat, 1.0 / predivide)
-    synchronize(allreduce_async_(flat, op=Sum, process_set=process_set, _what="DistributedOptimizer bucket"))
+    now(allreduce_async_, flat, op=Sum, process_set=process_set, _what="DistributedOptimizer bucket")
     if op == Average:
         scale_(flat, predivide / size)
     flat = compression.decompress(flat, ctx)

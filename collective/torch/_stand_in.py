@@ -1,6 +1,6 @@
-"""A rank inside ``join()`` stands in for itself in the others' ops: zeros in a reduction, no rows in
-an allgather, a receiver in a broadcast. The engine calls ``mirror`` with the coordinator's answer,
-whose ``m`` is a working member's request and its ``z``, what the data op looks like there.
+"""A rank inside ``join()`` stands in for itself in the others' reductions with zeros. The engine
+calls ``mirror`` with the coordinator's answer, whose ``m`` is a working member's request and its
+``z``, what the data op looks like there.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._ops import _REDUCED_VIA_INT32, _wire
+from ._ops import _REDUCED_VIA_INT32
 
 
 def mirror(item: dict, group) -> list:
@@ -27,13 +27,6 @@ def mirror(item: dict, group) -> list:
             dtype = torch.int32  # as the working ranks widen it
         return [dist.all_reduce(torch.zeros(_numel(spec["shape"]), dtype=dtype, device=device), group=group,
                                 async_op=True)]
-    if kind == "all_gather":
-        rows = [r or 0 for r in item["x"]]
-        zeros = _wire(torch.zeros((max(rows),) + tuple(spec["shape"][1:]), dtype=dtype, device=device))
-        return [dist.all_gather([torch.empty_like(zeros) for _ in rows], zeros, group=group, async_op=True)]
-    if kind == "broadcast":
-        scratch = _wire(torch.empty(spec["shape"], dtype=dtype, device=device))
-        return [dist.broadcast(scratch, src=spec["root"], group=group, async_op=True)]
     raise RuntimeError(f"sparkhvd cannot stand in for a joined rank in {kind!r}; this is a bug in sparkhvd.")
 
 

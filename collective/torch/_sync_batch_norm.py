@@ -14,14 +14,13 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import _engine
-from ._handles import synchronize
-from ._ops import Sum, allreduce_async_
+from ._ops import Sum, allreduce_async_, now
 from ._process_sets import global_process_set
 
 
 def _sum_all(t: torch.Tensor) -> torch.Tensor:
     """The sum over every rank, in place (a joined rank adds zeros: a count of 0)."""
-    return synchronize(allreduce_async_(t, op=Sum, process_set=global_process_set, _what="SyncBatchNorm"))
+    return now(allreduce_async_, t, op=Sum, process_set=global_process_set, _what="SyncBatchNorm")
 
 
 class _SyncBatchNormFn(torch.autograd.Function):
