@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from .. import _engine
 from ..tensorflow import Average, Compression, Sum, grouped_allreduce
-from ..tensorflow._compression import resolve_op
+from .._reduction import resolve_op
 
 
 def _in_xla_context() -> bool:

@@ -13,7 +13,8 @@ import tensorflow as tf
 from .. import torch as hvd_torch
 from ..torch import Average, Sum, global_process_set, synchronize
 from ._bridge import run, to_tf, to_torch
-from ._compression import Compression, resolve_op
+from .._reduction import resolve_op
+from ._compression import Compression
 
 
 def _py_function(fn, tensors, shapes):

@@ -10,7 +10,6 @@ out-of-place wrappers live in ``_autograd.py``.
 
 from __future__ import annotations
 
-import enum
 import math
 import threading
 
@@ -20,44 +19,17 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import _background, _engine
 from .._background import Handle, Op
+from .._reduction import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op  # noqa: F401 (API)
 from . import _fusion, _inline
 from ._handles import GroupHandle, synchronize
 from ._scale import scale_, scaled
 from ._process_sets import ProcessSet, global_process_set, require_member
 
 
-class ReduceOp(enum.IntEnum):
-    """Horovod's reduction operations."""
-
-    Average = 0
-    Sum = 1
-    Adasum = 2
-    Min = 3
-    Max = 4
-    Product = 5
-
-
-Average, Sum, Adasum = ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum
-Min, Max, Product = ReduceOp.Min, ReduceOp.Max, ReduceOp.Product
+_resolve_op = resolve_op
 
 _C10D_OPS = {Sum: dist.ReduceOp.SUM, Average: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
              Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}
-
-
-def _resolve_op(op, average) -> ReduceOp:
-    if op is not None and average is not None:
-        raise ValueError("allreduce got both op= and the legacy average=; pass only op=hvd.Average or op=hvd.Sum.")
-    if op is None:
-        return Average if average is None or average else Sum  # as Horovod: any falsy average= sums
-    try:
-        op = ReduceOp(op)
-    except ValueError:
-        raise ValueError(f"op={op!r} is not a reduction; use hvd.Average, hvd.Sum, hvd.Min, hvd.Max "
-                         "or hvd.Product.") from None
-    if op == Adasum:
-        raise NotImplementedError("op=hvd.Adasum is not implemented by sparkhvd; use op=hvd.Average "
-                                  "(the default), which gives the same result for equal learning rates.")
-    return op
 
 
 def _check_tensor(tensor, what: str) -> None:
