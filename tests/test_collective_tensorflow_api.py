@@ -148,6 +148,10 @@ def _grouped_and_sparse(hvd, r):
     out["errors"] = _errors({
         "sparse_max": lambda: hvd.allreduce(one, op=hvd.Max),
         "sparse_scaled": lambda: hvd.grouped_allreduce([one], op=hvd.Sum, prescale_factor=0.5),
+        # Horovod's TF error types: ranks that disagree, and an argument problem on one rank
+        "mismatch": lambda: hvd.allreduce(tf.ones([2 + r])),
+        "mismatch_graph": lambda: tf.function(lambda: hvd.allreduce(tf.ones([2 + r])))(),
+        "bad_splits": lambda: hvd.alltoall(tf.ones([3 if r else 4])),
     })
     return out
 
@@ -340,3 +344,20 @@ def test_keras_callbacks_namespace_as_in_horovod():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ))
     assert out.stdout.strip() == "True True True", out.stderr[-2000:]
+
+
+def test_failures_are_horovods_tensorflow_errors(ranks):
+    for v in ranks:
+        errors = v["b.errors"]
+        for key in ("mismatch", "mismatch_graph"):
+            kind, text = errors[key]
+            # in a graph the op is a py_function, which turns every error but ValueError/TypeError into
+            # UnknownError; the message still starts with the class Horovod raises
+            assert kind == ("FailedPreconditionError" if key == "mismatch" else "UnknownError"), errors[key]
+            assert "FailedPreconditionError: ranks disagree" in text or key == "mismatch", text
+            assert "unnamed allreduce: rank 0: allreduce(op=Average: float32[2] on cpu); rank 1: " \
+                   "allreduce(op=Average: float32[3] on cpu)" in text, text
+        kind, text = errors["bad_splits"]
+        assert kind == "InvalidArgumentError", errors["bad_splits"]
+        assert "rank 1: alltoall without splits needs the first dimension (3) to be divisible by the number of " \
+               "ranks (2)" in text, text

@@ -11,10 +11,23 @@ from __future__ import annotations
 import tensorflow as tf
 
 from .. import torch as hvd_torch
-from ..torch import Average, Sum, global_process_set, synchronize
+from .._background import HorovodInternalError
+from ..torch import Average, Sum, global_process_set
+from ..torch import synchronize as _wait
 from ._bridge import run, to_tf, to_torch
 from .._reduction import resolve_op
 from ._compression import Compression
+
+
+def synchronize(handle):
+    """Wait for an op on the shared engine; its failure as the TensorFlow error Horovod raises (inside a
+    ``py_function`` an ``OpError`` keeps its class, where any other exception becomes UnknownError)."""
+    try:
+        return _wait(handle)
+    except HorovodInternalError as exc:  # the ranks disagreed on the op
+        raise tf.errors.FailedPreconditionError(None, None, str(exc)) from exc
+    except ValueError as exc:  # an argument problem on some rank
+        raise tf.errors.InvalidArgumentError(None, None, str(exc)) from exc
 
 
 def _py_function(fn, tensors, shapes):
