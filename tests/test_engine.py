@@ -106,12 +106,17 @@ def _engine_cases():
         out[f"alltoall_{key}"] = hvd.alltoall(value)
         if dtype != torch.bool:
             out[f"allreduce_{key}"] = hvd.allreduce(value, op=hvd.Sum)
-    # a joined rank stands in for a large reduction with zeros
+    # a joined rank stands in for a large reduction with zeros; an allgather fails on the working rank only
     if r == 1:
         out["last"] = hvd.join()
     else:
         out["joined_sum"] = hvd.allreduce(torch.full((300_000,), 2.0), op=hvd.Sum)[:2]
+        try:
+            hvd.allgather(torch.ones(2))
+        except hvd.HorovodInternalError as exc:
+            out["joined_allgather"] = str(exc)
         out["last"] = hvd.join()
+    out["objects"] = hvd.allgather_object(r)  # named by type, as Horovod: not shifted by rank 0's failed allgather
     return out
 
 
@@ -133,3 +138,5 @@ def test_engine_pairs_by_name_is_truly_async_and_carries_every_dtype():
     assert torch.equal(v0["alltoall_int16"], torch.tensor([0, 1, 1, 1], dtype=torch.int16))
     assert torch.equal(v1["alltoall_int8"], torch.tensor([0, 1, 0, 1], dtype=torch.int8))
     assert torch.equal(v0["joined_sum"], torch.full((2,), 2.0))
+    assert v0["joined_allgather"].startswith("allgather cannot run while ranks 1 have called hvd.join()")
+    assert v0["objects"] == v1["objects"] == [0, 1]

@@ -31,13 +31,18 @@ def broadcast_object(obj=None, root_rank: int = 0, name=None, process_set=global
 
 
 def allgather_object(obj, name=None, process_set=global_process_set) -> list:
-    """Every rank's ``obj``, as a list in rank order (pickled with cloudpickle)."""
+    """Every rank's ``obj``, as a list in rank order (pickled with cloudpickle).
+
+    Without ``name`` the ops are named after ``obj``'s type, as in Horovod, so that an allgather that
+    failed on some ranks only (one issued while another rank had joined) does not shift the pairing.
+    """
     import cloudpickle
 
+    name = type(obj).__name__ if name is None else name
     data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
-    handles = [allgather_async(torch.tensor([data.numel()], dtype=torch.int64),
-                               name=None if name is None else f"{name}.lengths", process_set=process_set),
-               allgather_async(data, name=None if name is None else f"{name}.data", process_set=process_set)]
+    handles = [allgather_async(torch.tensor([data.numel()], dtype=torch.int64), name=f"{name}.sz",
+                               process_set=process_set),
+               allgather_async(data, name=f"{name}.t", process_set=process_set)]
     lengths, gathered = (synchronize(h) for h in handles)
     parts, offset = [], 0
     for n in lengths.reshape(-1).tolist():
