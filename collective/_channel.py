@@ -22,6 +22,8 @@ MAX_META = 64 << 20  # a response listing every op of a large model is a few MB 
 class Channel:
     """The engine's end of one link to ``peer`` (a global rank)."""
 
+    frames_sent = 0  # by this process, over every link (``bench/control_scale.py`` reads it)
+
     def __init__(self, sock: socket.socket, peer: int, max_payload: int):
         self.sock = sock
         self.peer = peer
@@ -35,6 +37,7 @@ class Channel:
 
     def send(self, meta: dict, payload=b"") -> None:
         """Queue a frame and send what the socket takes now (``flush`` sends the rest)."""
+        Channel.frames_sent += 1
         data = json.dumps(meta, separators=(",", ":")).encode()
         payload = memoryview(payload).cast("B")
         self._out.append(memoryview(FRAME.pack(len(data), payload.nbytes) + data))

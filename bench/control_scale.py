@@ -1,0 +1,64 @@
+"""Benchmark (not a test): control traffic of the engine per op, as the job grows.
+
+For np = 2, 4, 8 (HorovodRunner(np=-n); more ranks than this machine's cores is fine: the
+table says so) every rank runs ``--ops`` blocking 4 KB allreduces, and reports the control
+frames it sent (``Channel.frames_sent``) and the time per op. The engine's links are a star
+(each member talks only to its set's coordinator), so a job of n ranks should send 2(n-1)
+frames per op; the first design's all-to-all check sent n(n-1). The table projects both to 64
+and 1024 ranks.
+
+    python bench/control_scale.py [--ops 500] [--sizes 2,4,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def measure(ops: int):
+    import time
+
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+    from sparkhvd.collective._channel import Channel
+
+    hvd.init()
+    torch.set_num_threads(1)
+    t = torch.ones(1024)
+    for _ in range(20):
+        hvd.allreduce_(t)
+    hvd.barrier()
+    before = Channel.frames_sent
+    started = time.perf_counter()
+    for _ in range(ops):
+        hvd.allreduce_(t)
+    seconds = time.perf_counter() - started
+    return Channel.frames_sent - before, seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ops", type=int, default=500)
+    parser.add_argument("--sizes", default="2,4,8")
+    args = parser.parse_args()
+
+    from sparkhvd import HorovodRunner
+
+    cores = os.cpu_count()
+    print(f"\n## control frames per blocking 4 KB allreduce, {args.ops} ops, on {cores} cores\n")
+    print("| np | frames per op (whole job) | 2(n-1) star | n(n-1) all-to-all | ms per op (median rank) | "
+          "ranks per core |")
+    print("|---|---|---|---|---|---|")
+    for n in (int(x) for x in args.sizes.split(",")):
+        results = HorovodRunner(np=-n).run_all(measure, ops=args.ops).values
+        frames = sum(f for f, _ in results) / args.ops
+        per_op = sorted(s for _, s in results)[n // 2] / args.ops * 1e3
+        print(f"| {n} | {frames:.2f} | {2 * (n - 1)} | {n * (n - 1)} | {per_op:.3f} | {n / cores:.1f} |")
+    print("\nprojected frames per op: " + ", ".join(f"np={n}: star {2 * (n - 1)}, all-to-all {n * (n - 1)}"
+                                               for n in (64, 1024)))
+
+
+if __name__ == "__main__":
+    main()
