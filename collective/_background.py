@@ -19,6 +19,7 @@ data movement. Nothing here imports torch.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import os
 import selectors
@@ -33,6 +34,25 @@ from . import _progress
 from ._channel import Channel
 from ._mesh import MeshError
 from ._negotiate import JOIN, Table
+
+_scope = threading.local()  # .prefix, .count: names for this thread's unnamed ops (``named``)
+
+
+@contextlib.contextmanager
+def named(prefix: str):
+    """Unnamed ops this thread submits inside get the names ``prefix.0``, ``prefix.1``, ...
+
+    For TensorFlow graphs, whose threads run independent ops in any order: each graph op gets a
+    prefix when the graph is built (alike on every rank), so its collectives pair by that name, not
+    by the order in which the threads happened to run them.
+    """
+    previous = getattr(_scope, "prefix", None), getattr(_scope, "count", None)
+    _scope.prefix, _scope.count = prefix, itertools.count()
+    try:
+        yield
+    finally:
+        _scope.prefix, _scope.count = previous
+
 
 class HorovodInternalError(RuntimeError):
     """A collective failed on every rank: the ranks disagreed on it, or a peer failed (Horovod's class)."""
@@ -215,6 +235,8 @@ class Engine:
         if link is None:
             raise MeshError(f"{op.kind} cannot run: its process set's control links are closed (hvd.shutdown() ran, "
                             "or the set was removed).")
+        if op.name is None and getattr(_scope, "prefix", None) is not None:
+            op.name = f"{_scope.prefix}.{next(_scope.count)}"
         base = f"{op.kind}.{op.name}" if op.name is not None else None
         handle = Handle(op, link, None)
         with self._lock:  # a failed link fails the op in synchronize, as any failure of a peer does

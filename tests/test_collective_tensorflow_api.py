@@ -144,6 +144,14 @@ def _grouped_and_sparse(hvd, r):
         with tf.compat.v1.Session() as session:
             out["grouped_grad_v1_graph"] = [session.run(g).tolist() for g in grads]  # one collective per run
 
+    @tf.function
+    def independent():  # TF runs these on several threads in any order: they must pair by graph op, not order
+        sums = [hvd.allreduce(tf.fill([4], float(i) * (r + 1)), op=hvd.Sum) for i in range(8)]
+        scattered = hvd.grouped_reducescatter([tf.fill([4], float(i) * (r + 1)) for i in range(4)], op=hvd.Sum)
+        return sums, scattered
+
+    sums, scattered = independent()
+    out["graph_independent"] = ([s.numpy().tolist() for s in sums], [s.numpy().tolist() for s in scattered])
     one = tf.IndexedSlices(tf.ones([1, 3]), tf.constant([r]))
     out["errors"] = _errors({
         "sparse_max": lambda: hvd.allreduce(one, op=hvd.Max),
@@ -355,9 +363,16 @@ def test_failures_are_horovods_tensorflow_errors(ranks):
             # UnknownError; the message still starts with the class Horovod raises
             assert kind == ("FailedPreconditionError" if key == "mismatch" else "UnknownError"), errors[key]
             assert "FailedPreconditionError: ranks disagree" in text or key == "mismatch", text
-            assert "unnamed allreduce: rank 0: allreduce(op=Average: float32[2] on cpu); rank 1: " \
-                   "allreduce(op=Average: float32[3] on cpu)" in text, text
+            assert ": rank 0: allreduce(op=Average: float32[2] on cpu); rank 1: allreduce(op=Average: float32[3] " \
+                   "on cpu)" in text, text  # eager: the n-th unnamed allreduce; in a graph: named after its graph op
         kind, text = errors["bad_splits"]
         assert kind == "InvalidArgumentError", errors["bad_splits"]
         assert "rank 1: alltoall without splits needs the first dimension (3) to be divisible by the number of " \
                "ranks (2)" in text, text
+
+
+def test_independent_ops_in_a_graph_pair_by_graph_op(ranks):
+    for v in ranks:
+        sums, scattered = v["b.graph_independent"]
+        assert sums == [[3.0 * i] * 4 for i in range(8)]  # i * (1 + 2) on both ranks
+        assert scattered == [[3.0 * i] * 2 for i in range(4)]

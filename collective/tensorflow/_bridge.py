@@ -10,6 +10,8 @@ Inside ``tf.function`` the op runs through ``tf.py_function`` and the static sha
 
 from __future__ import annotations
 
+import itertools
+
 import tensorflow as tf
 import torch
 from torch.utils import dlpack as torch_dlpack
@@ -34,10 +36,28 @@ def to_tf(t: torch.Tensor, dtype: tf.DType) -> tf.Tensor:
     return out if out.dtype == dtype else tf.cast(out, dtype)
 
 
+_graph_ops = itertools.count()  # graph ops built so far in this process: alike on every rank
+
+
+def in_graph(fn):
+    """``fn`` for a py_function built now: its collectives are named after this graph op (numbered in the
+    order the graph is built, alike on every rank), because TensorFlow runs a graph's independent ops
+    on several threads in any order, and unnamed ops would pair by the order they happened to run in."""
+    from .._background import named
+
+    prefix = f"tf.{next(_graph_ops)}"
+
+    def named_fn(*args):
+        with named(prefix):
+            return fn(*args)
+
+    return named_fn
+
+
 def run(fn, tensor, out_shape):
     """Apply ``fn`` (tf.Tensor -> tf.Tensor, eager) here or, in a graph, through py_function."""
     if tf.executing_eagerly():
         return fn(tensor)
-    out = tf.py_function(fn, [tensor], Tout=tensor.dtype)
+    out = tf.py_function(in_graph(fn), [tensor], Tout=tensor.dtype)
     out.set_shape(out_shape)
     return out
