@@ -106,6 +106,8 @@ def _engine_cases():
         out[f"alltoall_{key}"] = hvd.alltoall(value)
         if dtype != torch.bool:
             out[f"allreduce_{key}"] = hvd.allreduce(value, op=hvd.Sum)
+        empty = torch.empty(0, 3, dtype=dtype)  # no bytes to view
+        out[f"empty_{key}"] = (hvd.alltoall(empty).shape, hvd.allgather(empty).shape, hvd.broadcast(empty, 0).shape)
     # a joined rank stands in for a large reduction with zeros; an allgather fails on the working rank only
     if r == 1:
         out["last"] = hvd.join()
@@ -133,6 +135,7 @@ def test_engine_pairs_by_name_is_truly_async_and_carries_every_dtype():
             assert torch.equal(v[f"allgather_{key}"], torch.tensor([0, 1, 1]).to(dtype)), key
             if dtype != torch.bool:
                 assert torch.equal(v[f"allreduce_{key}"], torch.tensor([1, 2, 0, 2]).to(dtype)), key
+            assert v[f"empty_{key}"] == (torch.Size([0, 3]),) * 3, key
         assert v["last"] == 0  # rank 1 joined first, rank 0 last
     assert v0["polled_before"] is False
     assert torch.equal(v0["alltoall_int16"], torch.tensor([0, 1, 1, 1], dtype=torch.int16))

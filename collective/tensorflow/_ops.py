@@ -19,15 +19,20 @@ from .._reduction import resolve_op
 from ._compression import Compression
 
 
+class InvalidArgumentError(tf.errors.InvalidArgumentError, ValueError):
+    """InvalidArgumentError that a ``py_function`` passes on as such: it maps ValueError to InvalidArgument
+    and every other exception, ``tf.errors`` classes included, to UnknownError."""
+
+
 def synchronize(handle):
-    """Wait for an op on the shared engine; its failure as the TensorFlow error Horovod raises (inside a
-    ``py_function`` an ``OpError`` keeps its class, where any other exception becomes UnknownError)."""
+    """Wait for an op on the shared engine; its failure as the TensorFlow error Horovod raises. (In a graph,
+    where the op is a ``py_function``, a disagreement arrives as UnknownError with that message.)"""
     try:
         return _wait(handle)
     except HorovodInternalError as exc:  # the ranks disagreed on the op
         raise tf.errors.FailedPreconditionError(None, None, str(exc)) from exc
     except ValueError as exc:  # an argument problem on some rank
-        raise tf.errors.InvalidArgumentError(None, None, str(exc)) from exc
+        raise InvalidArgumentError(None, None, str(exc)) from exc
 
 
 def _py_function(fn, tensors, shapes):

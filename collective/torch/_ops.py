@@ -98,6 +98,9 @@ def _wire(tensor: torch.Tensor) -> torch.Tensor:
     """What gloo moves for ``tensor``: itself when contiguous and of a type gloo carries, else a contiguous byte
     view (gloo moves bytes: bool, int8 and int16 travel as uint8)."""
     t = tensor if tensor.is_contiguous() else tensor.contiguous()
+    if t.dtype in _BYTE_VIEWED and t.device.type == "cpu" and t.numel() == 0:
+        return t.new_empty(tuple(t.shape[:-1]) + (t.shape[-1] * t.element_size(),) if t.dim() else (0,),
+                           dtype=torch.uint8)
     if t.dtype in _BYTE_VIEWED and t.device.type == "cpu":
         return t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
     return t
@@ -421,7 +424,9 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         received = [int(row[me]) for row in item["x"]]
         src = tensor.detach().contiguous()
         if as_bytes:  # gloo moves bytes: rows of bytes
-            src = src.view(torch.uint8).reshape(rows, tensor.element_size() * math.prod(trailing))
+            row_bytes = tensor.element_size() * math.prod(trailing)
+            src = src.view(torch.uint8).reshape(rows, row_bytes) if src.numel() else src.new_empty(
+                (rows, row_bytes), dtype=torch.uint8)
         output = src.new_empty((sum(received),) + tuple(src.shape[1:]))
         out["output"], out["received"] = output, received
         work = dist.all_to_all_single(output, src, output_split_sizes=received, input_split_sizes=splits,
