@@ -11,6 +11,7 @@ Inside ``tf.function`` the op runs through ``tf.py_function`` and the static sha
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import tensorflow as tf
 import torch
@@ -54,10 +55,28 @@ def in_graph(fn):
     return named_fn
 
 
+_latest = weakref.WeakKeyDictionary()  # graph -> the latest collective op built in it
+
+
+def chained(build):
+    """``build()`` a collective's py_function after the graph's previous one (a control dependency).
+
+    A py_function blocks its TensorFlow thread until the peers have run the same op; were a graph's
+    collectives free to run in any order, each rank could fill its few threads with ops whose peers
+    are blocked in others, and wait forever. In build order they run alike on every rank.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    previous = _latest.get(graph)
+    with tf.control_dependencies([previous] if previous is not None else []):
+        out = build()
+    _latest[graph] = (out[0] if isinstance(out, (list, tuple)) else out).op
+    return out
+
+
 def run(fn, tensor, out_shape):
     """Apply ``fn`` (tf.Tensor -> tf.Tensor, eager) here or, in a graph, through py_function."""
     if tf.executing_eagerly():
         return fn(tensor)
-    out = tf.py_function(in_graph(fn), [tensor], Tout=tensor.dtype)
+    out = chained(lambda: tf.py_function(in_graph(fn), [tensor], Tout=tensor.dtype))
     out.set_shape(out_shape)
     return out

@@ -14,7 +14,7 @@ from .. import torch as hvd_torch
 from .._background import HorovodInternalError
 from ..torch import Average, Sum, global_process_set
 from ..torch import synchronize as _wait
-from ._bridge import in_graph, run, to_tf, to_torch
+from ._bridge import chained, in_graph, run, to_tf, to_torch
 from .._reduction import resolve_op
 from ._compression import Compression
 
@@ -39,7 +39,7 @@ def _py_function(fn, tensors, shapes):
     """``fn`` (tf.Tensors -> list of tf.Tensors) here, or in a graph through one py_function."""
     if tf.executing_eagerly():
         return list(fn(*tensors))
-    outs = tf.py_function(in_graph(fn), list(tensors), Tout=[t.dtype for t in tensors])
+    outs = chained(lambda: tf.py_function(in_graph(fn), list(tensors), Tout=[t.dtype for t in tensors]))
     for out, shape in zip(outs, shapes):
         out.set_shape(shape)
     return list(outs)
@@ -313,7 +313,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
         if tf.executing_eagerly():
             out, recv = now(x, wire_splits)
         else:
-            out, recv = tf.py_function(in_graph(now), [x, wire_splits], Tout=[x.dtype, tf.int32])
+            out, recv = chained(lambda: tf.py_function(in_graph(now), [x, wire_splits], Tout=[x.dtype, tf.int32]))
             out.set_shape(_first_dim_unknown(x.shape))
             recv.set_shape([process_set.size()])
         received.append(recv)
