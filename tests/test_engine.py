@@ -108,6 +108,8 @@ def _engine_cases():
             out[f"allreduce_{key}"] = hvd.allreduce(value, op=hvd.Sum)
         empty = torch.empty(0, 3, dtype=dtype)  # no bytes to view
         out[f"empty_{key}"] = (hvd.alltoall(empty).shape, hvd.allgather(empty).shape, hvd.broadcast(empty, 0).shape)
+    empty = torch.empty(0, 3, dtype=torch.uint16)  # a byte view of no bytes cannot be viewed back
+    out["empty_uint16"] = (hvd.alltoall(empty).shape, hvd.allgather(empty).shape, hvd.broadcast(empty, 0).shape)
     # a joined rank stands in for a large reduction with zeros; an allgather fails on the working rank only
     if r == 1:
         out["last"] = hvd.join()
@@ -143,3 +145,4 @@ def test_engine_pairs_by_name_is_truly_async_and_carries_every_dtype():
     assert torch.equal(v0["joined_sum"], torch.full((2,), 2.0))
     assert v0["joined_allgather"].startswith("allgather cannot run while ranks 1 have called hvd.join()")
     assert v0["objects"] == v1["objects"] == [0, 1]
+    assert v0["empty_uint16"] == v1["empty_uint16"] == (torch.Size([0, 3]),) * 3

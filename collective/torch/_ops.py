@@ -106,6 +106,15 @@ def _wire(tensor: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _unwire(wire: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    """``wire`` (from ``_wire``) as a ``dtype`` tensor of ``shape`` again (an empty one has no bytes to view)."""
+    if wire.dtype == dtype:
+        return wire.view(shape)
+    if wire.numel() == 0:
+        return torch.empty(shape, dtype=dtype, device=wire.device)
+    return wire.view(dtype).view(shape)
+
+
 _BYTE_VIEWED = {torch.bool, torch.int8, torch.int16, torch.uint16, torch.uint32, torch.uint64,
                 torch.complex64, torch.complex128}
 
@@ -296,7 +305,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
         wire = state["wire"]
         if not tensor.is_contiguous():  # the data went into a contiguous copy
             with torch.no_grad():
-                tensor.copy_(wire.view(tensor.dtype).view_as(tensor))
+                tensor.copy_(_unwire(wire, tensor.dtype, tensor.shape))
         return tensor
 
     return _submit(process_set, Op(
@@ -347,7 +356,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set, _problem=
 
     def finish():
         longest = max(out["rows"])
-        return torch.cat([g.view(t.dtype).view((longest,) + trailing)[:n] for g, n in zip(out["gathered"], out["rows"])])
+        return torch.cat([_unwire(g, t.dtype, (longest,) + trailing)[:n] for g, n in zip(out["gathered"], out["rows"])])
 
     return _submit(process_set, Op(
         kind="allgather", name=name, signature=desc, description=f"allgather({desc})", fact=int(t.shape[0]),
@@ -436,7 +445,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     def finish():
         output = out["output"]
         if as_bytes:
-            output = output.view(tensor.dtype).reshape((sum(out["received"]),) + trailing)
+            output = _unwire(output, tensor.dtype, (sum(out["received"]),) + trailing)
         return output, torch.tensor(out["received"], dtype=torch.int32)
 
     return _submit(process_set, Op(
