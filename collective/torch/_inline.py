@@ -9,13 +9,12 @@ this project's machines (``bench/allreduce.py`` measures both).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 _BUDGET = 1 << 20  # bytes the coordinator receives for one op, over all its members
 _DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
            torch.int64}
-_COMBINE = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MIN: torch.minimum, dist.ReduceOp.MAX: torch.maximum,
-            dist.ReduceOp.PRODUCT: torch.mul}
+_COMBINE = {"Average": torch.add, "Sum": torch.add, "Min": torch.minimum, "Max": torch.maximum,
+            "Product": torch.mul}  # by the op's name, as the request carries it
 
 
 def capacity(size: int) -> int:
@@ -23,10 +22,11 @@ def capacity(size: int) -> int:
     return _BUDGET // max(1, size - 1) // 64 * 64
 
 
-def fits(tensor: torch.Tensor, size: int) -> bool:
-    """Whether a reduction of ``tensor`` rides inline (decided alike on ranks whose signatures agree)."""
-    return (size > 1 and tensor.device.type == "cpu" and tensor.dtype in _DTYPES
-            and 0 < tensor.numel() * tensor.element_size() <= capacity(size))
+def fits(tensor: torch.Tensor, size: int, nbytes: int | None = None) -> bool:
+    """Whether a reduction of ``tensor`` (or of ``nbytes`` of its dtype and device) rides inline (decided
+    alike on ranks whose signatures agree)."""
+    nbytes = tensor.numel() * tensor.element_size() if nbytes is None else nbytes
+    return size > 1 and tensor.device.type == "cpu" and tensor.dtype in _DTYPES and 0 < nbytes <= capacity(size)
 
 
 def wire_bytes(flat: torch.Tensor) -> memoryview:
@@ -38,17 +38,13 @@ def reduce(request: dict, payloads: list) -> memoryview:
     """The coordinator's reduction of an inline op: the members' payloads (in set order) -> the result's bytes."""
     spec = request["z"]
     dtype = getattr(torch, spec["dtype"])
-    combine = _COMBINE[_BY_NAME[spec["op"]]]
+    combine = _COMBINE[spec["op"]]
     tensors = [torch.frombuffer(p, dtype=dtype) for p in payloads]
     with torch.no_grad():
         result = tensors[0].clone()
         for t in tensors[1:]:
             combine(result, t, out=result)
     return wire_bytes(result)
-
-
-_BY_NAME = {"Average": dist.ReduceOp.SUM, "Sum": dist.ReduceOp.SUM, "Min": dist.ReduceOp.MIN,
-            "Max": dist.ReduceOp.MAX, "Product": dist.ReduceOp.PRODUCT}
 
 
 def read(result, dtype: torch.dtype) -> torch.Tensor:

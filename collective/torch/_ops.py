@@ -230,11 +230,9 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     desc = ", ".join(describe(t) for t in tensors)
     buckets = _fusion.pack(tensors, _fusion.fusion_threshold())
     inline = None
-    if len(buckets) == 1 and tensors:
-        with torch.no_grad():
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            if _inline.fits(flat, size):
-                inline = scaled(flat, prescale_factor)
+    if len(buckets) == 1 and tensors and _inline.fits(tensors[0], size, sum(map(_nbytes, tensors))):
+        with torch.no_grad():  # fused only once it is known to fit: a large group is not copied here
+            inline = scaled(torch.cat([t.detach().reshape(-1) for t in tensors]), prescale_factor)
     flats, pooled = [], []
 
     def launch(item, result):
