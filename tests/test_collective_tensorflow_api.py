@@ -143,6 +143,11 @@ def _grouped_and_sparse(hvd, r):
         grads = [tf.gradients(s, t, tf.ones_like(s))[0] for s, t in zip(reduced, tensors)]
         with tf.compat.v1.Session() as session:
             out["grouped_grad_v1_graph"] = [session.run(g).tolist() for g in grads]  # one collective per run
+    with tf.Graph().as_default():  # broadcast's gradient alone: the non-root must still join the allreduce
+        t = tf.fill([2], float(r))
+        grads = [tf.gradients(hvd.broadcast(t, root), t, tf.fill([2], r + 1.0))[0] for root in (0, 1)]
+        with tf.compat.v1.Session() as session:
+            out["broadcast_grad_v1_graph"] = [session.run(g).tolist() for g in grads]
 
     @tf.function
     def independent():  # TF runs these on several threads in any order: they must pair by graph op, not order
@@ -297,6 +302,8 @@ def test_grouped_allreduce_gradient_in_every_mode(ranks):
         assert v["b.grouped_grad_v1_graph"] == [[2.0, 2.0], [[2.0]]]
         # prescale 0.5, upstream (r + 1) summed over ranks = 3, and 2 for the second tensor
         assert v["b.grouped_grad_function"] == [[1.5, 1.5], [[1.0]]]
+    # broadcast's gradient: the average of the upstream gradients (1 and 2) on the root, zeros elsewhere
+    assert [v["b.broadcast_grad_v1_graph"] for v in ranks] == [[[1.5, 1.5], [0.0, 0.0]], [[0.0, 0.0], [1.5, 1.5]]]
 
 
 def test_partial_distributed_gradient_tape(ranks):

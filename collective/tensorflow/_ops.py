@@ -234,7 +234,9 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
 
         def grad(dy):  # Horovod's convention: the average of the ranks' gradients, on the root
             averaged = allreduce(dy, op=Average, process_set=process_set)
-            return averaged if hvd_torch.rank() == root_rank else tf.zeros_like(averaged)
+            # Not tf.zeros_like: in a graph it is a constant that never runs the allreduce, and the root
+            # would wait for this rank forever.
+            return averaged if hvd_torch.rank() == root_rank else averaged * 0
 
         return out, grad
 
