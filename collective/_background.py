@@ -73,6 +73,9 @@ class Op:
     launch: Callable | None = None  # (item, inline result) -> (works, finish); in the engine thread
     nbytes: int = 0
     request: dict = field(default_factory=dict)
+    fuse: str | None = None  # fusion key: ops of one key ready together may run as one data op
+    launch_fused: Callable | None = None  # (ops, item) -> [(works, finish)] per op: them as one data op
+    data: object = None  # the backend's own (what ``launch_fused`` reads)
 
 
 class Handle:
@@ -160,14 +163,14 @@ class _Link:
     """This rank's side of one set's negotiation: its channels, its ops awaiting answers, and, on the
     coordinator, the table."""
 
-    def __init__(self, link_id: int, members: list, me: int, channels: dict, ranks):
+    def __init__(self, link_id: int, members: list, me: int, channels: dict, ranks, fusion_threshold: int):
         self.link_id = link_id
         self.members = members
         self.me = me
         self.ranks = ranks  # the set's ranks for the stall report (None: every rank)
         self.channels = channels  # peer -> Channel: every worker on the coordinator, the coordinator elsewhere
         self.coordinator = members[0]
-        self.table = Table(members) if me == self.coordinator else None
+        self.table = Table(members, fusion_threshold) if me == self.coordinator else None
         self.waiting: dict = {}  # name -> Handle, submitted and not answered yet
         self.outbox: list = []  # (request, inline bytes) to send to the coordinator
         self.mirrors: list = []  # works this rank started while joined (zeros in the others' reductions)
@@ -175,6 +178,7 @@ class _Link:
         self.group = None
         self.unnamed = collections.defaultdict(itertools.count)  # kind -> numbers for its unnamed ops
         self.in_flight: set = set()  # names submitted and not yet synchronized (a name is one op at a time)
+        self.next_answer = 0.0  # on the coordinator with a cycle time: the earliest time of its next answer
 
     def missing(self, name: str):
         return self.table.waiting_for(name) if self.table is not None else None
@@ -183,8 +187,12 @@ class _Link:
 class Engine:
     """The process's engine thread and every set's negotiation."""
 
-    def __init__(self, rank: int, max_payload: int, *, mirror: Callable, reduce: Callable, device=None):
+    def __init__(self, rank: int, max_payload: int, *, mirror: Callable, reduce: Callable, device=None,
+                 fusion_threshold: int = 0, cycle_time: float = 0.0):
         self.rank = rank
+        self._fusion_threshold = fusion_threshold  # bytes; the coordinators fuse ready ops up to it
+        self._cycle = cycle_time  # seconds: a coordinator answers a set at most once per cycle (0: at once)
+        self._deferred: float | None = None  # the earliest time a coordinator's deferred answer is due
         self._device = device  # the CUDA device the engine thread starts NCCL ops on (None: no GPU)
         self._max_payload = max_payload
         self._mirror = mirror  # (item, group of the set) -> works: a joined rank's part in the others' op
@@ -209,7 +217,7 @@ class Engine:
     def add_link(self, link_id: int, members: list, sockets: dict, ranks, group=None) -> None:
         """Hand the engine one set's links (made by ``_mesh.Endpoint``); ``group`` is its c10d group."""
         channels = {peer: Channel(sock, peer, self._max_payload) for peer, sock in sockets.items()}
-        link = _Link(link_id, list(members), self.rank, channels, ranks)
+        link = _Link(link_id, list(members), self.rank, channels, ranks, self._fusion_threshold)
         link.group = group
         with self._lock:
             self._links[link_id] = link
@@ -255,6 +263,8 @@ class Engine:
             link.in_flight.add(full)
             op.request.update(n=full, k=op.kind, s=op.signature, d=op.description, x=op.fact, p=op.problem,
                               j=op.joinable, i=0 if op.inline is None else memoryview(op.inline).nbytes)
+            if op.fuse is not None:
+                op.request.update(f=op.fuse, b=op.nbytes)
             handle._check = _progress.begin_check(op.kind, op.name, link.ranks, link_id)
             _progress.attach(handle._check, _Missing(link, full))
             self._queue.append((link, handle))
@@ -340,7 +350,12 @@ class Engine:
         """One round of the engine's work, by whichever thread holds ``_turn_lock``: wait for frames (not while
         submitted ops wait to be taken), read them, take the submitted ops, send and answer what can be.
         True once the engine is closed (every op waiting has failed)."""
-        for key, mask in self._selector.select(0 if self._queue else None):
+        if self._queue:
+            timeout = 0
+        else:
+            timeout = None if self._deferred is None else max(0.0, self._deferred - time.monotonic())
+        self._deferred = None
+        for key, mask in self._selector.select(timeout):
             link = key.data
             if link is None:
                 self._drain_wake()
@@ -374,6 +389,7 @@ class Engine:
             if handle is None:
                 for channel in link.channels.values():
                     self._selector.register(channel.sock, selectors.EVENT_READ, link)
+                    channel.events = selectors.EVENT_READ
             elif handle == "remove":
                 self._break(link, "its process set was removed", notify=False)
                 for channel in link.channels.values():
@@ -424,7 +440,7 @@ class Engine:
         """Send what waits to be sent; on the coordinator, answer what is ready."""
         try:
             if link.table is not None:
-                items = link.table.decide()
+                items = self._decide(link)
                 if items:
                     payload = self._inline_results(link, items)
                     blob = bytearray().join(payload)
@@ -438,9 +454,25 @@ class Engine:
                 link.channels[link.coordinator].send({"r": requests}, blob)
             for channel in link.channels.values():
                 events = selectors.EVENT_READ | (selectors.EVENT_WRITE if channel.pending() else 0)
-                self._selector.modify(channel.sock, events, link)
+                if events != channel.events:  # a system call each: only when it changes
+                    self._selector.modify(channel.sock, events, link)
+                    channel.events = events
         except MeshError as exc:
             self._break(link, str(exc), notify=True)
+
+    def _decide(self, link: _Link) -> list:
+        """The coordinator's answers due now: at once, or with a cycle time, at most one batch per cycle (ops that
+        become ready within it wait for its end, and are answered, and fused, together)."""
+        if not self._cycle:
+            return link.table.decide()
+        now = time.monotonic()
+        if now < link.next_answer:
+            self._deferred = link.next_answer if self._deferred is None else min(self._deferred, link.next_answer)
+            return []
+        items = link.table.decide()
+        if items:
+            link.next_answer = now + self._cycle
+        return items
 
     def _inline_results(self, link: _Link, items: list) -> list:
         """Reduce each ready inline op's payloads (in set order, working members only) with this rank's own
@@ -483,6 +515,9 @@ class Engine:
             if handle is not None:
                 self._answered(handle, [], lambda last=item["x"]: last)
             return
+        if len(item["n"]) > 1:
+            self._carry_out_fused(link, item)
+            return
         handle = link.waiting.pop(item["n"][0], None)
         if action == "err":
             if handle is not None:
@@ -501,6 +536,19 @@ class Engine:
             handle._fail(exc)
             return
         self._answered(handle, works, finish)
+
+    def _carry_out_fused(self, link: _Link, item: dict) -> None:
+        """Ops the coordinator fused (one key, so one backend's kind): one data op for them all."""
+        handles = [link.waiting.pop(name) for name in item["n"]]
+        try:
+            launched = handles[0].op.launch_fused([h.op for h in handles], item)
+        except BaseException as exc:  # noqa: BLE001 - each caller's synchronize raises it
+            for handle in handles:
+                self._end_check(handle)
+                handle._fail(exc)
+            return
+        for handle, (works, finish) in zip(handles, launched):
+            self._answered(handle, works, finish)
 
     def _answered(self, handle: Handle, works: list, finish) -> None:
         self._end_check(handle)

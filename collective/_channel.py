@@ -34,6 +34,7 @@ class Channel:
         self._meta_len = 0
         self._got = 0
         self._failure: MeshError | None = None  # the link failed after frames that were still to be handed out
+        self.events = 0  # the selector events its socket is registered for (the engine's bookkeeping)
 
     def send(self, meta: dict, payload=b"") -> None:
         """Queue a frame and send what the socket takes now (``flush`` sends the rest)."""

@@ -107,7 +107,7 @@ def _start_engine(topology: Topology) -> None:
     """The engine thread, with the global set's links (made now: every rank is in init())."""
     global _background_engine
     from ._background import Engine, max_payload
-    from .torch import _inline, _stand_in
+    from .torch import _fusion, _inline, _stand_in
 
     everyone = list(range(topology.size))
     waiting = _progress.begin_check("hvd.init", None, None, _INIT_LINK)
@@ -121,8 +121,26 @@ def _start_engine(topology: Topology) -> None:
     else:
         device = None
     _background_engine = Engine(topology.rank, max_payload(), mirror=_stand_in.mirror, reduce=_inline.reduce,
-                                device=device)
+                                device=device, fusion_threshold=_fusion.fusion_threshold(), cycle_time=cycle_time())
     _background_engine.add_link(0, everyone, sockets, None)
+
+
+ENV_CYCLE_TIME = "HOROVOD_CYCLE_TIME"
+
+
+def cycle_time() -> float:
+    """``$HOROVOD_CYCLE_TIME`` in seconds (it is given in milliseconds, as Horovod's); 0 (answer at once) unset."""
+    raw = os.environ.get(ENV_CYCLE_TIME)
+    if raw is None:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_CYCLE_TIME}={raw!r} is not a number of milliseconds; set it to e.g. 1 (answer ready "
+                         "ops at most once a millisecond, fusing them), or 0 to answer each at once.") from None
+    if not value >= 0:
+        raise ValueError(f"{ENV_CYCLE_TIME}={raw} must be 0 or more milliseconds.")
+    return value / 1000.0
 
 
 def add_links(link_id: int, members: list, group) -> None:

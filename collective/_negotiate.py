@@ -17,9 +17,12 @@ A request is a dict:
 - ``p`` what is wrong with this rank's arguments, or None: every member then raises
 - ``j`` whether a joined rank may stand in for the op (contributes zeros or nothing)
 - ``i`` bytes of data that ride in the request (a small reduction), 0 for none
+- ``f`` fusion key, or absent: ops ready together with equal keys (equal on every member whose
+  signatures agree) may be carried out as one data op; ``b`` the op's bytes
 
-A response item is a dict: ``n`` the names it covers, ``a`` the action ("ok", "err" or
-"join"), and for "ok": ``x`` every member's fact in set order, ``J`` the joined ranks (who
+A response item is a dict: ``n`` the names it covers (several: fused ops, carried out as one),
+``a`` the action ("ok", "err" or "join"), and for "ok": ``x`` every member's fact in set order
+(the first op's, when fused), ``J`` the joined ranks (who
 mirror the op), ``m`` a working member's signature-bearing request (what joined ranks mirror);
 for "err": ``t`` ("value" for bad arguments, "internal" for ranks that disagree) and ``e``
 the message; for "join": ``x`` the rank that joined last.
@@ -36,8 +39,9 @@ _JOINABLE_HINT = ("only allreduce and grouped_allreduce with op=Average or Sum, 
 class Table:
     """The coordinator's view of one set: the requests received, by name, in arrival order."""
 
-    def __init__(self, members: list):
+    def __init__(self, members: list, fusion_threshold: int = 0):
         self.members = list(members)  # global ranks in set order; the coordinator is members[0]
+        self.fusion_threshold = fusion_threshold  # bytes of one fused op; 0: no fusion
         self._pending: dict = {}  # name -> {rank: request}, in the order names first arrived
         self._joined: list = []  # ranks inside join(), in the order they joined
         self._join_batch: list = []  # ranks that joined since the latest answered op ("together")
@@ -69,11 +73,33 @@ class Table:
             del self._pending[name]
             items.append(self._answer(name, requests, working))
             self._join_batch = []
+        items = self._fuse(items)
         if self._joined and len(self._joined) == len(self.members):
             last = max(self._join_batch) if self._join_batch else self._joined[-1]
             items.append({"n": [JOIN], "a": JOIN, "x": last})
             self._joined, self._join_batch = [], []
         return items
+
+    def _fuse(self, items: list) -> list:
+        """Ready ops with the same fusion key become one item (Horovod's tensor fusion), up to the threshold in
+        bytes, at the place of the first; every member carries out the same list, so the order stays agreed."""
+        fused, open_items = [], {}  # key -> the item still taking ops of that key
+        for item in items:
+            key, nbytes = item.pop("_f", None), item.pop("_b", 0)
+            host = open_items.get(key) if key is not None else None
+            if host is not None and host["_b"] + nbytes <= self.fusion_threshold:
+                host["n"].extend(item["n"])
+                host["_b"] += nbytes
+                continue
+            if host is not None:  # full: it takes no more
+                del open_items[key], host["_b"]
+            if key is not None and nbytes < self.fusion_threshold:
+                item["_b"] = nbytes
+                open_items[key] = item
+            fused.append(item)
+        for item in open_items.values():
+            del item["_b"]
+        return fused
 
     def _answer(self, name: str, requests: dict, working: list) -> dict:
         ordered = [(r, requests[r]) for r in self.members if r in requests]
@@ -95,6 +121,8 @@ class Table:
         if self._joined:
             item["J"] = list(self._joined)
             item["m"] = requests[working[0]]
+        elif self.fusion_threshold and ordered[0][1].get("f") is not None:
+            item["_f"], item["_b"] = ordered[0][1]["f"], ordered[0][1].get("b", 0)
         return item
 
 

@@ -62,6 +62,28 @@ def test_joined_ranks_are_stood_in_for_and_join_ends_when_all_have_joined():
     assert table.decide() == [{"n": [JOIN], "a": JOIN, "x": 1}]  # 0 and 1 joined together last: the highest
 
 
+def test_ops_ready_together_fuse_by_key_up_to_the_threshold_in_place_of_the_first():
+    table = Table([0, 1], fusion_threshold=100)
+    keyed = [("a", "k32", 40), ("b", "k64", 40), ("c", "k32", 40), ("d", None, 0), ("e", "k32", 40),
+             ("f", "k32", 100)]
+    for rank in (1, 0):
+        for name, key, nbytes in keyed:
+            table.add(rank, {**_request(name), **({"f": key, "b": nbytes} if key else {})})
+    items = table.decide()
+    # a and c fill one op (e would pass 100 bytes: it opens the next); f alone is at the threshold already
+    assert [item["n"] for item in items] == [["a", "c"], ["b"], ["d"], ["e"], ["f"]]
+    assert all(not any(key.startswith("_f") or key == "_b" for key in item) for item in items)
+    table.add(0, {**_request("g"), "f": "k32", "b": 8})  # no fusion while a rank is joined
+    table.add(0, {**_request("h"), "f": "k32", "b": 8})
+    table.add(1, {"n": JOIN, "k": JOIN})
+    assert [item["n"] for item in table.decide()] == [["g"], ["h"]]
+    unfused = Table([0, 1])  # threshold 0: every op alone
+    for rank in (0, 1):
+        for name in "xy":
+            unfused.add(rank, {**_request(name), "f": "k32", "b": 8})
+    assert [item["n"] for item in unfused.decide()] == [["x"], ["y"]]
+
+
 def test_labels_name_ops_as_users_know_them():
     assert label("allreduce.grads") == "allreduce 'grads'"
     assert label("allgather.noname.21") == "the 22nd unnamed allgather"
@@ -146,3 +168,53 @@ def test_engine_pairs_by_name_is_truly_async_and_carries_every_dtype():
     assert v0["joined_allgather"].startswith("allgather cannot run while ranks 1 have called hvd.join()")
     assert v0["objects"] == v1["objects"] == [0, 1]
     assert v0["empty_uint16"] == v1["empty_uint16"] == (torch.Size([0, 3]),) * 3
+
+
+def _fusion_cases():
+    import os
+
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+    from sparkhvd.collective import _engine
+
+    os.environ.update(HOROVOD_CYCLE_TIME="1000", HOROVOD_FUSION_THRESHOLD=str(3 << 20))  # read by init()
+    try:
+        hvd.init()
+    finally:
+        del os.environ["HOROVOD_CYCLE_TIME"], os.environ["HOROVOD_FUSION_THRESHOLD"]
+    r = hvd.rank()
+    n = 300_000  # 1.2 MB: over the inline size at np=2, so each is a gloo op
+    hvd.allreduce(torch.ones(1), name="opens_a_cycle")  # answered at once; the next answer waits for the cycle
+    handles = [hvd.allreduce_async_(torch.full((n,), float(r + i)), op=op, name=f"t{i}")
+               for i, op in enumerate([hvd.Sum, hvd.Sum, hvd.Sum, hvd.Average])]
+    handles.append(hvd.allreduce_async_(torch.full((n,), r + 10.0, dtype=torch.float64), op=hvd.Sum, name="t64"))
+    results = [hvd.synchronize(h)[:2].tolist() for h in handles]
+    works = [id(h._works[0]) for h in handles]
+    return {"results": results, "same_op": [works[i] == works[0] for i in range(len(works))],
+            "pairs": works[1] == works[0] and works[2] != works[1], "cycle": _engine.engine()._cycle}
+
+
+def test_separate_allreduces_ready_in_one_cycle_run_as_one_gloo_op():
+    for v in HorovodRunner(np=-2).run_all(_fusion_cases).values:
+        # t0..t2 (Sum) fill 3 MB in two ops; t3 (Average) and t64 (float64) have keys of their own
+        assert v["results"] == [[1.0, 1.0], [3.0, 3.0], [5.0, 5.0], [3.5, 3.5], [21.0, 21.0]]
+        assert v["same_op"] == [True, True, False, False, False] and v["pairs"]
+        assert v["cycle"] == 1.0
+
+
+def test_cycle_time_is_read_in_milliseconds_and_bad_values_say_what_to_set(monkeypatch):
+    import pytest
+
+    from sparkhvd.collective._engine import cycle_time
+
+    monkeypatch.delenv("HOROVOD_CYCLE_TIME", raising=False)
+    assert cycle_time() == 0.0
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "2.5")
+    assert cycle_time() == 0.0025
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "fast")
+    with pytest.raises(ValueError, match=r"HOROVOD_CYCLE_TIME='fast' is not a number of milliseconds; set it to e.g. 1"):
+        cycle_time()
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "-1")
+    with pytest.raises(ValueError, match=r"HOROVOD_CYCLE_TIME=-1 must be 0 or more milliseconds."):
+        cycle_time()

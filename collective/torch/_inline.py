@@ -39,11 +39,10 @@ def reduce(request: dict, payloads: list) -> memoryview:
     spec = request["z"]
     dtype = getattr(torch, spec["dtype"])
     combine = _COMBINE[spec["op"]]
-    tensors = [torch.frombuffer(p, dtype=dtype) for p in payloads]
-    with torch.no_grad():
-        result = tensors[0].clone()
-        for t in tensors[1:]:
-            combine(result, t, out=result)
+    tensors = [torch.frombuffer(p, dtype=dtype) for p in payloads]  # none requires grad: no autograd here
+    result = combine(tensors[0], tensors[1]) if len(tensors) > 1 else tensors[0].clone()
+    for t in tensors[2:]:
+        combine(result, t, out=result)
     return wire_bytes(result)
 
 

@@ -141,52 +141,86 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     require_member(process_set, _what)
     size = process_set.size()
     desc = describe(tensor)
+    target = tensor.detach()  # written in place below: a detached view needs no torch.no_grad()
     inline = None
-    with torch.no_grad():
-        if _inline.fits(tensor, size):  # small: the data rides in the control frames
-            inline = scaled(tensor.detach(), prescale_factor).reshape(-1).contiguous()
+    if _inline.fits(tensor, size):  # small: the data rides in the control frames
+        inline = scaled(target, prescale_factor).reshape(-1).contiguous()
 
     def launch(item, result):
         if inline is not None:
-            with torch.no_grad():
-                tensor.copy_(_inline.read(result, inline.dtype).view_as(tensor))
+            target.copy_(_inline.read(result, inline.dtype).view_as(target))
             return [], finish
-        with torch.no_grad():
-            wire = tensor if tensor.is_contiguous() else tensor.contiguous()  # c10d reduces strided ones wrong
-            widened = wire.to(torch.int32) if wire.dtype in _REDUCED_VIA_INT32 and not wire.is_cuda else None
-            target = wire if widened is None else widened
-            scale_(target, prescale_factor)
-            work = dist.all_reduce(target, op=_C10D_OPS[op], group=process_set.group, async_op=True)
+        wire = target if target.is_contiguous() else target.contiguous()  # c10d reduces strided ones wrong
+        widened = wire.to(torch.int32) if wire.dtype in _REDUCED_VIA_INT32 and not wire.is_cuda else None
+        reduced = wire if widened is None else widened
+        scale_(reduced, prescale_factor)
+        work = dist.all_reduce(reduced, op=_C10D_OPS[op], group=process_set.group, async_op=True)
         state["wire"], state["widened"] = wire, widened
         return [work], finish
 
     state: dict = {}
 
     def finish():
-        with torch.no_grad():
-            wire, widened = state.get("wire"), state.get("widened")
-            if widened is not None:
-                if op == Average and size > 1:
-                    widened = torch.div(widened * postscale_factor, size, rounding_mode="trunc")
-                    postscale = 1.0
-                else:
-                    postscale = postscale_factor
-                scale_(widened, postscale)
-                wire.copy_(widened.to(wire.dtype) if wire.dtype != torch.bool else widened > 0)
-                if wire is not tensor:
-                    tensor.copy_(wire)
-                return tensor
-            if wire is not None and wire is not tensor:
-                tensor.copy_(wire)
-            _scale_after(tensor, op, size, postscale_factor)
+        wire, widened = state.get("wire"), state.get("widened")
+        if widened is not None:
+            if op == Average and size > 1:
+                widened = torch.div(widened * postscale_factor, size, rounding_mode="trunc")
+                postscale = 1.0
+            else:
+                postscale = postscale_factor
+            scale_(widened, postscale)
+            wire.copy_(widened.to(wire.dtype) if wire.dtype != torch.bool else widened > 0)
+            if wire is not target:
+                target.copy_(wire)
+            return tensor
+        if wire is not None and wire is not target:
+            target.copy_(wire)
+        _scale_after(target, op, size, postscale_factor)
         return tensor
 
+    fusable = inline is None and tensor.dtype not in _REDUCED_VIA_INT32
     return _submit(process_set, Op(
         kind="allreduce", name=name, signature=f"{op.name}|{desc}|{prescale_factor}|{postscale_factor}",
         description=f"{_what}(op={op.name}: {desc})", joinable=op in (Sum, Average),
         inline=None if inline is None else _inline.wire_bytes(inline), launch=launch, nbytes=_nbytes(tensor),
         request={"z": _zeros_spec(tensor, "all_reduce") if inline is None else
-                 {"kind": "inline", "dtype": str(inline.dtype).replace("torch.", ""), "op": op.name}}))
+                 {"kind": "inline", "dtype": str(inline.dtype).replace("torch.", ""), "op": op.name}},
+        fuse=f"allreduce|{op.name}|{tensor.dtype}|{tensor.device}|{prescale_factor}|{postscale_factor}"
+        if fusable else None,
+        launch_fused=_launch_fused, data=(tensor, target, op, prescale_factor, postscale_factor, process_set)))
+
+
+def _launch_fused(ops: list, item) -> list:
+    """Allreduces the coordinator fused (one dtype, device, op and scaling, on one set): one c10d op over a
+    flat copy of their tensors (Horovod's fusion buffer; pooled on CPU), each op's part copied back when it is
+    synchronized. The buffer goes back to the pool once every part is out."""
+    _, _, op, prescale_factor, postscale_factor, process_set = ops[0].data
+    targets = [o.data[1] for o in ops]
+    pooled: list = []
+    flat = _fused(targets, pooled)
+    scale_(flat, prescale_factor)
+    work = dist.all_reduce(flat, op=_C10D_OPS[op], group=process_set.group, async_op=True)
+    left = [len(ops)]
+    size = process_set.size()
+
+    def finisher(tensor, target, offset):
+        def finish():
+            part = flat[offset:offset + target.numel()]
+            _scale_after(part, op, size, postscale_factor)
+            target.copy_(part.view_as(target))
+            left[0] -= 1
+            if not left[0]:
+                for buffer in pooled:
+                    _fusion.pool.give(buffer)
+            return tensor
+        return finish
+
+    launched, offset = [], 0
+    for o in ops:
+        tensor, target = o.data[:2]
+        launched.append(([work], finisher(tensor, target, offset)))
+        offset += target.numel()
+    return launched
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
