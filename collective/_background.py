@@ -33,7 +33,7 @@ from typing import Callable
 from . import _progress
 from ._channel import Channel
 from ._mesh import MeshError
-from ._negotiate import JOIN, Table
+from ._negotiate import JOIN, RequestCache, Table
 
 _scope = threading.local()  # .prefix, .count: names for this thread's unnamed ops (``named``)
 
@@ -163,7 +163,8 @@ class _Link:
     """This rank's side of one set's negotiation: its channels, its ops awaiting answers, and, on the
     coordinator, the table."""
 
-    def __init__(self, link_id: int, members: list, me: int, channels: dict, ranks, fusion_threshold: int):
+    def __init__(self, link_id: int, members: list, me: int, channels: dict, ranks, fusion_threshold: int,
+                 cache_capacity: int):
         self.link_id = link_id
         self.members = members
         self.me = me
@@ -171,6 +172,7 @@ class _Link:
         self.channels = channels  # peer -> Channel: every worker on the coordinator, the coordinator elsewhere
         self.coordinator = members[0]
         self.table = Table(members, fusion_threshold) if me == self.coordinator else None
+        self.cache = RequestCache(cache_capacity)  # shortens this worker's requests, or expands the workers'
         self.waiting: dict = {}  # name -> Handle, submitted and not answered yet
         self.outbox: list = []  # (request, inline bytes) to send to the coordinator
         self.mirrors: list = []  # works this rank started while joined (zeros in the others' reductions)
@@ -188,8 +190,9 @@ class Engine:
     """The process's engine thread and every set's negotiation."""
 
     def __init__(self, rank: int, max_payload: int, *, mirror: Callable, reduce: Callable, device=None,
-                 fusion_threshold: int = 0, cycle_time: float = 0.0):
+                 fusion_threshold: int = 0, cycle_time: float = 0.0, cache_capacity: int = 1024):
         self.rank = rank
+        self._cache_capacity = cache_capacity  # request definitions a link keeps (``RequestCache``)
         self._fusion_threshold = fusion_threshold  # bytes; the coordinators fuse ready ops up to it
         self._cycle = cycle_time  # seconds: a coordinator answers a set at most once per cycle (0: at once)
         self._deferred: float | None = None  # the earliest time a coordinator's deferred answer is due
@@ -217,7 +220,8 @@ class Engine:
     def add_link(self, link_id: int, members: list, sockets: dict, ranks, group=None) -> None:
         """Hand the engine one set's links (made by ``_mesh.Endpoint``); ``group`` is its c10d group."""
         channels = {peer: Channel(sock, peer, self._max_payload) for peer, sock in sockets.items()}
-        link = _Link(link_id, list(members), self.rank, channels, ranks, self._fusion_threshold)
+        link = _Link(link_id, list(members), self.rank, channels, ranks, self._fusion_threshold,
+                     self._cache_capacity)
         link.group = group
         with self._lock:
             self._links[link_id] = link
@@ -431,6 +435,7 @@ class Engine:
     def _requests(self, link: _Link, peer: int, meta: dict, payload) -> None:
         offset = 0
         for request in meta.get("r", ()):
+            request = link.cache.expand(peer, request)
             size = request.get("i") or 0
             request["_payload"] = payload[offset:offset + size]
             offset += size
@@ -449,7 +454,7 @@ class Engine:
                     self._answers(link, {"b": items}, memoryview(blob))
             elif link.outbox:
                 outbox, link.outbox = link.outbox, []
-                requests = [r for r, _ in outbox]
+                requests = [link.cache.shorten(r) for r, _ in outbox]
                 blob = b"".join(bytes(memoryview(data).cast("B")) for _, data in outbox if data is not None)
                 link.channels[link.coordinator].send({"r": requests}, blob)
             for channel in link.channels.values():

@@ -121,7 +121,8 @@ def _start_engine(topology: Topology) -> None:
     else:
         device = None
     _background_engine = Engine(topology.rank, max_payload(), mirror=_stand_in.mirror, reduce=_inline.reduce,
-                                device=device, fusion_threshold=_fusion.fusion_threshold(), cycle_time=cycle_time())
+                                device=device, fusion_threshold=_fusion.fusion_threshold(), cycle_time=cycle_time(),
+                                cache_capacity=cache_capacity())
     _background_engine.add_link(0, everyone, sockets, None)
 
 
@@ -141,6 +142,22 @@ def cycle_time() -> float:
     if not value >= 0:
         raise ValueError(f"{ENV_CYCLE_TIME}={raw} must be 0 or more milliseconds.")
     return value / 1000.0
+
+
+ENV_CACHE_CAPACITY = "HOROVOD_CACHE_CAPACITY"
+
+
+def cache_capacity() -> int:
+    """``$HOROVOD_CACHE_CAPACITY``: request definitions each link keeps (1024, as Horovod's; 0: none)."""
+    raw = os.environ.get(ENV_CACHE_CAPACITY, "1024")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{ENV_CACHE_CAPACITY}={raw!r} is not a count of 0 or more; set it to e.g. 1024 (requests "
+                         "of a signature seen before travel as a number), or 0 to send every request whole.")
+    return value
 
 
 def add_links(link_id: int, members: list, group) -> None:

@@ -126,6 +126,53 @@ class Table:
         return item
 
 
+class RequestCache:
+    """Horovod's response cache, on the request side: a steady-state op travels as its name and a number.
+
+    A worker's first request of a kind, signature and description goes whole, with a number (``c``);
+    later ones carry only ``n``, ``c`` and what may differ (``x``, ``i``), and the coordinator fills in
+    the rest from what that worker defined. Links keep frames in order, so a definition always arrives
+    before its first use. A backend must keep the rest of a request equal for equal kind, signature and
+    description; a request with a problem (``p``) always goes whole. At most ``capacity`` definitions
+    per link (``HOROVOD_CACHE_CAPACITY``; 0: none).
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._numbers: dict = {}  # on a worker: (kind, signature, description) -> number
+        self._defined: dict = {}  # on the coordinator: (peer, number) -> that peer's whole request
+
+    def shorten(self, request: dict) -> dict:
+        """What a worker sends for ``request``."""
+        if request.get("p") is not None or not self.capacity:
+            return request
+        key = (request["k"], request["s"], request["d"])
+        number = self._numbers.get(key)
+        if number is None:
+            if len(self._numbers) >= self.capacity:
+                return request
+            number = self._numbers[key] = len(self._numbers)
+            return {**request, "c": number}
+        short = {"n": request["n"], "c": number}
+        if request.get("x") is not None:
+            short["x"] = request["x"]
+        if request.get("i"):
+            short["i"] = request["i"]
+        return short
+
+    def expand(self, peer: int, request: dict) -> dict:
+        """The whole request from what ``peer`` sent."""
+        number = request.get("c")
+        if number is None:
+            return request
+        if "k" in request:
+            self._defined[(peer, number)] = request
+            return dict(request)
+        whole = dict(self._defined[(peer, number)])
+        whole.update(n=request["n"], x=request.get("x"), i=request.get("i", 0))
+        return whole
+
+
 def _error(name: str, kind: str, text: str) -> dict:
     return {"n": [name], "a": "err", "t": kind, "e": text}
 

@@ -1,4 +1,4 @@
-"""The rendezvous store the process groups are built from: the driver service, as a c10d Store."""
+"""The ranks' side of the rendezvous store (``_rendezvous.py``, served by the driver service), as a c10d Store."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from ..runner._protocol import Kind
 
 
 class DriverStore(dist.Store):
-    """A ``torch.distributed.Store`` whose keys live in the run's driver service.
+    """A ``torch.distributed.Store`` whose keys live in the run's ``RendezvousStore`` on the driver.
 
     Every request is an authenticated frame; blocking ``get``/``wait`` wait on the driver and
     end when the run is aborted. Keys are stored under ``prefix``. The caller must keep this

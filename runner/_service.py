@@ -1,9 +1,10 @@
 """The driver service: one authenticated TCP server per run.
 
-It registers tasks and hands out ranks, serves the pickled function, hosts the key-value
-store that the process groups rendezvous through, receives log lines, results and errors,
-and tells every worker to stop when the run is aborted. It decides nothing about the run's
-outcome: ``_run.py`` watches its state and decides.
+It registers tasks and hands out ranks, serves the pickled function, serves the rendezvous
+store the process groups are built from (``collective/_rendezvous.py``; a blocked get or wait
+ends when the run does), receives log lines, results and errors, and tells every worker to
+stop when the run is aborted. It decides nothing about the run's outcome: ``_run.py`` watches
+its state and decides.
 
 Until a connection's first frame header verifies under the run's secret, it costs one
 descriptor and a few bytes, never a thread: one thread reads every such handshake under a whole
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..collective._listener import GuardedListener, Handshake, Refused, RefusalTally
+from ..collective._rendezvous import RendezvousStore, StoreClosed, StoreTimeout
 from ._protocol import _HEADER, MAGIC, NONCE_BYTES, TAG_BYTES, Channel, Kind, Message, PeerClosed, ProtocolError
 from ._topology import Placement, assign_ranks
 
@@ -35,6 +37,9 @@ FIRST_FRAME_TIMEOUT_S = 30.0  # a connection's first frame header must be authen
 # hvd.init() after hvd.shutdown() and for user code that opens its own clients.
 CONNECTIONS_PER_RANK = 32
 CONNECTIONS_EXTRA = 64
+
+_STORE_KINDS = (Kind.STORE_SET, Kind.STORE_GET, Kind.STORE_ADD, Kind.STORE_CHECK, Kind.STORE_WAIT,
+                Kind.STORE_CAS, Kind.STORE_DELETE, Kind.STORE_NUM_KEYS)
 
 
 @dataclass
@@ -80,7 +85,7 @@ class DriverService:
         self.progress: dict[int, tuple] = {}  # rank -> (its latest heartbeat's meta, when it arrived)
         self.aborted: str | None = None
         self.finished = False
-        self._store: dict[str, bytes] = {}
+        self.store = RendezvousStore(self.cv, self._over)  # the ranks' c10d rendezvous, served as STORE_*
         self._conns: set[socket.socket] = set()  # authenticated connections, each served by a thread
         self.max_connections = CONNECTIONS_PER_RANK * np + CONNECTIONS_EXTRA
         server = socket.create_server((bind_host, 0), backlog=128)
@@ -91,10 +96,7 @@ class DriverService:
             Kind.REGISTER: self._register, Kind.FETCH: self._fetch, Kind.WATCH: self._watch,
             Kind.LOG: self._log, Kind.RESULT: self._result, Kind.ERROR: self._error,
             Kind.EXIT: self._exit, Kind.PROGRESS: self._progress,
-            Kind.STORE_SET: self._store_set, Kind.STORE_GET: self._store_get,
-            Kind.STORE_ADD: self._store_add, Kind.STORE_CHECK: self._store_check,
-            Kind.STORE_WAIT: self._store_wait, Kind.STORE_CAS: self._store_cas,
-            Kind.STORE_DELETE: self._store_delete, Kind.STORE_NUM_KEYS: self._store_num_keys,
+            **{kind: self._store_request for kind in _STORE_KINDS},
         }
         self._listener = GuardedListener(server, self._greet, tally=self.tally, name="sparkhvd-service",
                                          timeout=lambda: FIRST_FRAME_TIMEOUT_S)
@@ -291,66 +293,40 @@ class DriverService:
             self.cv.notify_all()
         channel.send(Kind.OK)
 
-    # ---- the rendezvous store (c10d Store semantics) -------------------------------------
+    # ---- the rendezvous store (collective/_rendezvous.py) over this service's frames --------
 
-    def _store_set(self, channel: Channel, msg: Message, peer: str) -> None:
-        with self.cv:
-            self._store[msg.meta["key"]] = msg.blob
-            self.cv.notify_all()
-        channel.send(Kind.OK)
+    def _store_request(self, channel: Channel, msg: Message, peer: str) -> None:
+        """Answer a STORE_* request from ``self.store``: OK, or ABORT if the run ends first."""
+        try:
+            meta, blob = _call_store(self.store, msg)
+        except StoreClosed:
+            return self._abort_reply(channel)
+        except StoreTimeout as exc:
+            return self._refuse(channel, str(exc))
+        channel.send(Kind.OK, meta, blob)
 
-    def _store_get(self, channel: Channel, msg: Message, peer: str) -> None:
-        key = msg.meta["key"]
-        if not self._wait(lambda: key in self._store, msg.meta.get("timeout")):
-            if self._over():
-                return self._abort_reply(channel)
-            return self._refuse(channel, f"timed out after {msg.meta.get('timeout')} s waiting for key {key!r}")
-        with self.cv:
-            value = self._store[key]
-        channel.send(Kind.OK, {}, value)
 
-    def _store_add(self, channel: Channel, msg: Message, peer: str) -> None:
-        key = msg.meta["key"]
-        with self.cv:
-            value = int(self._store.get(key, b"0")) + int(msg.meta["amount"])
-            self._store[key] = str(value).encode()
-            self.cv.notify_all()
-        channel.send(Kind.OK, {"value": value})
-
-    def _store_check(self, channel: Channel, msg: Message, peer: str) -> None:
-        with self.cv:
-            ok = all(k in self._store for k in msg.meta["keys"])
-        channel.send(Kind.OK, {"value": ok})
-
-    def _store_wait(self, channel: Channel, msg: Message, peer: str) -> None:
-        keys = msg.meta["keys"]
-        if not self._wait(lambda: all(k in self._store for k in keys), msg.meta.get("timeout")):
-            if self._over():
-                return self._abort_reply(channel)
-            return self._refuse(channel, f"timed out after {msg.meta.get('timeout')} s waiting for keys {keys}")
-        channel.send(Kind.OK)
-
-    def _store_cas(self, channel: Channel, msg: Message, peer: str) -> None:
-        key, n = msg.meta["key"], int(msg.meta["expected_len"])
-        expected, desired = msg.blob[:n], msg.blob[n:]
-        with self.cv:
-            current = self._store.get(key)
-            if (current is None and expected == b"") or current == expected:
-                self._store[key] = current = desired
-                self.cv.notify_all()
-            elif current is None:
-                current = expected
-        channel.send(Kind.OK, {}, current)
-
-    def _store_delete(self, channel: Channel, msg: Message, peer: str) -> None:
-        with self.cv:
-            deleted = self._store.pop(msg.meta["key"], None) is not None
-        channel.send(Kind.OK, {"value": deleted})
-
-    def _store_num_keys(self, channel: Channel, msg: Message, peer: str) -> None:
-        with self.cv:
-            n = len(self._store)
-        channel.send(Kind.OK, {"value": n})
+def _call_store(store: RendezvousStore, msg: Message) -> tuple[dict, bytes]:
+    """Decode a STORE_* request, call the store, and return the OK reply's meta and blob."""
+    meta = msg.meta
+    if msg.kind == Kind.STORE_SET:
+        store.set(meta["key"], msg.blob)
+        return {}, b""
+    if msg.kind == Kind.STORE_GET:
+        return {}, store.get(meta["key"], meta.get("timeout"))
+    if msg.kind == Kind.STORE_ADD:
+        return {"value": store.add(meta["key"], int(meta["amount"]))}, b""
+    if msg.kind == Kind.STORE_CHECK:
+        return {"value": store.check(meta["keys"])}, b""
+    if msg.kind == Kind.STORE_WAIT:
+        store.wait(meta["keys"], meta.get("timeout"))
+        return {}, b""
+    if msg.kind == Kind.STORE_CAS:
+        n = int(meta["expected_len"])
+        return {}, store.compare_set(meta["key"], msg.blob[:n], msg.blob[n:])
+    if msg.kind == Kind.STORE_DELETE:
+        return {"value": store.delete_key(meta["key"])}, b""
+    return {"value": store.num_keys()}, b""  # STORE_NUM_KEYS, the last of _STORE_KINDS
 
 
 class _Greeting(Handshake):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from sparkhvd import HorovodRunner
-from sparkhvd.collective._negotiate import JOIN, Table, label
+from sparkhvd.collective._negotiate import JOIN, RequestCache, Table, label
 
 
 def _request(name, signature="float32[4]", problem=None, fact=None, joinable=False, kind="allreduce"):
@@ -82,6 +82,37 @@ def test_ops_ready_together_fuse_by_key_up_to_the_threshold_in_place_of_the_firs
         for name in "xy":
             unfused.add(rank, {**_request(name), "f": "k32", "b": 8})
     assert [item["n"] for item in unfused.decide()] == [["x"], ["y"]]
+
+
+def test_a_request_seen_before_travels_as_its_name_and_number():
+    worker, coordinator = RequestCache(2), RequestCache(2)
+    first = {**_request("allreduce.noname.0"), "z": {"kind": "inline"}}
+    sent = worker.shorten(first)
+    assert sent == {**first, "c": 0}  # defined whole
+    assert coordinator.expand(1, sent) == sent
+    again = worker.shorten({**first, "n": "allreduce.noname.1", "x": [3], "i": 16})
+    assert again == {"n": "allreduce.noname.1", "c": 0, "x": [3], "i": 16}
+    assert coordinator.expand(1, again) == {**first, "n": "allreduce.noname.1", "x": [3], "i": 16, "c": 0}
+    bad = {**first, "p": "bad root"}  # a problem always goes whole
+    assert worker.shorten(bad) == bad
+    worker.shorten(_request("a", "float32[5]"))
+    third = _request("b", "float32[6]")  # over capacity: whole, and no number
+    assert worker.shorten(third) == third and coordinator.expand(1, third) == third
+    assert RequestCache(0).shorten(first) == first
+
+
+def test_cache_capacity_is_read_from_horovods_variable(monkeypatch):
+    import pytest
+
+    from sparkhvd.collective._engine import cache_capacity
+
+    monkeypatch.delenv("HOROVOD_CACHE_CAPACITY", raising=False)
+    assert cache_capacity() == 1024
+    monkeypatch.setenv("HOROVOD_CACHE_CAPACITY", "0")
+    assert cache_capacity() == 0
+    monkeypatch.setenv("HOROVOD_CACHE_CAPACITY", "lots")
+    with pytest.raises(ValueError, match=r"HOROVOD_CACHE_CAPACITY='lots' is not a count of 0 or more; set it to e.g. 1024"):
+        cache_capacity()
 
 
 def test_labels_name_ops_as_users_know_them():

@@ -212,8 +212,7 @@ def _control_address(service, timeout: float):
     """Rank 0's control address, from the rendezvous store (where its peers find it)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with service.cv:
-            found = [v for k, v in service._store.items() if re.search(r"(^|/)control/0$", k)]
+        found = [v for k, v in service.store.snapshot().items() if re.search(r"(^|/)control/0$", k)]
         if found:
             host, port = found[0].decode().rsplit(":", 1)
             return host, int(port)
