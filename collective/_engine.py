@@ -1,7 +1,7 @@
 """The communicator: one c10d process group (gloo for CPU tensors, NCCL for CUDA tensors).
 
 ``init()`` builds it from whichever launcher started this process: HorovodRunner (the driver
-service is the rendezvous store), torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or
+service serves ``collective``'s rendezvous store, ``_rendezvous.py``), torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or
 nothing (a group of one).
 """
 
