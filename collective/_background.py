@@ -9,7 +9,9 @@ then for the data. Control traffic is a star: each member talks only to its coor
 op costs 2(n-1) small frames across a set of n, not n(n-1).
 
 Small reductions ride in the control frames (``inline``): the coordinator reduces the members'
-bytes in rank order and sends every member the same result, so no data op runs at all.
+bytes in rank order and sends every member the same result, so no data op runs at all. Ops that
+are ready together with one fusion key run as one data op (``Op.launch_fused``); with a cycle time
+the coordinator answers at most once per cycle, so more of them are ready together.
 
 The backend (``collective/torch/_ops.py``) describes each op with an ``Op``: its request, the
 bytes it sends inline, and ``launch``, which the engine calls with the answer to start the
