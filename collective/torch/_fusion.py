@@ -252,7 +252,8 @@ def launch_allreduce(flat: torch.Tensor, label: str, *, op_is_average: bool, pre
     wire, ctx = compression.compress(flat)
     if op_is_average:
         scale_(wire, 1.0 / predivide)
-    handle = allreduce_async_(wire, op=Sum, name=label, process_set=process_set, _what="DistributedOptimizer bucket")
+    handle = allreduce_async_(wire, op=Sum, name=label, process_set=process_set, _what="DistributedOptimizer bucket",
+                              _fusable=False)  # a bucket is fused already: not copied again
     return handle, (wire, ctx)
 
 

@@ -130,11 +130,12 @@ _REDUCED_VIA_INT32 = {torch.int16, torch.int8, torch.uint8, torch.bool}  # gloo 
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                     process_set=global_process_set, _what: str = "allreduce") -> Handle:
+                     process_set=global_process_set, _what: str = "allreduce", _fusable: bool = True) -> Handle:
     """Start reducing ``tensor`` in place; returns a handle for ``synchronize``.
 
     ``op=Average`` (the default) divides the sum by the set's size; on integer tensors the
-    result is truncated toward zero, as Horovod's.
+    result is truncated toward zero, as Horovod's. (``_fusable=False``: ``tensor`` is a fusion
+    buffer already, which the engine must not copy into another.)
     """
     _check_tensor(tensor, "allreduce")
     op = _resolve_op(op, average)
@@ -178,7 +179,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
         _scale_after(target, op, size, postscale_factor)
         return tensor
 
-    fusable = inline is None and tensor.dtype not in _REDUCED_VIA_INT32
+    fusable = _fusable and inline is None and tensor.dtype not in _REDUCED_VIA_INT32
     return _submit(process_set, Op(
         kind="allreduce", name=name, signature=f"{op.name}|{desc}|{prescale_factor}|{postscale_factor}",
         description=f"{_what}(op={op.name}: {desc})", joinable=op in (Sum, Average),
