@@ -27,6 +27,14 @@ def _errors(calls):
     return out
 
 
+def _in_session(build):
+    """Run ``build()``'s tensor in a TF1 graph and session."""
+    with tf.Graph().as_default():
+        out = build()
+        with tf.compat.v1.Session() as session:
+            return session.run(out)
+
+
 def _topology_and_broadcasts(hvd, r):
     out = {}
     ps = hvd.add_process_set([0])
@@ -164,6 +172,10 @@ def _grouped_and_sparse(hvd, r):
         # Horovod's TF error types: ranks that disagree, and an argument problem on one rank
         "mismatch": lambda: hvd.allreduce(tf.ones([2 + r])),
         "mismatch_graph": lambda: tf.function(lambda: hvd.allreduce(tf.ones([2 + r])))(),
+        "mismatch_session": lambda: _in_session(lambda: hvd.allreduce(tf.ones([2 + r]))),
+        "mismatch_dtype_graph": lambda: tf.function(lambda: hvd.broadcast(tf.ones([2], tf.int32 if r else tf.float32),
+                                                                          root_rank=0))(),
+        "mismatch_after_graph": lambda: tf.function(lambda: hvd.allgather(tf.ones([1, 2 + r])))(),
         "bad_splits": lambda: hvd.alltoall(tf.ones([3 if r else 4])),
         "bad_splits_graph": lambda: tf.function(lambda: hvd.alltoall(tf.ones([3 if r else 4])))(),
     })
@@ -365,15 +377,22 @@ def test_keras_callbacks_namespace_as_in_horovod():
 def test_failures_are_horovods_tensorflow_errors(ranks):
     for v in ranks:
         errors = v["b.errors"]
-        for key in ("mismatch", "mismatch_graph"):
+        for key in ("mismatch", "mismatch_graph", "mismatch_session"):
             kind, text = errors[key]
-            # in a graph the op is a py_function, which turns every error but ValueError/TypeError into
-            # UnknownError; the message still starts with the class Horovod raises
-            assert kind == ("FailedPreconditionError" if key == "mismatch" else "UnknownError"), errors[key]
-            assert "FailedPreconditionError: ranks disagree" in text or key == "mismatch", text
+            # in a graph too (tf.function, TF1 session), although a py_function alone would make it UnknownError
+            assert kind == "FailedPreconditionError", errors[key]
+            assert "UnknownError" not in text and "Traceback" not in text, text
             assert ": rank 0: allreduce(op=Average: float32[2] on cpu); rank 1: allreduce(op=Average: float32[3] " \
-                   "on cpu)" in text, text  # eager: the n-th unnamed allreduce; in a graph: named after its graph op
-        for key in ("bad_splits", "bad_splits_graph"):  # in a graph too: py_function keeps a ValueError's code
+                   "on cpu). Every rank must call" in text, text  # eager: the n-th unnamed allreduce; in a graph:
+            # named after its graph op
+        kind, text = errors["mismatch_dtype_graph"]
+        assert kind == "FailedPreconditionError", errors["mismatch_dtype_graph"]
+        assert "rank 0: broadcast(root_rank=0: float32[2] on cpu); rank 1: broadcast(root_rank=0: int32[2] on cpu)" \
+               in text, text
+        kind, text = errors["mismatch_after_graph"]  # the next graph's collective after a failed one
+        assert kind == "FailedPreconditionError", errors["mismatch_after_graph"]
+        assert "rank 0: allgather(float32[*, 2] on cpu); rank 1: allgather(float32[*, 3] on cpu)" in text, text
+        for key in ("bad_splits", "bad_splits_graph"):  # in a graph too
             kind, text = errors[key]
             assert kind == "InvalidArgumentError", errors[key]
             assert "rank 1: alltoall without splits needs the first dimension (3) to be divisible by the number " \

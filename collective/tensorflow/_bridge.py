@@ -17,6 +17,8 @@ import tensorflow as tf
 import torch
 from torch.utils import dlpack as torch_dlpack
 
+from . import _op_error
+
 ALIGNMENT = 64  # bytes; TF's Tensor::IsAligned (EIGEN_MAX_ALIGN_BYTES)
 
 
@@ -73,10 +75,33 @@ def chained(build):
     return out
 
 
+def graph_op(fn, inputs, dtypes):
+    """``fn`` (eager tf.Tensors -> list of tf.Tensors of ``dtypes``) as a collective's py_function in this graph.
+
+    It runs ``chained`` and ``in_graph``. A ``tf.errors.OpError`` that ``fn`` raises (FailedPrecondition when
+    the ranks disagree) reaches the caller as that class, with its message: py_function alone would make it
+    UnknownError (see ``_op_error``), so the py_function returns the error's key, and the op after it raises it.
+    """
+    named = in_graph(fn)
+    dtypes = list(dtypes)
+    if _op_error.raise_op() is None:  # no C API: errors arrive as UnknownError
+        return list(chained(lambda: tf.py_function(named, list(inputs), Tout=dtypes)))
+
+    def guarded(*args):
+        try:
+            return list(named(*args)) + [tf.constant(0, tf.int64)]
+        except tf.errors.OpError as exc:  # outputs nobody reads: the op after this one fails
+            return [tf.zeros([0], d) for d in dtypes] + [tf.constant(_op_error.park(exc), tf.int64)]
+
+    *outs, key = chained(lambda: tf.py_function(guarded, list(inputs), Tout=dtypes + [tf.int64]))
+    with tf.control_dependencies([_op_error.raise_if_failed(key)]):
+        return [tf.identity(out) for out in outs]
+
+
 def run(fn, tensor, out_shape):
     """Apply ``fn`` (tf.Tensor -> tf.Tensor, eager) here or, in a graph, through py_function."""
     if tf.executing_eagerly():
         return fn(tensor)
-    out = chained(lambda: tf.py_function(in_graph(fn), [tensor], Tout=tensor.dtype))
+    out, = graph_op(lambda v: [fn(v)], [tensor], [tensor.dtype])
     out.set_shape(out_shape)
     return out

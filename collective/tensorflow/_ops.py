@@ -14,19 +14,19 @@ from .. import torch as hvd_torch
 from .._background import HorovodInternalError
 from ..torch import Average, Sum, global_process_set
 from ..torch import synchronize as _wait
-from ._bridge import chained, in_graph, run, to_tf, to_torch
+from ._bridge import graph_op, run, to_tf, to_torch
 from .._reduction import resolve_op
 from ._compression import Compression
 
 
 class InvalidArgumentError(tf.errors.InvalidArgumentError, ValueError):
-    """InvalidArgumentError that a ``py_function`` passes on as such: it maps ValueError to InvalidArgument
-    and every other exception, ``tf.errors`` classes included, to UnknownError."""
+    """InvalidArgumentError that a bare ``py_function`` passes on as such too (it maps ValueError to
+    InvalidArgument), where ``_bridge.graph_op`` cannot register the op that keeps any error's class."""
 
 
 def synchronize(handle):
-    """Wait for an op on the shared engine; its failure as the TensorFlow error Horovod raises. (In a graph,
-    where the op is a ``py_function``, a disagreement arrives as UnknownError with that message.)"""
+    """Wait for an op on the shared engine; its failure as the TensorFlow error Horovod raises (in a graph
+    too: ``_bridge.graph_op`` passes a py_function's tf.errors on with their class)."""
     try:
         return _wait(handle)
     except HorovodInternalError as exc:  # the ranks disagreed on the op
@@ -39,7 +39,7 @@ def _py_function(fn, tensors, shapes):
     """``fn`` (tf.Tensors -> list of tf.Tensors) here, or in a graph through one py_function."""
     if tf.executing_eagerly():
         return list(fn(*tensors))
-    outs = chained(lambda: tf.py_function(in_graph(fn), list(tensors), Tout=[t.dtype for t in tensors]))
+    outs = graph_op(fn, tensors, [t.dtype for t in tensors])
     for out, shape in zip(outs, shapes):
         out.set_shape(shape)
     return list(outs)
@@ -315,7 +315,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
         if tf.executing_eagerly():
             out, recv = now(x, wire_splits)
         else:
-            out, recv = chained(lambda: tf.py_function(in_graph(now), [x, wire_splits], Tout=[x.dtype, tf.int32]))
+            out, recv = graph_op(now, [x, wire_splits], [x.dtype, tf.int32])
             out.set_shape(_first_dim_unknown(x.shape))
             recv.set_shape([process_set.size()])
         received.append(recv)
