@@ -249,3 +249,30 @@ def test_cycle_time_is_read_in_milliseconds_and_bad_values_say_what_to_set(monke
     monkeypatch.setenv("HOROVOD_CYCLE_TIME", "-1")
     with pytest.raises(ValueError, match=r"HOROVOD_CYCLE_TIME=-1 must be 0 or more milliseconds."):
         cycle_time()
+
+
+def test_under_torchrun_a_rank_waits_for_rank_0s_store_before_c10d_connects():
+    import socket
+    import threading
+    import time
+
+    from sparkhvd.collective._engine import _wait_for_master
+
+    with socket.socket() as probe:  # a free port, then nothing listening on it for a while
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    accepted = []
+
+    def store_comes_up_late():
+        time.sleep(0.2)
+        with socket.create_server(("127.0.0.1", port)) as server:
+            conn, _ = server.accept()
+            accepted.append(conn.recv(1))  # the waiter connects and closes without a byte
+            conn.close()
+
+    thread = threading.Thread(target=store_comes_up_late)
+    thread.start()
+    _wait_for_master("127.0.0.1", str(port))
+    thread.join(timeout=10)
+    assert accepted == [b""]
+    _wait_for_master("127.0.0.1", None)  # no port: c10d's own error follows
