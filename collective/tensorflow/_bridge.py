@@ -94,7 +94,14 @@ def graph_op(fn, inputs, dtypes):
             return [tf.zeros([0], d) for d in dtypes] + [tf.constant(_op_error.park(exc), tf.int64)]
 
     *outs, key = chained(lambda: tf.py_function(guarded, list(inputs), Tout=dtypes + [tf.int64]))
-    with tf.control_dependencies([_op_error.raise_if_failed(key)]):
+
+    def failed():
+        with tf.control_dependencies([_op_error.raise_if_failed(key)]):
+            return tf.identity(key)
+
+    # Only a failure runs the raising op (it calls back into Python): a success costs one cond.
+    checked = tf.cond(key > 0, failed, lambda: key)
+    with tf.control_dependencies([checked]):
         return [tf.identity(out) for out in outs]
 
 
