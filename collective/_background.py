@@ -32,7 +32,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import _progress
+from . import _progress, _timeline
 from ._channel import Channel
 from ._mesh import MeshError
 from ._negotiate import JOIN, RequestCache, Table
@@ -83,7 +83,7 @@ class Op:
 class Handle:
     """An op in flight: negotiated (``_answered``), then its data works, then ``finish`` gives the result."""
 
-    __slots__ = ("op", "name", "kind", "nbytes", "started", "_answered", "_error", "_works", "_finish",
+    __slots__ = ("op", "name", "kind", "nbytes", "started", "trace", "_answered", "_error", "_works", "_finish",
                  "_result", "_done", "_check", "_link", "_engine", "__weakref__")
 
     def __init__(self, op: Op, link, engine=None):
@@ -92,6 +92,7 @@ class Handle:
         self.kind = op.kind
         self.nbytes = op.nbytes
         self.started = time.perf_counter() * 1e6  # microseconds, as the timeline counts
+        self.trace = f"{op.kind}.{op.name}" if op.name is not None else op.kind  # its name in the timeline
         self._answered = threading.Event()
         self._error: BaseException | None = None
         self._works: list = []
@@ -112,6 +113,7 @@ class Handle:
             return
         if self._engine is not None:
             self._engine._settled()
+        _timeline.negotiate_end(self.trace, self.kind)
         self._answered.set()
 
     def wait(self):
@@ -123,6 +125,7 @@ class Handle:
         finally:
             if self._link is not None:
                 self._link.in_flight.discard(self.op.request.get("n"))
+            _timeline.end(self.trace, self.nbytes)
 
     def _wait(self):
         if not self._answered.is_set():
@@ -269,6 +272,8 @@ class Engine:
             link.in_flight.add(full)
             op.request.update(n=full, k=op.kind, s=op.signature, d=op.description, x=op.fact, p=op.problem,
                               j=op.joinable, i=0 if op.inline is None else memoryview(op.inline).nbytes)
+            handle.trace = full
+            _timeline.negotiate_start(full, op.kind, handle.started)
             if op.fuse is not None:
                 op.request.update(f=op.fuse, b=op.nbytes)
             handle._check = _progress.begin_check(op.kind, op.name, link.ranks, link_id)
@@ -505,6 +510,7 @@ class Engine:
         if "abort" in meta:
             self._break(link, meta["abort"], notify=False)
             return
+        _timeline.cycle()
         offset = 0
         for item in meta.get("b", ()):
             size = item.get("i") or 0
@@ -605,7 +611,8 @@ def run_local(op: Op) -> Handle:
     if op.problem:
         raise ValueError(op.problem)
     handle = Handle(op, None)
+    _timeline.negotiate_start(handle.trace, op.kind, handle.started)
     works, finish = op.launch({"n": [op.name], "a": "ok", "x": [op.fact]}, None)
     handle._works, handle._finish = works, finish
-    handle._answered.set()
+    handle._settle()
     return handle

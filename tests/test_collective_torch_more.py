@@ -355,7 +355,7 @@ def test_ranks_that_disagree_get_the_same_clear_error():
     assert v0["still_works"] == 2.0
 
 
-def test_timeline_records_each_op_with_its_bytes(tmp_path):
+def test_timeline_is_horovods_format_with_each_ops_negotiation_and_bytes(tmp_path):
     def train(folder):
         import json
 
@@ -364,7 +364,7 @@ def test_timeline_records_each_op_with_its_bytes(tmp_path):
         import sparkhvd.collective.torch as hvd
 
         hvd.init()
-        hvd.start_timeline(f"{folder}/trace.json")  # one path for the job: rank 1 writes trace.rank1.json
+        hvd.start_timeline(f"{folder}/trace.json", mark_cycles=True)  # rank 1 writes trace.rank1.json
         path = f"{folder}/trace.json" if hvd.rank() == 0 else f"{folder}/trace.rank1.json"
         hvd.allreduce(torch.ones(256), name="grads")
         hvd.synchronize(hvd.broadcast_async(torch.ones(8, dtype=torch.float64), root_rank=0))
@@ -379,12 +379,23 @@ def test_timeline_records_each_op_with_its_bytes(tmp_path):
         with open(path) as f:
             return json.load(f), error
 
-    (events, error), (events1, _) = HorovodRunner(np=-2).run_all(train, folder=str(tmp_path)).values
-    assert [(e["name"], e["args"]["bytes"], e["ph"], e["pid"]) for e in events] == [
-        ("allreduce grads", 1024, "X", 0), ("broadcast", 64, "X", 0), ("barrier", 0, "X", 0)]
-    assert [e["pid"] for e in events1] == [1, 1, 1]
-    assert all(e["dur"] >= 0 for e in events)
-    assert error == f"start_timeline: the folder {tmp_path}/missing does not exist; create it or pick another path."
+    for events, error in HorovodRunner(np=-2).run_all(train, folder=str(tmp_path)).values:
+        assert "start_time_since_epoch_in_micros" in events[0]["args"]
+        names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name" and e["pid"]}
+        assert sorted(names.values()) == ["allreduce.grads", "barrier.noname.0", "broadcast.noname.0"]
+        spans = [(names[e["pid"]], e["ph"], e.get("name"), e.get("args", {}).get("bytes"))
+                 for e in events if e["ph"] in "BE"]
+        assert spans == [
+            ("allreduce.grads", "B", "NEGOTIATE_ALLREDUCE", None), ("allreduce.grads", "E", None, None),
+            ("allreduce.grads", "B", "ALLREDUCE", None), ("allreduce.grads", "E", None, 1024),
+            ("broadcast.noname.0", "B", "NEGOTIATE_BROADCAST", None), ("broadcast.noname.0", "E", None, None),
+            ("broadcast.noname.0", "B", "BROADCAST", None), ("broadcast.noname.0", "E", None, 64),
+            ("barrier.noname.0", "B", "NEGOTIATE_BARRIER", None), ("barrier.noname.0", "E", None, None),
+            ("barrier.noname.0", "B", "BARRIER", None), ("barrier.noname.0", "E", None, 0)]
+        times = [e["ts"] for e in events if e["ph"] in "BE"]
+        assert times == sorted(times) and times[0] >= 0
+        assert sum(e.get("name") == "CYCLE_START" for e in events) == 3  # one batch of answers per op here
+        assert error == f"start_timeline: the folder {tmp_path}/missing does not exist; create it or pick another path."
 
 
 def _one_rank_wrong():

@@ -21,7 +21,6 @@ import weakref
 
 import torch
 
-from . import _timeline
 from ._scale import scale_
 
 DEFAULT_THRESHOLD = 64 * 1024 * 1024
@@ -102,7 +101,7 @@ def pack(tensors: list, threshold: int) -> list:
 
 
 class _Bucket:
-    __slots__ = ("params", "flat", "buffer", "pending", "work", "ctx", "started", "dense", "sparse")
+    __slots__ = ("params", "flat", "buffer", "pending", "work", "ctx", "dense", "sparse")
 
     def __init__(self, params: list):
         self.params = params
@@ -113,7 +112,6 @@ class _Bucket:
         self.pending = set(range(len(params)))
         self.work = None
         self.ctx = None
-        self.started = 0.0
 
 
 class GradientBuckets:
@@ -174,7 +172,6 @@ class GradientBuckets:
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
         grads, bucket.dense, bucket.sparse = [], [], {}
-        bucket.started = _timeline.now_us()
         for i, p in enumerate(bucket.params):
             if p.grad is None or not p.requires_grad:
                 grads.append(torch.zeros_like(p))  # every rank takes part in every reduction
@@ -219,8 +216,6 @@ class GradientBuckets:
                 if bucket.flat is None:
                     continue
                 flat = self._finish_fn(bucket.flat, bucket.ctx)
-                _timeline.record("DistributedOptimizer bucket", None, bucket.started,
-                                 flat.numel() * flat.element_size())
                 offset = 0
                 for p in (bucket.params[i] for i in bucket.dense):
                     n = p.numel()
