@@ -368,10 +368,12 @@ def test_keras_callbacks_namespace_as_in_horovod():
             "names = ['BroadcastGlobalVariablesCallback', 'MetricAverageCallback', 'LearningRateWarmupCallback', "
             "'LearningRateScheduleCallback', 'BestModelCheckpoint']\n"
             "print(all(getattr(k.callbacks, n) is getattr(k, n) is getattr(tk.callbacks, n) for n in names), "
-            "MetricAverageCallback is k.MetricAverageCallback, tk.DistributedOptimizer is k.DistributedOptimizer)")
+            "MetricAverageCallback is k.MetricAverageCallback, tk.DistributedOptimizer is k.DistributedOptimizer)\n"
+            "import sparkhvd.collective.tensorflow as t, sparkhvd.collective.torch as th\n"
+            "print(k.start_timeline is t.start_timeline is th.start_timeline, k.stop_timeline is t.stop_timeline)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ))
-    assert out.stdout.strip() == "True True True", out.stderr[-2000:]
+    assert out.stdout.split() == ["True"] * 5, out.stderr[-2000:]
 
 
 def test_failures_are_horovods_tensorflow_errors(ranks):

@@ -18,7 +18,8 @@ except ModuleNotFoundError as _exc:  # Ray Train's guard: one sentence, the inst
 from ..torch import (Adasum, Average, Max, Min, ProcessSet, Product, ReduceOp, Sum, add_process_set, ccl_built,
                      cross_rank, cross_size, cuda_built, ddl_built, global_process_set, gloo_built, gloo_enabled, init,
                      is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
-                     mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built, shutdown, size)
+                     mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
+                     start_timeline, stop_timeline)
 from . import util
 from ._compression import Compression
 from ._functions import (allgather_object, broadcast_object, broadcast_object_fn, local_rank_op, local_size_op,
@@ -39,5 +40,5 @@ __all__ = [
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "broadcast_object", "broadcast_object_fn", "allgather_object", "DistributedGradientTape",
     "PartialDistributedGradientTape", "SyncBatchNormalization", "Compression", "util",
-    "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
+    "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product", "start_timeline", "stop_timeline",
 ]
