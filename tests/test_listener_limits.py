@@ -257,8 +257,9 @@ def _endpoints(n, timeout=30.0):
                    for r in range(n)]
 
 
-def _link(ep, ranks):
-    return ep.mesh(0, ranks, "test op")
+def _link(ep, members):
+    """This rank's links for one set, as the engine gets them: peer -> socket."""
+    return ep.star(0, members, "test op")
 
 
 def test_a_flooded_control_port_still_lets_the_real_peer_in(small_listeners):
@@ -272,12 +273,16 @@ def test_a_flooded_control_port_still_lets_the_real_peer_in(small_listeners):
     for t in threads:
         t.join(30)
     assert set(results) == {0, 1}
+    assert list(results[0]) == [1] and list(results[1]) == [0]  # each got its link to the other
     counts = eps[0]._tally.counts()
     evicted = counts.pop("evicted while authenticating: 4 connections were authenticating at once")
     assert evicted == 40 + 1 - 4  # the idle ones, and one more to make room for the real peer
     assert set(counts) <= {"failed during its handshake"}, counts  # the idle ones' close, as the test ends
     for s in idle:
         s.close()
+    for links in results.values():
+        for sock in links.values():
+            sock.close()
     for ep in eps:
         ep.close()
 
@@ -346,7 +351,7 @@ def test_a_rank_out_of_descriptors_says_so_instead_of_blaming_its_peer():
             except OSError:
                 break
         try:
-            eps[1].mesh(0, [0, 1], "allreduce.w")
+            eps[1].star(0, [0, 1], "allreduce.w")  # rank 1 dials rank 0
         except MeshError as exc:
             print("ERROR", exc)
     """)

@@ -167,13 +167,13 @@ def test_report_of_a_control_exchange_that_does_not_finish_and_of_an_unchecked_o
 def test_the_rank_side_registry_snapshots_the_waits_in_flight():
     from sparkhvd.collective import _progress
 
-    class Mesh:
+    class Links:  # what the engine attaches (``_background._Missing``): whose requests are still missing
         def waiting_for(self):
             return [3]
 
     done = _progress.completed()
     entry = _progress.begin_check("allreduce", "w", [0, 1, 2, 3], 7)
-    _progress.attach(entry, Mesh())
+    _progress.attach(entry, Links())
     op = _progress.take_op()
     assert _progress.take_op() is None  # taken: a later unchecked op does not pose as this one
     data = _progress.begin_data(op, "allreduce", None)
@@ -205,34 +205,42 @@ def test_a_wait_for_sizes_leaves_the_op_to_the_data_wait_that_follows():
     assert not [o for o in _progress.snapshot()["ops"] if o["link"] == 8]
 
 
-def test_a_control_exchange_says_whose_frames_it_still_waits_for():
-    import os
-    import socket
-    import struct
+def test_the_coordinator_says_whose_requests_a_check_still_waits_for():
+    """As the engine wires it: each check is attached to ``_Missing`` over its set's ``_Link``, which on
+    the coordinator asks the set's ``Table``; elsewhere it knows nothing, and the snapshot says nothing."""
+    from sparkhvd.collective import _progress
+    from sparkhvd.collective._background import _Link, _Missing
+    from sparkhvd.collective._negotiate import JOIN
 
-    from sparkhvd.collective._mesh import HEADER_BYTES, Mesh
+    class Broken:
+        def waiting_for(self):
+            raise RuntimeError("a diagnostic that fails")
 
-    mine, theirs = {}, {}
-    for peer in (1, 2):
-        a, b = socket.socketpair()
-        a.setblocking(False)
-        mine[peer], theirs[peer] = a, b
-    mesh = Mesh(mine, [0, 1, 2], 30.0, os.getpid())
-    frame = bytes(HEADER_BYTES - 8) + struct.pack("<q", 0)  # an empty payload
-    theirs[1].sendall(frame)  # rank 1's frame arrives; rank 2's does not, yet
-    result = []
-    exchange = threading.Thread(target=lambda: result.append(mesh.allgather(frame, b"", 0, "test", len)))
-    exchange.start()
-    deadline = time.monotonic() + 10
-    while mesh.waiting_for() != [2] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert mesh.waiting_for() == [2]
-    theirs[2].sendall(frame)
-    exchange.join(10)
-    assert result == [3] and mesh.waiting_for() == []
-    mesh.close()
-    for sock in theirs.values():
-        sock.close()
+    members = [0, 1, 2, 3]
+    coordinator = _Link(9, members, 0, {}, members, 0, 0)
+    worker = _Link(9, members, 1, {}, members, 0, 0)
+    request = {"n": "allreduce.w", "k": "allreduce", "s": "float32[4]", "d": "allreduce(float32[4])", "x": None,
+               "p": None, "j": False, "i": 0}
+    entries = [_progress.begin_check("allreduce", "w", members, 9) for _ in range(3)]
+    try:
+        _progress.attach(entries[0], _Missing(coordinator, "allreduce.w"))
+        _progress.attach(entries[1], _Missing(worker, "allreduce.w"))
+        _progress.attach(entries[2], Broken())  # never fails the heartbeat: the op is reported without it
+
+        def waiting():
+            return [o.get("waiting_for", "absent") for o in _progress.snapshot()["ops"] if o["link"] == 9]
+
+        coordinator.table.add(0, dict(request))
+        assert waiting() == [[1, 2, 3], "absent", "absent"]
+        coordinator.table.add(2, dict(request))
+        coordinator.table.add(3, {"n": JOIN, "k": JOIN})  # a joined rank is not waited for
+        assert waiting() == [[1], "absent", "absent"]
+        coordinator.table.add(1, dict(request))
+        assert waiting() == [[], "absent", "absent"]
+    finally:
+        for entry in entries:
+            _progress.end(entry)
+    assert waiting() == []
 
 
 # ---- settings -------------------------------------------------------------------------------------
