@@ -17,6 +17,7 @@ from ._mesh import MeshError
 
 FRAME = struct.Struct("<qq")
 MAX_META = 64 << 20  # a response listing every op of a large model is a few MB at most
+BUFFER = 256 << 10  # bytes read at once; a larger frame gets a buffer of its own
 
 
 class Channel:
@@ -29,8 +30,9 @@ class Channel:
         self.peer = peer
         self._max_payload = max_payload
         self._out: collections.deque = collections.deque()  # memoryviews still to send
-        self._head = bytearray(FRAME.size)
-        self._body: bytearray | None = None
+        self._buf = bytearray(BUFFER)  # frames as they arrive: [_start, _end) is still to parse
+        self._start = self._end = 0
+        self._body: bytearray | None = None  # a frame too large for the buffer, ``_got`` bytes of it in
         self._meta_len = 0
         self._got = 0
         self._failure: MeshError | None = None  # the link failed after frames that were still to be handed out
@@ -82,39 +84,81 @@ class Channel:
         return frames
 
     def _read(self, frames: list) -> None:
+        """Read what the socket has into ``frames``. Small frames come in through one buffer, several per
+        system call; a frame larger than the buffer is read straight into its own. Returns after a read
+        that did not fill what it asked for: the selector says again if more arrives."""
         while True:
-            if self._body is None:
-                buf, need = self._head, FRAME.size
-            else:
-                buf, need = self._body, len(self._body)
-            if self._got == need:
-                if self._body is None:
-                    meta_len, payload_len = FRAME.unpack(self._head)
-                    if not (0 <= meta_len <= MAX_META and 0 <= payload_len <= self._max_payload):
-                        raise MeshError(f"rank {self.peer} sent a control frame of {meta_len} + {payload_len} bytes, "
-                                        f"over the limits ({MAX_META} + {self._max_payload}); every rank must run "
-                                        "the same sparkhvd version.")
-                    self._meta_len, self._body, self._got = meta_len, bytearray(meta_len + payload_len), 0
-                    if self._body:
-                        continue
-                body, self._body, self._got = self._body, None, 0
-                try:
-                    meta = json.loads(bytes(body[:self._meta_len]))
-                except ValueError as exc:
-                    raise MeshError(f"rank {self.peer} sent a control frame that is not valid JSON ({exc}); every "
-                                    "rank must run the same sparkhvd version.") from exc
-                frames.append((meta, memoryview(body)[self._meta_len:]))
+            if self._body is not None:  # a large frame, read into its own buffer
+                if self._recv(memoryview(self._body)[self._got:]) is None:
+                    return
+                if self._got == len(self._body):
+                    body, self._body, self._got = self._body, None, 0
+                    frames.append(self._frame(body, self._meta_len))
                 continue
-            try:
-                n = self.sock.recv_into(memoryview(buf)[self._got:need])
-            except BlockingIOError:
+            while self._parse(frames):
+                pass
+            if self._body is not None:
+                continue
+            if self._start:  # keep the unparsed tail at the front
+                tail = self._end - self._start
+                self._buf[:tail] = self._buf[self._start:self._end]
+                self._start, self._end = 0, tail
+            asked = len(self._buf) - self._end
+            n = self._recv(memoryview(self._buf)[self._end:])
+            if n is None:
                 return
-            except OSError as exc:
-                raise self._failed(exc) from exc
-            if n == 0:
-                raise MeshError(f"rank {self.peer} closed its control link: it has exited or failed; its own error "
-                                "is in its output.")
+            self._end += n
+            if n < asked:
+                while self._parse(frames):
+                    pass
+                if self._body is None:
+                    return
+
+    def _parse(self, frames: list) -> bool:
+        """Take one whole frame from the buffer (True), or start a large one's own buffer (False)."""
+        have = self._end - self._start
+        if have < FRAME.size:
+            return False
+        meta_len, payload_len = FRAME.unpack_from(self._buf, self._start)
+        if not (0 <= meta_len <= MAX_META and 0 <= payload_len <= self._max_payload):
+            raise MeshError(f"rank {self.peer} sent a control frame of {meta_len} + {payload_len} bytes, "
+                            f"over the limits ({MAX_META} + {self._max_payload}); every rank must run "
+                            "the same sparkhvd version.")
+        size = meta_len + payload_len
+        begin = self._start + FRAME.size
+        if have - FRAME.size >= size:
+            self._start = begin + size
+            frames.append(self._frame(self._buf[begin:begin + size], meta_len))  # a copy: the buffer is reused
+            return True
+        if FRAME.size + size > len(self._buf):  # too large for the buffer: its own, filled from here on
+            self._body, self._meta_len = bytearray(size), meta_len
+            self._got = have - FRAME.size
+            self._body[:self._got] = self._buf[begin:self._end]
+            self._start = self._end = 0
+        return False
+
+    def _recv(self, into: memoryview) -> int | None:
+        """One read into ``into``: the bytes read, or None when none are waiting."""
+        try:
+            n = self.sock.recv_into(into)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            raise self._failed(exc) from exc
+        if n == 0:
+            raise MeshError(f"rank {self.peer} closed its control link: it has exited or failed; its own error "
+                            "is in its output.")
+        if self._body is not None:
             self._got += n
+        return n
+
+    def _frame(self, body: bytearray, meta_len: int) -> tuple:
+        try:
+            meta = json.loads(bytes(body[:meta_len]))
+        except ValueError as exc:
+            raise MeshError(f"rank {self.peer} sent a control frame that is not valid JSON ({exc}); every "
+                            "rank must run the same sparkhvd version.") from exc
+        return meta, memoryview(body)[meta_len:]
 
     def _failed(self, exc: OSError) -> MeshError:
         return MeshError(f"rank {self.peer}'s control link failed ({exc}); it has exited or failed: its own error "
