@@ -276,7 +276,7 @@ class Engine:
             _timeline.negotiate_start(full, op.kind, handle.started)
             if op.fuse is not None:
                 op.request.update(f=op.fuse, b=op.nbytes)
-            handle._check = _progress.begin_check(op.kind, op.name, link.ranks, link_id)
+            handle._check = _progress.begin_check(op.kind, op.name, link.ranks, link_id, full)
             _progress.attach(handle._check, _Missing(link, full))
             self._queue.append((link, handle))
             self._unanswered += 1

@@ -5,9 +5,13 @@ the wait for an op's data) and leaves when the wait is over; finished waits are 
 worker's heartbeat (``runner/_heartbeat.py``) sends ``snapshot()`` to the driver, which
 prints the stall report (``runner/_stall.py``). Nothing here sends anything or imports torch.
 
+An op is matched across ranks by the name the engine negotiates (``op``: "allreduce.grads",
+"allreduce.noname.3", "join"), not by its place in this process's order: ranks may submit named
+async ops, optimizer buckets or TensorFlow graph ops in different orders. The driver groups by it.
+
 ``begin_check``/``begin_data``/``end`` are on every collective's path, so they do no more than
-a clock read, a dict insert and pop and a counter. Any thread may call them; ``snapshot`` may
-run in another thread at the same time.
+a clock read, a few dict inserts and pops and a counter. Any thread may call them; ``snapshot``
+may run in another thread at the same time.
 """
 
 from __future__ import annotations
@@ -16,25 +20,56 @@ import itertools
 import threading
 import time
 
+from ._negotiate import JOIN
+
 CHECK = "check"  # waiting for every member's control frame: has everyone reached this op?
 DATA = "data"  # every member passed the check; waiting for the op's data transfer
+MAX_NAMES = 4096  # reused names counted per set; past that a new name's ``nth`` is not counted (None)
 
-_in_flight: dict = {}  # id(entry) -> entry: [kind, name, ranks, link id, seq, phase, since, mesh]
-_seq: dict = {}  # link id -> a count of the control exchanges started on that set (alike on every member)
+_in_flight: dict = {}  # id(entry) -> entry: [kind, name, ranks, link id, place, phase, since, mesh]
+# place: (seq, op, nth). seq: this process's count of the control exchanges started on the link; it
+# orders one rank's waits but differs between ranks that submit in different orders. op: the
+# negotiated name, what pairs the op across ranks (None: not negotiated by name, e.g. init's
+# rendezvous). nth: which time that name runs on the link (1, 2, ...), alike on every member: a
+# name is in flight once at a time, so the engine pairs the k-th of a name with the k-th.
+_seq: dict = {}  # link id -> a count of the control exchanges started on that set (this process's order)
+_times: dict = {}  # link id -> {op: how many times that reused name was checked on the set}
+_passed: dict = {}  # link id -> (op, nth) of the latest finished wait for a negotiated op on that set
 _completed = 0  # finished waits, of either phase
 _last = None  # the latest finished entry (its "since" then holds when it finished)
-_current = threading.local()  # .op: (kind, name, ranks, link id, seq) of this thread's latest check
+_current = threading.local()  # .op: (kind, name, ranks, link id, place) of this thread's latest check
 
 
-def begin_check(kind: str, name, ranks, link_id: int) -> list:
-    """A control exchange of ``kind`` on the set ``ranks`` (None: every rank) starts waiting;
-    returns the entry to pass to ``attach`` and ``end``."""
+def begin_check(kind: str, name, ranks, link_id: int, op: str | None = None) -> list:
+    """A control exchange of ``kind`` on the set ``ranks`` (None: every rank) starts waiting; ``op`` is
+    the name the engine negotiates it by (None: none). Returns the entry to pass to ``attach`` and ``end``."""
     counter = _seq.get(link_id) or _seq.setdefault(link_id, itertools.count(1))
     seq = next(counter)  # atomic under the GIL: two threads on one set never take the same number
-    _current.op = (kind, name, ranks, link_id, seq)
-    entry = [kind, name, ranks, link_id, seq, CHECK, time.monotonic(), None]
+    place = (seq, op, _nth(link_id, op))
+    _current.op = (kind, name, ranks, link_id, place)
+    entry = [kind, name, ranks, link_id, place, CHECK, time.monotonic(), None]
     _in_flight[id(entry)] = entry
     return entry
+
+
+def _nth(link_id: int, op):
+    """Which time ``op`` runs on the set (1, 2, ...); None where it is not counted."""
+    if op is None:
+        return None
+    if op == JOIN:
+        # A rank inside join() submits none of the ops the others go on with, so its counts fall behind
+        # theirs; every member passes join together: all count afresh from here.
+        _times.pop(link_id, None)
+        _passed.pop(link_id, None)
+        return None
+    if op.split(".")[1:2] == ["noname"]:  # the engine's names for unnamed ops never repeat on a set
+        return 1
+    counts = _times.get(link_id) or _times.setdefault(link_id, {})
+    n = counts.get(op, 0) + 1  # one name is never checked twice at once on a set: the engine refuses it
+    if n == 1 and len(counts) >= MAX_NAMES:
+        return None  # names made afresh each step (f"loss.{step}"): not kept, so memory stays bounded
+    counts[op] = n
+    return n
 
 
 def attach(entry: list, mesh) -> None:
@@ -59,7 +94,7 @@ def current_op():
 def begin_data(op, kind: str, name) -> list:
     """The wait for the data of ``op`` (from ``take_op``, when the op started; None: unknown) starts."""
     if op is None:
-        entry = [kind, name, None, -1, 0, DATA, time.monotonic(), None]
+        entry = [kind, name, None, -1, (0, None, None), DATA, time.monotonic(), None]
     else:
         entry = [kind, name if name is not None else op[1], op[2], op[3], op[4], DATA, time.monotonic(), None]
     _in_flight[id(entry)] = entry
@@ -73,6 +108,9 @@ def end(entry: list) -> None:
     _completed += 1  # a lost increment under threads only delays the count: it still moves
     entry[6] = time.monotonic()  # from now on: when it finished (it is out of _in_flight)
     _last = entry
+    _, op, nth = entry[4]
+    if op is not None:
+        _passed[entry[3]] = (op, nth)
 
 
 def completed() -> int:
@@ -81,28 +119,36 @@ def completed() -> int:
 
 def snapshot(limit: int = 32) -> dict:
     """This process's collectives now: ``done`` (finished waits), ``ops`` (in flight, oldest first,
-    with their age in seconds) and ``last`` (the latest finished: kind, name, seconds ago)."""
+    with their age in seconds and, where negotiated by name, ``op`` and ``nth``) and ``last`` (the
+    latest finished: kind, name, seconds ago; and ``passed``: per set, ``[link, op, nth]`` of the
+    latest finished negotiated op)."""
     now = time.monotonic()
     for _ in range(3):
         try:
             entries = sorted(list(_in_flight.values()), key=lambda e: e[6])
+            passed = sorted(_passed.items())
             break
         except RuntimeError:  # the dict changed size under us (another thread): read it again
-            entries = []
+            entries, passed = [], []
     ops = []
-    for kind, name, ranks, link_id, seq, phase, since, mesh in entries[:limit]:
+    for kind, name, ranks, link_id, (seq, full, nth), phase, since, mesh in entries[:limit]:
         op = {"kind": str(kind)[:200], "name": None if name is None else str(name)[:200],
               "set": None if ranks is None else list(ranks), "link": link_id, "seq": seq,
               "phase": phase, "age": round(now - since, 3)}
+        if full is not None:
+            op["op"], op["nth"] = str(full)[:200], nth
         missing = _missing(mesh)
         if missing is not None:
             op["waiting_for"] = missing
         ops.append(op)
     last = _last
-    return {"done": _completed, "ops": ops,
-            "last": None if last is None else {"kind": str(last[0])[:200],
-                                               "name": None if last[1] is None else str(last[1])[:200],
-                                               "ago": round(now - last[6], 3), "phase": last[5]}}
+    if last is not None:
+        _, full, nth = last[4]
+        last = {"kind": str(last[0])[:200], "name": None if last[1] is None else str(last[1])[:200],
+                "ago": round(now - last[6], 3), "phase": last[5], "link": last[3],
+                "op": None if full is None else str(full)[:200], "nth": nth,
+                "passed": [[link_id, str(full)[:200], nth] for link_id, (full, nth) in passed[:limit]]}
+    return {"done": _completed, "ops": ops, "last": last}
 
 
 def _missing(mesh):

@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..collective._negotiate import JOIN, label
+
 ENV_CHECK_TIME = "HOROVOD_STALL_CHECK_TIME_SECONDS"
 ENV_CHECK_DISABLE = "HOROVOD_STALL_CHECK_DISABLE"
 ENV_SHUTDOWN_TIME = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
@@ -117,7 +119,7 @@ class RankState:
     status: str  # one of ALIVE (its latest heartbeat's word), or RETURNED, FAILED, EXITED, SILENT
     host: str = ""
     ops: tuple = ()  # collectives it waits in (dicts as collective/_progress.py makes them), oldest first
-    last: dict | None = None  # its latest finished collective: kind, name, ago
+    last: dict | None = None  # its latest finished collective: kind, name, ago, op; passed: per set, [link, op, nth]
     heard_ago: float | None = None  # its latest heartbeat; None: never heard from
     interval: float = HEARTBEAT_DEFAULT_S
     ended_ago: float | None = None  # RETURNED or FAILED: when
@@ -145,32 +147,56 @@ def _op(kind, name) -> str:
     return f"{kind} {name!r}" if name else str(kind)
 
 
+def _what(op: dict) -> str:
+    """An op (in flight, or ``last``) as the user knows it: by its negotiated name ("allreduce 'grads'", "the
+    4th unnamed allreduce") where the rank sent one, else by its kind and name ("hvd.init")."""
+    full = op.get("op")
+    if full and full != JOIN:
+        try:
+            return label(str(full))
+        except ValueError:  # a name label() cannot read ("allreduce.noname.x"): the kind and name say enough
+            pass
+    return _op(op.get("kind"), op.get("name"))
+
+
 def _set(members, np: int) -> str:
     return "all ranks" if members is None or list(members) == list(range(np)) else f"process set {list(members)}"
 
 
 def _groups(view: StallView) -> list:
-    """The collectives in flight, one per (set, position on it): [(title, members, {rank: op})], oldest
-    first; members is None where the op's place is unknown (its check did not run)."""
+    """The collectives in flight, one per (set, negotiated name): [(title, members, {rank: op})], oldest
+    first; members is None where the op's place is unknown (its check did not run).
+
+    The engine pairs an op across ranks by its name, whatever order the ranks submitted it in, so the
+    name is the key. Ops not negotiated by name (init's rendezvous) keep the older key, each process's
+    count of checks on the set: those run in call order, so the count is alike on every member. A name
+    reused each step is one key: a rank still in step k's op and one already in step k+1's share a group
+    (the rare case of a cut after the coordinator answered step k; ``nth`` would tell them apart, but a
+    rank whose count is unknown there would then look absent).
+    """
     found: dict = {}
     for state in view.ranks:
         if state.status not in ALIVE:
             continue
         for op in state.ops:
-            key = (op.get("link"), op.get("seq")) if op.get("seq") else ("data", state.rank, op.get("kind"))
+            if op.get("op"):
+                key = (op.get("link"), "op", op["op"])
+            elif op.get("seq"):
+                key = (op.get("link"), "seq", op["seq"])
+            else:
+                key = ("data", state.rank, op.get("kind"))
             entry = found.setdefault(key, {"op": op, "in": {}})
             entry["in"][state.rank] = op
             if op.get("name") and not entry["op"].get("name"):
                 entry["op"] = op
     groups = []
-    for entry in found.values():
+    for key, entry in found.items():
         op = entry["op"]
-        if not op.get("seq"):
-            groups.append((_op(op["kind"], op.get("name")), None, entry["in"]))
+        if key[0] == "data":
+            groups.append((_what(op), None, entry["in"]))
             continue
         members = tuple(op["set"]) if op.get("set") is not None else tuple(range(view.np))
-        title = f"{_op(op['kind'], op.get('name'))} (collective #{op['seq']} of {_set(members, view.np)})"
-        groups.append((title, members, entry["in"]))
+        groups.append((f"{_what(op)} on {_set(members, view.np)}", members, entry["in"]))
     groups.sort(key=lambda g: (-max(op["age"] for op in g[2].values()),  # oldest first; ties: earliest
                                min(op.get("seq") or 0 for op in g[2].values())))
     return groups
@@ -197,11 +223,11 @@ def doing(state: RankState, np: int, heard: bool = True) -> str:
         text = "it has returned from the training function and is sending its result"
     elif state.ops:
         op = state.ops[0]
-        where = f", collective #{op['seq']} of {_set(op.get('set'), np)}" if op.get("seq") else ""
-        text = f"it waits in {_op(op['kind'], op.get('name'))}{where}, for {_s(op['age'])}"
+        where = f" on {_set(op.get('set'), np)}" if op.get("op") or op.get("seq") else ""
+        text = f"it waits in {_what(op)}{where}, for {_s(op['age'])}"
     elif state.last:
-        text = (f"it is running user code (its latest collective, {_op(state.last['kind'], state.last.get('name'))}, "
-                f"finished {_s(state.last['ago'])} ago)")
+        text = (f"it is running user code (its latest collective, {_what(state.last)}, finished "
+                f"{_s(state.last['ago'])} ago)")
     else:
         text = "it is running user code (it has not called a collective yet)"
     if heard and state.heard_ago > 2 * state.interval + 1:
@@ -236,14 +262,19 @@ def report(view: StallView, settings: StallSettings) -> tuple[str, list]:
             parts.append(f"{_ranks(passed)} passed its check and {'waits' if len(passed) == 1 else 'wait'} for its "
                          f"data for {_s(max(in_it[r]['age'] for r in passed))}")
         absent = [r for r in members if r not in in_it and r in by_rank]
-        ref = next(iter(in_it.values()))
-        ahead = {r: op for r in absent if (op := _ahead(by_rank[r], ref.get("link"), ref.get("seq") or 0))}
+        ahead = [r for r in absent if _ahead(by_rank[r], in_it)]
         if ahead:  # they sent their frames and moved on: the ranks still in it do not receive them
             absent = [r for r in absent if r not in ahead]
-            nxt = min(ahead.values(), key=lambda op: op["seq"])
-            parts.append(f"{_ranks(ahead)} {'has' if len(ahead) == 1 else 'have'} passed it and "
-                         f"{'waits' if len(ahead) == 1 else 'wait'} in {_op(nxt['kind'], nxt.get('name'))} "
-                         f"(collective #{nxt['seq']})")
+            link = next(iter(in_it.values())).get("link")
+            by_next: dict = {}
+            for r in ahead:  # where each is now: a later op on the set, or what it does instead
+                nxt = next((op for op in by_rank[r].ops if op.get("link") == link), None)
+                key = ("in", _what(nxt)) if nxt is not None else ("doing", doing(by_rank[r], view.np))
+                by_next.setdefault(key, []).append(r)
+            for (how, what), ranks in by_next.items():
+                one = len(ranks) == 1
+                parts.append(f"{_ranks(ranks)} {'has' if one else 'have'} passed it" +
+                             (f" and {'waits' if one else 'wait'} in {what}" if how == "in" else f": {what}"))
             if not absent and checking:
                 cut = True
                 parts.append(_network(members, in_it, by_rank, passed=True))
@@ -273,8 +304,7 @@ def report(view: StallView, settings: StallSettings) -> tuple[str, list]:
             text = (f"- rank {s.rank} is still {_STILL.get(s.status, 'running')} {since} after "
                     f"{_ranks(r.rank for r in returned)} returned")
             if s.status == "running" and s.last:
-                text += (f"; its latest collective, {_op(s.last['kind'], s.last.get('name'))}, finished "
-                         f"{_s(s.last['ago'])} ago")
+                text += f"; its latest collective, {_what(s.last)}, finished {_s(s.last['ago'])} ago"
             elif s.status == "running":
                 text += "; it has not called a collective"
             lines.append(text + ".")
@@ -299,12 +329,26 @@ def report(view: StallView, settings: StallSettings) -> tuple[str, list]:
     return headline, lines
 
 
-def _ahead(state: RankState, link, seq: int) -> dict | None:
-    """The later collective on the same set that ``state``'s rank waits in, if it has passed ``seq``."""
-    for op in state.ops:
-        if seq and op.get("link") == link and (op.get("seq") or 0) > seq:
-            return op
-    return None
+def _ahead(state: RankState, in_it: dict) -> bool:
+    """Whether ``state``'s rank, absent from the collective the ranks ``in_it`` wait in, has passed it.
+
+    ``seq`` cannot say so any more: it counts each process's checks in the order that process submitted
+    them, and ranks may submit named ops in different orders, so a higher seq on another rank is not a
+    later op. What does say so: the rank's latest finished negotiated op on that set (``last``'s
+    ``passed``) is this very name, and the same time it runs there (``nth``, alike on every member; the
+    ranks in it must agree on it, and init's rendezvous, with no name, is never claimed passed). A rank
+    that went on to finish another op on the set since is not recognised: it is reported as not having
+    reached it, with what it does instead, which names where it is.
+    """
+    refs = list(in_it.values())
+    link, name, nth = refs[0].get("link"), refs[0].get("op"), refs[0].get("nth")
+    if not name or nth is None or any((op.get("link"), op.get("op"), op.get("nth")) != (link, name, nth)
+                                      for op in refs):
+        return False
+    for item in (state.last or {}).get("passed") or ():
+        if isinstance(item, (list, tuple)) and len(item) == 3 and item[0] == link:
+            return item[1] == name and item[2] == nth
+    return False
 
 
 def _network(members, in_it: dict, by_rank: dict, passed: bool = False) -> str:

@@ -21,11 +21,22 @@ from sparkhvd.runner._stall_inspector import Observation, StallInspector
 SHORT = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "2", "SPARKHVD_HEARTBEAT_SECONDS": "0.5"}
 
 
-def _op(kind, name=None, *, seq=1, age=62.0, phase="check", members=None, link=0, waiting_for=None):
-    op = {"kind": kind, "name": name, "set": members, "link": link, "seq": seq, "phase": phase, "age": age}
+_NAMED = object()
+
+
+def _op(kind, name=None, *, seq=1, age=62.0, phase="check", members=None, link=0, waiting_for=None, op=_NAMED,
+        nth=1):
+    """An op as a rank's heartbeat has it. ``op``: the name the engine negotiated it by; by default the
+    one ``name`` gives (unnamed: the first of its kind), none for an unchecked op (``seq=0``); None: an
+    op not negotiated by name (init's rendezvous)."""
+    entry = {"kind": kind, "name": name, "set": members, "link": link, "seq": seq, "phase": phase, "age": age}
+    if op is _NAMED:
+        op = (f"{kind}.{name}" if name else f"{kind}.noname.0") if seq else None
+    if op is not None:
+        entry["op"], entry["nth"] = op, nth
     if waiting_for is not None:
-        op["waiting_for"] = waiting_for
-    return op
+        entry["waiting_for"] = waiting_for
+    return entry
 
 
 def _text(view, settings=StallSettings()):
@@ -48,11 +59,11 @@ def test_report_names_the_waiting_ranks_and_what_the_missing_one_does():
     print(text)
     assert text.startswith("no collective has completed for 62 s while ranks wait in 2 "
                            "(HOROVOD_STALL_CHECK_TIME_SECONDS=60):")
-    assert ("- allreduce 'loss' (collective #57 of all ranks): ranks 0,2 have waited in it for 62 s; rank 1 has not "
+    assert ("- allreduce 'loss' on all ranks: ranks 0,2 have waited in it for 62 s; rank 1 has not "
             "reached it: it is running user code (its latest collective, broadcast, finished 70 s ago); rank 3 has "
-            "not reached it: it waits in allgather 'other', collective #3 of process set [1, 3], for 20 s "
+            "not reached it: it waits in allgather 'other' on process set [1, 3], for 20 s "
             "(not heard from for 30 s).") in text
-    assert "- allgather 'other' (collective #3 of process set [1, 3]): rank 3 has waited in it for 20 s" in text
+    assert "- allgather 'other' on process set [1, 3]: rank 3 has waited in it for 20 s" in text
     assert "Every rank of a process set must call the same collectives in the same order" in text
     assert ("If the wait is expected, raise HOROVOD_STALL_CHECK_TIME_SECONDS or set HOROVOD_STALL_CHECK_DISABLE=1; "
             "set HOROVOD_STALL_SHUTDOWN_TIME_SECONDS to fail the run after a stall of that many seconds.") in text
@@ -116,24 +127,78 @@ def test_report_of_two_hosts_cut_off_from_each_other():
 
 
 def test_report_of_a_cut_after_one_side_passed_the_collective():
-    """Measured on the cluster: ranks 0,1 got every frame of #1521 and went on to #1522; ranks 2,3 never
-    got theirs. No rank is out of order: the "same order" hint must not appear."""
+    """Measured on the cluster: ranks 0,1 got every frame of loop.0 and went on to loop.1; ranks 2,3 never
+    got theirs. No rank is out of order: the "same order" hint must not appear. Ranks 0,1 say they passed
+    it through their latest finished op on the set (``last``'s ``passed``), not through their seqs."""
     members = [0, 1, 2, 3]
     first = dict(members=members, seq=1521, age=13, name="loop.0")
     second = dict(members=members, seq=1522, age=13, name="loop.1")
+    done = {"kind": "allreduce", "name": "loop.0", "ago": 13.5, "phase": "check", "link": 0, "op": "allreduce.loop.0",
+            "nth": 1, "passed": [[0, "allreduce.loop.0", 1]]}
     view = StallView(np=4, stalled_for=13.0, ranks=(
-        RankState(0, "running", "a", ops=(_op("allreduce", **second, waiting_for=[2, 3]),), heard_ago=1),
-        RankState(1, "running", "a", ops=(_op("allreduce", **second, waiting_for=[2, 3]),), heard_ago=1),
+        RankState(0, "running", "a", ops=(_op("allreduce", **second, waiting_for=[2, 3]),), last=done, heard_ago=1),
+        RankState(1, "running", "a", ops=(_op("allreduce", **second, waiting_for=[2, 3]),), last=done, heard_ago=1),
         RankState(2, "running", "b", ops=(_op("allreduce", **first, waiting_for=[0, 1]),), heard_ago=1),
         RankState(3, "running", "b", ops=(_op("allreduce", **first, waiting_for=[0, 1]),), heard_ago=1),
     ))
     text = _text(view)
     print(text)
-    assert ("- allreduce 'loop.0' (collective #1521 of all ranks): ranks 2,3 have waited in it for 13 s; ranks 0,1 "
-            "have passed it and wait in allreduce 'loop.1' (collective #1522); every other member has passed it, yet "
+    assert ("- allreduce 'loop.0' on all ranks: ranks 2,3 have waited in it for 13 s; ranks 0,1 "
+            "have passed it and wait in allreduce 'loop.1'; every other member has passed it, yet "
             "ranks 2,3 (host b) still wait for the control frames of ranks 0,1 (host a): those frames were sent and "
             "do not arrive, so the network between these hosts is cut") in text
     assert "same order" not in text
+
+
+def test_report_groups_named_ops_by_name_whatever_order_the_ranks_submitted_them_in():
+    """Rank 0 submitted 'a' then 'b' (seqs 1, 2), rank 1 'b' then 'a' (seqs 1, 2): the engine pairs them by
+    name, and so does the report; grouped by seq, it would pair rank 0's 'a' with rank 1's 'b'."""
+    members = [0, 1]
+    view = StallView(np=3, stalled_for=70.0, ranks=(
+        RankState(0, "running", "a", ops=(_op("allreduce", "a", seq=1, age=70, members=members, link=4),
+                                          _op("allreduce", "b", seq=2, age=69, members=members, link=4)),
+                  heard_ago=1),
+        RankState(1, "running", "b", ops=(_op("allreduce", "b", seq=1, age=68, members=members, link=4),
+                                          _op("allreduce", "a", seq=2, age=67, members=members, link=4)),
+                  heard_ago=1),
+        RankState(2, "running", "b", ops=(_op("allgather", seq=7, age=66, op="allgather.noname.3"),), heard_ago=1),
+    ))
+    text = _text(view)
+    print(text)
+    assert text.startswith("no collective has completed for 70 s while ranks wait in 3 ")
+    assert ("- allreduce 'a' on process set [0, 1]: ranks 0,1 have waited in it for 70 s; every member has reached "
+            "it, yet its control exchange does not complete") in text
+    assert ("- allreduce 'b' on process set [0, 1]: ranks 0,1 have waited in it for 69 s; every member has reached "
+            "it, yet its control exchange does not complete") in text
+    assert ("- the 4th unnamed allgather on all ranks: rank 2 has waited in it for 66 s; rank 0 has not reached it: "
+            "it waits in allreduce 'a' on process set [0, 1], for 70 s; rank 1 has not reached it: it waits in "
+            "allreduce 'b' on process set [0, 1], for 68 s.") in text
+
+
+def test_a_rank_is_said_to_have_passed_an_op_only_when_it_finished_that_very_time_of_its_name():
+    """Rank 1's latest finished op on the set is 'grads' too, but the previous step's (nth 4, the others wait
+    in the 5th): it has not reached this one. Were it the 5th, it would have passed it."""
+    members = [0, 1]
+
+    def view(nth):
+        last = {"kind": "allreduce", "name": "grads", "ago": 80.0, "phase": "data", "link": 0,
+                "op": "allreduce.grads", "nth": nth, "passed": [[0, "allreduce.grads", nth]]}
+        return StallView(np=2, stalled_for=70.0, ranks=(
+            RankState(0, "running", "a", ops=(_op("allreduce", "grads", seq=9, age=70, members=members, nth=5),),
+                      heard_ago=1),
+            RankState(1, "running", "b", last=last, heard_ago=1)))
+
+    behind = _text(view(4))
+    print(behind)
+    assert ("- allreduce 'grads' on all ranks: rank 0 has waited in it for 70 s; rank 1 has not reached it: it is "
+            "running user code (its latest collective, allreduce 'grads', finished 80 s ago).") in behind
+    assert "same order" in behind
+    passed = _text(view(5))
+    print(passed)
+    assert ("- allreduce 'grads' on all ranks: rank 0 has waited in it for 70 s; rank 1 has passed it: it is "
+            "running user code (its latest collective, allreduce 'grads', finished 80 s ago); every other member has "
+            "passed it, yet its control exchange does not complete") in passed
+    assert "same order" not in passed
 
 
 def test_report_of_a_data_transfer_that_does_not_finish():
@@ -172,21 +237,50 @@ def test_the_rank_side_registry_snapshots_the_waits_in_flight():
             return [3]
 
     done = _progress.completed()
-    entry = _progress.begin_check("allreduce", "w", [0, 1, 2, 3], 7)
+    entry = _progress.begin_check("allreduce", "w", [0, 1, 2, 3], 7, "allreduce.w")
     _progress.attach(entry, Links())
     op = _progress.take_op()
     assert _progress.take_op() is None  # taken: a later unchecked op does not pose as this one
     data = _progress.begin_data(op, "allreduce", None)
     snap = _progress.snapshot()
     mine = [o for o in snap["ops"] if o["link"] == 7]
-    assert [(o["kind"], o["name"], o["set"], o["phase"], o.get("waiting_for")) for o in mine] == [
-        ("allreduce", "w", [0, 1, 2, 3], "check", [3]), ("allreduce", "w", [0, 1, 2, 3], "data", None)]
-    assert mine[0]["seq"] == mine[1]["seq"] >= 1
+    assert [(o["kind"], o["name"], o["set"], o["phase"], o.get("waiting_for"), o["op"]) for o in mine] == [
+        ("allreduce", "w", [0, 1, 2, 3], "check", [3], "allreduce.w"),
+        ("allreduce", "w", [0, 1, 2, 3], "data", None, "allreduce.w")]
+    assert mine[0]["seq"] == mine[1]["seq"] >= 1 and mine[0]["nth"] == mine[1]["nth"] >= 1
     _progress.end(data)
     _progress.end(entry)
     assert _progress.completed() == done + 2
     assert not [o for o in _progress.snapshot()["ops"] if o["link"] == 7]
-    assert _progress.snapshot()["last"]["name"] == "w"
+    last = _progress.snapshot()["last"]
+    assert (last["name"], last["op"], last["link"]) == ("w", "allreduce.w", 7)
+    assert [7, "allreduce.w", mine[0]["nth"]] in last["passed"]
+
+
+def test_the_registry_counts_each_name_per_set_and_afresh_after_join(monkeypatch):
+    """``nth``: which time a name runs on a set, alike on every member whatever the order of submission;
+    the engine's unnamed names never repeat (always 1); a rank inside join() submits nothing the others
+    do, so every count starts again after it; an op not negotiated by name has none; past MAX_NAMES
+    names on a set, a new one is not counted (names made afresh each step would grow without bound)."""
+    from sparkhvd.collective import _progress
+
+    def check(kind, full, link=12):
+        entry = _progress.begin_check(kind, None, [0, 1], link, full)
+        _progress.end(entry)
+        return entry[4][2]
+
+    assert [check("allreduce", "allreduce.a"), check("allreduce", "allreduce.b"), check("allreduce", "allreduce.a"),
+            check("allreduce", "allreduce.a", link=13)] == [1, 1, 2, 1]
+    assert [check("allreduce", "allreduce.noname.0"), check("allreduce", "allreduce.noname.1")] == [1, 1]
+    assert check("join", "join") is None
+    assert [check("allreduce", "allreduce.a"), check("allreduce", "allreduce.a", link=13)] == [1, 2]
+    assert check("hvd.init", None) is None
+    assert _progress.snapshot()["last"]["op"] is None
+    passed = {link: (full, nth) for link, full, nth in _progress.snapshot()["last"]["passed"]}
+    assert passed[12] == ("allreduce.a", 1) and passed[13] == ("allreduce.a", 2)
+    monkeypatch.setattr(_progress, "MAX_NAMES", 2)
+    assert [check("allreduce", f"allreduce.step{i}", link=14) for i in range(3)] == [1, 1, None]
+    assert [check("allreduce", "allreduce.step0", link=14), check("allreduce", "allreduce.step2", link=14)] == [2, None]
 
 
 def test_a_wait_for_sizes_leaves_the_op_to_the_data_wait_that_follows():
@@ -327,7 +421,7 @@ def test_reports_repeat_at_doubling_intervals_then_the_run_fails_at_the_shutdown
     assert str(error).startswith(
         "HorovodRunner run r1 failed after a stall of 100 s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=100): no collective "
         "has completed for 100 s while ranks wait in one (HOROVOD_STALL_CHECK_TIME_SECONDS=10):\n- allreduce 'w' "
-        "(collective #1 of all ranks): rank 0 has waited in it for 100 s; rank 1 has not reached it")
+        "on all ranks: rank 0 has waited in it for 100 s; rank 1 has not reached it")
     assert inspector.abort_reason == "the run stalled for 100 s, past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
     assert out.getvalue().count("[sparkhvd] run r1 stalled: ") == 4
 
@@ -407,7 +501,7 @@ def test_a_rank_not_heard_from_fails_the_run_naming_its_host():
     print(error)
     assert str(error).startswith(
         "HorovodRunner run r3 failed: rank 1 on host a (10.0.0.1) has not been heard from for 30 s; rank 1's last "
-        "heartbeat said: it waits in allreduce, collective #1 of all ranks, for 31 s. A rank that stops sending "
+        "heartbeat said: it waits in the 1st unnamed allreduce on all ranks, for 31 s. A rank that stops sending "
         "heartbeats has lost its host or the network to the driver, or its process is frozen (stopped, or in a native "
         "call that holds Python's GIL). A rank sends a heartbeat every 0.5 s (SPARKHVD_HEARTBEAT_SECONDS); raise "
         "SPARKHVD_HEARTBEAT_TIMEOUT_SECONDS (now 30, from rank 0's environment) if a rank can be busy that long, or "
@@ -455,7 +549,7 @@ def test_a_late_rank_is_reported_and_the_run_fails_at_the_shutdown_time(monkeypa
     text = str(info.value)
     assert text.startswith(f"HorovodRunner run {info.value.run_id} failed after a stall of ")
     assert "(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=6): no collective has completed for " in text
-    assert "- allreduce 'late' (collective #1 of all ranks): rank 0 has waited in it for " in text
+    assert "- allreduce 'late' on all ranks: rank 0 has waited in it for " in text
     assert "rank 1 has not reached it: it is running user code (its latest collective, hvd.init, finished " in text
     assert f"[sparkhvd] run {info.value.run_id} stalled: no collective has completed for " in err
     assert rank_processes() == []
@@ -481,7 +575,7 @@ def test_a_rank_late_to_init_is_reported(monkeypatch, capfd):
         HorovodRunner(np=-2).run(_late_init, late_s=300)
     text = str(info.value)
     print(text)
-    assert "- hvd.init (collective #1 of all ranks): rank 0 has waited in it for " in text
+    assert "- hvd.init on all ranks: rank 0 has waited in it for " in text
     assert "rank 1 has not reached it: it is running user code (it has not called a collective yet)" in text
 
 
@@ -496,7 +590,7 @@ def test_the_report_is_printed_and_the_run_completes_when_the_late_rank_arrives(
     err = capfd.readouterr().err
     print(f"completed after {took:.1f} s; the driver's stderr:\n{err}")
     assert "stalled: no collective has completed for " in err
-    assert "- allreduce 'late' (collective #1 of all ranks): rank 0 has waited in it for " in err
+    assert "- allreduce 'late' on all ranks: rank 0 has waited in it for " in err
     assert "rank 1 has not reached it: it is running user code" in err
     assert "set HOROVOD_STALL_SHUTDOWN_TIME_SECONDS to fail the run after a stall of that many seconds." in err
     assert "the stall is over after " in err
@@ -590,7 +684,7 @@ def test_a_rank_waiting_for_a_broadcast_objects_root_is_reported_in_it(monkeypat
         HorovodRunner(np=-2).run(_slow_to_pickle)
     text = str(info.value)
     print(text)
-    assert "- broadcast 'obj.length' (collective #1 of all ranks): rank 0 has waited in it for " in text
+    assert "- broadcast 'obj.length' on all ranks: rank 0 has waited in it for " in text
     assert "rank 1 has not reached it: it is running user code (its latest collective, hvd.init, finished " in text
     assert "network" not in text  # rank 1 is pickling the object before its first op, not cut off
     assert rank_processes() == []
