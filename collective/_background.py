@@ -201,6 +201,7 @@ class Engine:
         self._fusion_threshold = fusion_threshold  # bytes; the coordinators fuse ready ops up to it
         self._cycle = cycle_time  # seconds: a coordinator answers a set at most once per cycle (0: at once)
         self._deferred: float | None = None  # the earliest time a coordinator's deferred answer is due
+        self._sending = False  # a link has queued bytes its socket has not taken yet
         self._device = device  # the CUDA device the engine thread starts NCCL ops on (None: no GPU)
         self._max_payload = max_payload
         self._mirror = mirror  # (item, group of the set) -> works: a joined rank's part in the others' op
@@ -296,11 +297,16 @@ class Engine:
             finally:
                 self._turn_lock.release()
         with self._work:  # async work left (or none of ours done): the engine thread goes on with it
-            if self._queue or self._unanswered or self._closed:
+            if self._busy():
                 self._work.notify()
         if not handle._answered.is_set():
             self._wake()  # the thread in a turn takes our op from the queue
             handle._answered.wait()
+
+    def _busy(self) -> bool:
+        """Whether the engine has work: ops to take or to answer, frames still to send (an answer larger than
+        the socket's buffer goes out over several turns, after every op of this rank is answered), or closing."""
+        return bool(self._queue or self._unanswered or self._closed or self._sending)
 
     def _settled(self) -> None:
         with self._lock:
@@ -336,13 +342,13 @@ class Engine:
             closed = False
             while not closed:
                 with self._work:
-                    while not (self._closed or self._queue or self._unanswered):
+                    while not self._busy():
                         self._work.wait()
                 with self._turn_lock:
                     while not closed:
                         closed = self._turn()
                         with self._lock:
-                            if not (self._queue or self._unanswered or self._closed):
+                            if not self._busy():
                                 break
         except BaseException as exc:  # noqa: BLE001 - a bug here must fail every op, not hang them
             traceback.print_exc()  # on the rank's stderr, which the driver shows
@@ -376,9 +382,12 @@ class Engine:
             for link in list(self._links.values()):
                 self._break(link, self._closed, notify=False)
             return True
+        sending = False
         for link in list(self._links.values()):
             if link.broken is None:
                 self._progress(link)
+                sending = sending or any(channel.pending() for channel in link.channels.values())
+        self._sending = sending
         return False
 
     def _drain_wake(self) -> None:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import datetime
 import os
 import secrets
-import socket
-import time
 from dataclasses import dataclass
 
 import torch
@@ -75,8 +73,6 @@ def init() -> Topology:
         _owns_group = False
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         topology = _from_torchrun(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-        if topology.rank != 0:
-            _wait_for_master(os.environ["MASTER_ADDR"], os.environ.get("MASTER_PORT"))
         dist.init_process_group(backend, init_method="env://", rank=topology.rank,
                                 world_size=topology.size, timeout=_TIMEOUT)
         _owns_group = True
@@ -90,21 +86,6 @@ def init() -> Topology:
     _generation += 1
     _topology = topology
     return topology
-
-
-def _wait_for_master(host: str, port, patience_s: float = 300.0) -> None:
-    """Wait until rank 0's store takes connections (5 ms steps). c10d's client, refused, backs off for up to
-    about a second before it tries again, so a rank that starts a little before rank 0 would start that much
-    later. After ``patience_s``, or with no port, c10d's own wait and its error take over."""
-    if not port:
-        return
-    deadline = time.monotonic() + patience_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((host, int(port)), timeout=1.0).close()
-            return
-        except (OSError, ValueError):
-            time.sleep(0.005)
 
 
 def _control_endpoint(rank: int, ctx) -> Endpoint:
