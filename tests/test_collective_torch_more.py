@@ -607,6 +607,10 @@ def test_buffer_pool_hands_out_fitting_buffers_and_keeps_the_largest():
     assert pool.take(torch.float32, 5).numel() == 10  # one of the two small ones was dropped: keep=2
     assert pool.take(torch.float32, 5).numel() == 5  # nothing left: fresh
     assert pool.take(torch.float64, 10).dtype == torch.float64
+    big, small = torch.empty(340), torch.empty(20)
+    pool.give(big)
+    pool.give(small)  # the best fit is not the first kept: taking it must not compare tensors
+    assert pool.take(torch.float32, 15).data_ptr() == small.data_ptr()
     ts = [torch.ones(4), torch.ones(4), torch.ones(4, dtype=torch.int64), torch.ones(20), torch.ones(1)]
     assert [[len(t) for t in group] for group in pack(ts, 32)] == [[4, 4], [20], [1], [4]]
 

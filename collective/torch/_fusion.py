@@ -60,11 +60,9 @@ class BufferPool:
         """A 1-D CPU buffer of at least ``numel`` elements; hand it back with ``give``."""
         with self._lock:
             free = self._free.get(dtype, [])
-            fits = [b for b in free if b.numel() >= numel]
-            if fits:
-                best = min(fits, key=torch.Tensor.numel)
-                free.remove(best)
-                return best
+            fits = [i for i, b in enumerate(free) if b.numel() >= numel]
+            if fits:  # by index: list.remove would compare tensors with ==, element by element
+                return free.pop(min(fits, key=lambda i: free[i].numel()))
         return torch.empty(numel, dtype=dtype)
 
     def give(self, buffer: torch.Tensor) -> None:
