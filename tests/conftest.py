@@ -16,6 +16,11 @@ os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors run this in
 # suite leaves nothing behind. Subprocesses inherit it through TMPDIR.
 _SESSION_TMP = tempfile.mkdtemp(prefix="sparkhvd-tests-")
 os.environ["TMPDIR"] = tempfile.tempdir = _SESSION_TMP
+# The JVMs read java.io.tmpdir, not TMPDIR (Spark extracts liblz4-java-*.so there): every pyspark
+# driver the suite starts, here or in a subprocess, and its executors, get the same folder.
+_JVM_TMP = f"-Djava.io.tmpdir={_SESSION_TMP}"
+os.environ.setdefault("PYSPARK_SUBMIT_ARGS", f"--driver-java-options {_JVM_TMP} --conf "
+                                             f"spark.executor.extraJavaOptions={_JVM_TMP} pyspark-shell")
 
 
 def pytest_unconfigure(config):
