@@ -2,10 +2,12 @@
 
 For np = 2, 4, 8 (HorovodRunner(np=-n); more ranks than this machine's cores is fine: the
 table says so) every rank runs ``--ops`` blocking 4 KB allreduces, and reports the control
-frames it sent (``Channel.frames_sent``) and the time per op. The engine's links are a star
-(each member talks only to its set's coordinator), so a job of n ranks should send 2(n-1)
-frames per op; the first design's all-to-all check sent n(n-1). The table projects both to 64
-and 1024 ranks.
+frames it sent (``Channel.frames_sent``), their JSON bytes without the data
+(``Channel.meta_bytes_sent``), and the time per op. The engine's links are a star (each member
+talks only to its set's coordinator), so a job of n ranks should send 2(n-1) frames per op; the
+first design's all-to-all check sent n(n-1). The table projects both to 64 and 1024 ranks. The
+JSON bytes are measured twice: with the request cache (the default) and with
+``HOROVOD_CACHE_CAPACITY=0`` (every request whole).
 
     python bench/control_scale.py [--ops 500] [--sizes 2,4,8]
 """
@@ -30,12 +32,23 @@ def measure(ops: int):
     for _ in range(20):
         hvd.allreduce_(t)
     hvd.barrier()
-    before = Channel.frames_sent
+    before, meta_before = Channel.frames_sent, Channel.meta_bytes_sent
     started = time.perf_counter()
     for _ in range(ops):
         hvd.allreduce_(t)
     seconds = time.perf_counter() - started
-    return Channel.frames_sent - before, seconds
+    return Channel.frames_sent - before, seconds, Channel.meta_bytes_sent - meta_before
+
+
+def run(n: int, ops: int, cache: bool) -> list:
+    from sparkhvd import HorovodRunner
+
+    if not cache:
+        os.environ["HOROVOD_CACHE_CAPACITY"] = "0"  # the ranks started on the driver inherit it
+    try:
+        return HorovodRunner(np=-n).run_all(measure, ops=ops).values
+    finally:
+        os.environ.pop("HOROVOD_CACHE_CAPACITY", None)
 
 
 def main() -> None:
@@ -44,18 +57,19 @@ def main() -> None:
     parser.add_argument("--sizes", default="2,4,8")
     args = parser.parse_args()
 
-    from sparkhvd import HorovodRunner
-
     cores = os.cpu_count()
     print(f"\n## control frames per blocking 4 KB allreduce, {args.ops} ops, on {cores} cores\n")
-    print("| np | frames per op (whole job) | 2(n-1) star | n(n-1) all-to-all | ms per op (median rank) | "
-          "ranks per core |")
-    print("|---|---|---|---|---|---|")
+    print("| np | frames per op (whole job) | 2(n-1) star | n(n-1) all-to-all | JSON bytes per op: cached / "
+          "whole | ms per op (median rank) | ranks per core |")
+    print("|---|---|---|---|---|---|---|")
     for n in (int(x) for x in args.sizes.split(",")):
-        results = HorovodRunner(np=-n).run_all(measure, ops=args.ops).values
-        frames = sum(f for f, _ in results) / args.ops
-        per_op = sorted(s for _, s in results)[n // 2] / args.ops * 1e3
-        print(f"| {n} | {frames:.2f} | {2 * (n - 1)} | {n * (n - 1)} | {per_op:.3f} | {n / cores:.1f} |")
+        results = run(n, args.ops, cache=True)
+        whole = run(n, args.ops, cache=False)
+        frames = sum(r[0] for r in results) / args.ops
+        per_op = sorted(r[1] for r in results)[n // 2] / args.ops * 1e3
+        cached_bytes, whole_bytes = (sum(r[2] for r in rs) / args.ops for rs in (results, whole))
+        print(f"| {n} | {frames:.2f} | {2 * (n - 1)} | {n * (n - 1)} | {cached_bytes:.0f} / {whole_bytes:.0f} | "
+              f"{per_op:.3f} | {n / cores:.1f} |")
     print("\nprojected frames per op: " + ", ".join(f"np={n}: star {2 * (n - 1)}, all-to-all {n * (n - 1)}"
                                                for n in (64, 1024)))
 

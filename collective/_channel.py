@@ -23,7 +23,8 @@ BUFFER = 256 << 10  # bytes read at once; a larger frame gets a buffer of its ow
 class Channel:
     """The engine's end of one link to ``peer`` (a global rank)."""
 
-    frames_sent = 0  # by this process, over every link (``bench/control_scale.py`` reads it)
+    frames_sent = 0  # by this process, over every link (``bench/control_scale.py`` reads them)
+    meta_bytes_sent = 0  # the frames' JSON, without their payloads
 
     def __init__(self, sock: socket.socket, peer: int, max_payload: int):
         self.sock = sock
@@ -42,6 +43,7 @@ class Channel:
         """Queue a frame and send what the socket takes now (``flush`` sends the rest)."""
         Channel.frames_sent += 1
         data = json.dumps(meta, separators=(",", ":")).encode()
+        Channel.meta_bytes_sent += len(data)
         payload = memoryview(payload).cast("B")
         self._out.append(memoryview(FRAME.pack(len(data), payload.nbytes) + data))
         if payload.nbytes:
