@@ -84,7 +84,7 @@ class Handle:
     """An op in flight: negotiated (``_answered``), then its data works, then ``finish`` gives the result."""
 
     __slots__ = ("op", "name", "kind", "nbytes", "started", "trace", "_answered", "_error", "_works", "_finish",
-                 "_result", "_done", "_check", "_link", "_engine", "__weakref__")
+                 "_result", "_done", "_check", "_link", "_engine", "_waiting", "__weakref__")
 
     def __init__(self, op: Op, link, engine=None):
         self.op = op
@@ -102,6 +102,7 @@ class Handle:
         self._check = None  # the stall report's entry while the op is negotiated
         self._link = link
         self._engine = engine
+        self._waiting = threading.Lock()  # one waiter finishes the op; others then read its result
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
@@ -117,15 +118,19 @@ class Handle:
         self._answered.set()
 
     def wait(self):
-        """The op's result; raises what failed it. The op's name is free again afterwards."""
+        """The op's result; raises what failed it. The op's name is free again once it is answered: a wait
+        interrupted before (Ctrl-C) leaves it taken, since the op is still being negotiated."""
         if self._done:
             return self._result
-        try:
-            return self._wait()
-        finally:
-            if self._link is not None:
-                self._link.in_flight.discard(self.op.request.get("n"))
-            _timeline.end(self.trace, self.nbytes)
+        with self._waiting:  # ``finish`` scales and copies in place: it must run once, whoever else waits
+            if self._done:
+                return self._result
+            try:
+                return self._wait()
+            finally:
+                if self._link is not None and self._answered.is_set():
+                    self._link.in_flight.discard(self.op.request.get("n"))
+                _timeline.end(self.trace, self.nbytes)
 
     def _wait(self):
         if not self._answered.is_set():
@@ -367,7 +372,7 @@ class Engine:
         """One round of the engine's work, by whichever thread holds ``_turn_lock``: wait for frames (not while
         submitted ops wait to be taken), read them, take the submitted ops, send and answer what can be.
         True once the engine is closed (every op waiting has failed)."""
-        if self._queue:
+        if self._queue or self._closed:  # closing: take it now (the wake byte may have been read already)
             timeout = 0
         else:
             timeout = None if self._deferred is None else max(0.0, self._deferred - time.monotonic())

@@ -280,3 +280,116 @@ def _answers_larger_than_the_socket(folder):
 def test_the_coordinator_finishes_sending_answers_after_its_own_ops_are_answered(tmp_path):
     for sums in HorovodRunner(np=-2).run_all(_answers_larger_than_the_socket, folder=str(tmp_path)).values:
         assert sums == [float(2 * i + 1) for i in range(48)]
+
+
+def _waits_interrupted_shared_and_failed():
+    import signal
+    import threading
+    import time
+
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    out = {}
+    # two threads synchronize one handle: finish (the Average's division) runs once
+    for n in (4, 300_000):  # inline, then a gloo op
+        t = torch.full((n,), 2.0 * (r + 1))  # the average of 2 and 4 is 3
+        h = hvd.allreduce_async_(t, name=f"shared{n}")
+        if r == 1:
+            time.sleep(0.3)
+        got = []
+        threads = [threading.Thread(target=lambda: got.append(hvd.synchronize(h)[0].item())) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        out[f"shared{n}"] = (t[0].item(), got)
+
+    # a synchronize interrupted before the answer (Ctrl-C) leaves the name taken: the op is still in flight
+    if r == 0:
+        class Interrupted(Exception):
+            pass
+
+        def interrupt(*_):
+            raise Interrupted()
+
+        signal.signal(signal.SIGALRM, interrupt)
+        h = hvd.allreduce_async_(torch.ones(4), name="x", op=hvd.Sum)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            hvd.synchronize(h)
+        except Interrupted:
+            pass
+        try:
+            hvd.allreduce_async_(torch.ones(4), name="x", op=hvd.Sum)
+        except ValueError as exc:
+            out["reused"] = str(exc)
+        waiter = threading.Thread(target=lambda: out.__setitem__("x", hvd.synchronize(h).tolist()), daemon=True)
+        waiter.start()
+        waiter.join(timeout=60)  # an orphaned handle would never be answered
+    else:
+        time.sleep(1.0)
+        out["x"] = hvd.allreduce_(torch.ones(4), name="x", op=hvd.Sum).tolist()
+
+    # a grouped op that fails frees all its names: the same name works again
+    try:
+        hvd.synchronize(hvd.grouped_allgather_async([torch.ones(2, 3 + r), torch.ones(2, 3)], name="g"))
+    except hvd.HorovodInternalError:
+        out["group_failed"] = True
+    out["group_again"] = [t.shape[0] for t in hvd.synchronize(
+        hvd.grouped_allgather_async([torch.ones(2, 3), torch.ones(2, 3)], name="g"))]
+    return out
+
+
+def test_shared_interrupted_and_failed_waits_leave_names_and_results_right():
+    v0, v1 = HorovodRunner(np=-2).run_all(_waits_interrupted_shared_and_failed).values
+    for v in (v0, v1):
+        assert v["shared4"] == (3.0, [3.0, 3.0]) and v["shared300000"] == (3.0, [3.0, 3.0])
+        assert v["x"] == [2.0] * 4
+        assert v["group_failed"] is True and v["group_again"] == [4, 4]
+    assert v0["reused"].startswith("another allreduce named 'x' is already in flight on this rank")
+
+
+def _shutdown_while_a_call_blocks(folder):
+    import os
+    import threading
+    import time
+
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+    from sparkhvd.collective import _engine
+
+    hvd.init()
+    hvd.allreduce(torch.ones(2), name="warm")
+    done = os.path.join(folder, "rank0-done")
+    if hvd.rank() == 1:  # never submits "never", and keeps its links open until rank 0 has looked
+        deadline = time.monotonic() + 60
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return None
+    errors = []
+
+    def blocked():
+        try:
+            hvd.allreduce(torch.ones(4), name="never")
+        except Exception as exc:  # noqa: BLE001 - the test reads its type
+            errors.append(type(exc).__name__)
+
+    thread = threading.Thread(target=blocked)
+    thread.start()
+    time.sleep(1)
+    engine = _engine.engine()
+    hvd.shutdown()  # the blocked call holds the engine's turn; the engine thread must still end
+    thread.join(timeout=30)
+    alive = engine._thread.is_alive()
+    open(done, "w").close()
+    return alive, errors
+
+
+def test_shutdown_while_a_call_blocks_stops_the_engine_thread(tmp_path):
+    alive, errors = HorovodRunner(np=-2).run_all(_shutdown_while_a_call_blocks, folder=str(tmp_path)).values[0]
+    assert alive is False and errors == ["MeshError"]

@@ -25,8 +25,14 @@ class GroupHandle:
 
     def wait(self):
         if not self._done:
-            for h in self._handles:
-                h.wait()
+            failure = None
+            for h in self._handles:  # every one, even after a failure: each frees its name once waited
+                try:
+                    h.wait()
+                except Exception as exc:  # noqa: BLE001 - the first is raised once all are waited
+                    failure = failure or exc
+            if failure is not None:
+                raise failure
             self._result = self._finish()
             self._done = True
         return self._result

@@ -412,7 +412,7 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
                    f"{getattr(tensor, 'layout', type(tensor).__name__)}; use allreduce_async for dense ones.")
         stand_ins = [allgather_async(torch.empty(0, 1, dtype=torch.int64), names[0], process_set, _problem=problem),
                      allgather_async(torch.empty(0), names[1], process_set, _problem=problem)]  # the others' two ops
-        synchronize(stand_ins[0])  # every rank raises the problem
+        synchronize(GroupHandle(stand_ins, lambda: None, "sparse_allreduce"))  # every rank raises the problem
     problem = None
     indices = allgather_async(tensor._indices().t().contiguous(), names[0], process_set=process_set,
                               _problem=problem)
