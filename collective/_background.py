@@ -299,8 +299,11 @@ class Engine:
                 while not handle._answered.is_set():
                     if self._turn():
                         break
-            finally:
+            except Exception as exc:  # a bug in a turn: every op fails, as when the engine thread fails
                 self._turn_lock.release()
+                self.close(f"the sparkhvd engine failed ({type(exc).__name__}: {exc})")
+                raise
+            self._turn_lock.release()
         with self._work:  # async work left (or none of ours done): the engine thread goes on with it
             if self._busy():
                 self._work.notify()
@@ -360,6 +363,11 @@ class Engine:
             self._closed = f"the sparkhvd engine thread failed ({type(exc).__name__}: {exc})"
         finally:
             with self._turn_lock:
+                with self._lock:  # ops submitted but not taken yet fail too
+                    queue, self._queue = self._queue, []
+                for _, handle in queue:
+                    if isinstance(handle, Handle):
+                        handle._fail(MeshError(f"{handle.kind} cannot run: {self._closed or 'hvd.shutdown() ran'}"))
                 for link in list(self._links.values()):
                     self._break(link, self._closed or "hvd.shutdown() ran", notify=False)
                     for channel in link.channels.values():

@@ -393,3 +393,37 @@ def _shutdown_while_a_call_blocks(folder):
 def test_shutdown_while_a_call_blocks_stops_the_engine_thread(tmp_path):
     alive, errors = HorovodRunner(np=-2).run_all(_shutdown_while_a_call_blocks, folder=str(tmp_path)).values[0]
     assert alive is False and errors == ["MeshError"]
+
+
+def _engine_bug():
+    import time
+
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+    from sparkhvd.collective import _engine
+
+    hvd.init()
+    r = hvd.rank()
+    if r == 0:
+        def boom(request, payloads):
+            raise RuntimeError("boom")
+
+        _engine.engine()._reduce = boom  # the coordinator's inline reduction: a bug in the engine thread
+    h = hvd.allreduce_async_(torch.ones(4), name="first")
+    time.sleep(0.5)  # the engine thread, not this one, does the turn that fails
+    errors = []
+    for start in (lambda: h, lambda: hvd.allreduce_async_(torch.ones(4), name="second")):
+        try:
+            hvd.synchronize(start())
+        except Exception as exc:  # noqa: BLE001 - the test reads type and text
+            errors.append((type(exc).__name__, str(exc)))
+    return errors
+
+
+def test_a_bug_in_the_engine_thread_fails_every_op_with_its_cause():
+    v0, v1 = HorovodRunner(np=-2).run_all(_engine_bug).values
+    assert v0 == [("MeshError", "allreduce failed: the sparkhvd engine thread failed (RuntimeError: boom)"),
+                  ("MeshError", "allreduce cannot run: the sparkhvd engine thread failed (RuntimeError: boom)")]
+    assert [kind for kind, _ in v1] == ["MeshError", "MeshError"]
+    assert "rank 0 closed its control link" in v1[0][1]
