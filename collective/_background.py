@@ -299,9 +299,11 @@ class Engine:
                 while not handle._answered.is_set():
                     if self._turn():
                         break
-            except Exception as exc:  # a bug in a turn: every op fails, as when the engine thread fails
-                self._turn_lock.release()
-                self.close(f"the sparkhvd engine failed ({type(exc).__name__}: {exc})")
+            except BaseException:  # Ctrl-C (or a signal handler's exception) while this thread waited in select:
+                self._turn_lock.release()  # the engine thread goes on with the turns
+                with self._work:
+                    self._work.notify()
+                self._wake()
                 raise
             self._turn_lock.release()
         with self._work:  # async work left (or none of ours done): the engine thread goes on with it
