@@ -66,7 +66,6 @@ def init() -> Topology:
             dist.init_process_group(backend, store=store, rank=p.rank, world_size=p.size, timeout=_TIMEOUT)
         finally:
             _progress.end(waiting)
-            _progress.take_op()  # init has no data wait: an unchecked first op must not take init's place
         _owns_group = True
     elif dist.is_initialized():  # the user built the default group (e.g. under torchrun)
         topology = _from_torchrun(dist.get_rank(), dist.get_world_size())
@@ -115,7 +114,6 @@ def _start_engine(topology: Topology) -> None:
         sockets = _endpoint.star(0, everyone, "hvd.init()")
     finally:
         _progress.end(waiting)
-        _progress.take_op()
     if torch.cuda.is_available():  # the engine thread starts NCCL ops on this process's device
         device = torch.cuda.current_device()
     else:

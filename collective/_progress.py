@@ -17,7 +17,6 @@ may run in another thread at the same time.
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 
 from ._negotiate import JOIN
@@ -37,7 +36,6 @@ _times: dict = {}  # link id -> {op: how many times that reused name was checked
 _passed: dict = {}  # link id -> (op, nth) of the latest finished wait for a negotiated op on that set
 _completed = 0  # finished waits, of either phase
 _last = None  # the latest finished entry (its "since" then holds when it finished)
-_current = threading.local()  # .op: (kind, name, ranks, link id, place) of this thread's latest check
 
 
 def begin_check(kind: str, name, ranks, link_id: int, op: str | None = None) -> list:
@@ -46,7 +44,6 @@ def begin_check(kind: str, name, ranks, link_id: int, op: str | None = None) -> 
     counter = _seq.get(link_id) or _seq.setdefault(link_id, itertools.count(1))
     seq = next(counter)  # atomic under the GIL: two threads on one set never take the same number
     place = (seq, op, _nth(link_id, op))
-    _current.op = (kind, name, ranks, link_id, place)
     entry = [kind, name, ranks, link_id, place, CHECK, time.monotonic(), None]
     _in_flight[id(entry)] = entry
     return entry
@@ -77,22 +74,8 @@ def attach(entry: list, mesh) -> None:
     entry[7] = mesh
 
 
-def take_op():
-    """This thread's latest checked op, for the data wait that follows it; None once taken, so an op
-    whose check did not run (``SPARKHVD_CHECK_COLLECTIVES=0``) is not taken for an older one."""
-    op = getattr(_current, "op", None)
-    _current.op = None
-    return op
-
-
-def current_op():
-    """This thread's latest checked op, left in place: for an op that waits for data twice (sizes
-    first, then the data) and leaves ``take_op`` to the second wait."""
-    return getattr(_current, "op", None)
-
-
 def begin_data(op, kind: str, name) -> list:
-    """The wait for the data of ``op`` (from ``take_op``, when the op started; None: unknown) starts."""
+    """The wait for the data of ``op`` (its check's entry[:5], from the engine's handle; None: unknown) starts."""
     if op is None:
         entry = [kind, name, None, -1, (0, None, None), DATA, time.monotonic(), None]
     else:

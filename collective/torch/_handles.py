@@ -20,8 +20,6 @@ class GroupHandle:
         self._result = None
         self._done = False
         self.kind = kind
-        self.name = None
-        self.nbytes = sum(h.nbytes for h in handles)
 
     def wait(self):
         if not self._done:
