@@ -13,7 +13,7 @@ bytes in rank order and sends every member the same result, so no data op runs a
 are ready together with one fusion key run as one data op (``Op.launch_fused``); with a cycle time
 the coordinator answers at most once per cycle, so more of them are ready together.
 
-The backend (``collective/torch/_ops.py``) describes each op with an ``Op``: its request, the
+The backend (``collective/_core/_ops.py``) describes each op with an ``Op``: its request, the
 bytes it sends inline, and ``launch``, which the engine calls with the answer to start the
 data movement. Nothing here imports torch.
 """

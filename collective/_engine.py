@@ -106,7 +106,7 @@ def _start_engine(topology: Topology) -> None:
     """The engine thread, with the global set's links (made now: every rank is in init())."""
     global _background_engine
     from ._background import Engine, max_payload
-    from .torch import _fusion, _inline, _stand_in
+    from ._core import _buffers, _inline, _stand_in
 
     everyone = list(range(topology.size))
     waiting = _progress.begin_check("hvd.init", None, None, _INIT_LINK)
@@ -119,7 +119,7 @@ def _start_engine(topology: Topology) -> None:
     else:
         device = None
     _background_engine = Engine(topology.rank, max_payload(), mirror=_stand_in.mirror, reduce=_inline.reduce,
-                                device=device, fusion_threshold=_fusion.fusion_threshold(), cycle_time=cycle_time(),
+                                device=device, fusion_threshold=_buffers.fusion_threshold(), cycle_time=cycle_time(),
                                 cache_capacity=cache_capacity())
     _background_engine.add_link(0, everyone, sockets, None)
 

@@ -236,6 +236,19 @@ def _tapes_and_batch_norm(hvd, r):
     return out
 
 
+def _join(hvd, r):
+    """Rank 1 joins at once; rank 0 reduces alone (rank 1 stands in with zeros), then joins last."""
+    out = {}
+    if r == 0:
+        out["while_joined"] = hvd.allreduce(tf.constant([3.0]), op=hvd.Sum).numpy().tolist()
+    joined = hvd.join()
+    out["eager"] = (joined.dtype.name, joined.shape.rank, int(joined))
+    if r == 1:  # in a graph, rank 0 joins first this time
+        out["while_joined"] = hvd.allreduce(tf.constant([4.0]), op=hvd.Sum).numpy().tolist()
+    out["graph"] = int(tf.function(hvd.join)())
+    return out
+
+
 def _api():
     import sparkhvd.collective.tensorflow as hvd
 
@@ -243,7 +256,8 @@ def _api():
     r = hvd.rank()
     return {**{f"a.{k}": v for k, v in _topology_and_broadcasts(hvd, r).items()},
             **{f"b.{k}": v for k, v in _grouped_and_sparse(hvd, r).items()},
-            **{f"c.{k}": v for k, v in _tapes_and_batch_norm(hvd, r).items()}}
+            **{f"c.{k}": v for k, v in _tapes_and_batch_norm(hvd, r).items()},
+            **{f"d.{k}": v for k, v in _join(hvd, r).items()}}
 
 
 @pytest.fixture(scope="module")
@@ -360,6 +374,22 @@ def test_sync_batch_normalization_equals_batch_norm_on_all_rows(ranks):
         assert v["c.errors"]["bn_fused"] == (
             "ValueError", "SyncBatchNormalization(fused=True): a fused kernel cannot share statistics across ranks; "
             "leave fused=False.")
+
+
+def test_join_returns_the_rank_that_joined_last_as_a_tensor(ranks):
+    assert [v["d.while_joined"] for v in ranks] == [[3.0], [4.0]]
+    for v in ranks:
+        assert v["d.eager"] == ("int32", 0, 0) and v["d.graph"] == 1
+
+
+def test_tensorflow_and_keras_stand_on_the_core_not_on_the_torch_api():
+    code = ("import sys, sparkhvd.collective.keras, sparkhvd.collective.tensorflow.keras\n"
+            "print(sorted(m for m in sys.modules if m.startswith('sparkhvd.collective.')"
+            " and m.split('.')[2] in ('torch', '_core')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ))
+    loaded = out.stdout.strip()
+    assert "sparkhvd.collective._core" in loaded and "sparkhvd.collective.torch" not in loaded, out.stderr[-2000:]
 
 
 def test_keras_callbacks_namespace_as_in_horovod():

@@ -459,7 +459,7 @@ def _inline_and_wire(numels):
     import torch
 
     import sparkhvd.collective.torch as hvd
-    from sparkhvd.collective.torch._inline import capacity as inline_capacity
+    from sparkhvd.collective._core._inline import capacity as inline_capacity
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
@@ -595,7 +595,7 @@ def test_fused_buckets_in_flight_together_and_reused():
 
 
 def test_buffer_pool_hands_out_fitting_buffers_and_keeps_the_largest():
-    from sparkhvd.collective.torch._fusion import BufferPool, pack
+    from sparkhvd.collective._core._buffers import BufferPool, pack
 
     pool = BufferPool(keep=2)
     a, b = pool.take(torch.float32, 10), pool.take(torch.float32, 10)

@@ -155,7 +155,7 @@ def test_hook_order_unused_frozen_clipping_and_errors():
 
 
 def test_bad_fusion_threshold_is_a_clear_error(monkeypatch):
-    from sparkhvd.collective.torch._fusion import fusion_threshold
+    from sparkhvd.collective._core._buffers import fusion_threshold
 
     monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "64MB")
     with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD='64MB' is not a number of bytes"):

@@ -112,7 +112,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     """
 
     def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None, verbose=0):
-        from ..torch import size
+        from .._core import size
 
         def multiplier(epoch):
             epoch += 1.0 / self._steps()  # end each epoch on a round value, as Horovod does
@@ -131,7 +131,7 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
                          save_freq=save_freq)
 
     def _save_model(self, *args, **kwargs):
-        from ..torch import rank
+        from .._core import rank
 
         if rank() == 0:
             return super()._save_model(*args, **kwargs)

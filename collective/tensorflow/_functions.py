@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from .. import torch as hvd_torch
-from ..torch import ProcessSet, global_process_set
+from .. import _core
+from .._core import ProcessSet, global_process_set
 
 
 def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
     """Rank ``root_rank``'s ``obj`` on every rank (cloudpickle); ``session`` is TF1's and is not needed."""
-    return hvd_torch.broadcast_object(obj, root_rank, name=name, process_set=process_set)
+    return _core.broadcast_object(obj, root_rank, name=name, process_set=process_set)
 
 
 def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
@@ -20,14 +20,14 @@ def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global
     ``broadcast_object`` with the arguments bound.
     """
     def bcast(obj):
-        return hvd_torch.broadcast_object(obj, root_rank, name=name, process_set=process_set)
+        return _core.broadcast_object(obj, root_rank, name=name, process_set=process_set)
 
     return bcast
 
 
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
     """Every rank's ``obj``, as a list in rank order (cloudpickle); ``session`` is TF1's and is not needed."""
-    return hvd_torch.allgather_object(obj, name=name, process_set=process_set)
+    return _core.allgather_object(obj, name=name, process_set=process_set)
 
 
 def _runtime_int(read, name):
@@ -50,23 +50,23 @@ def _process_set(process_set_id, what):
 
 def rank_op(name=None):
     """This process's rank, as an op read when it runs."""
-    return _runtime_int(hvd_torch.rank, name)
+    return _runtime_int(_core.rank, name)
 
 
 def local_rank_op(name=None):
     """This process's rank on its host, as an op read when it runs."""
-    return _runtime_int(hvd_torch.local_rank, name)
+    return _runtime_int(_core.local_rank, name)
 
 
 def size_op(process_set_id=0, name=None):
     """The number of processes (in a process set: pass the ProcessSet), as an op read when it runs."""
     process_set = _process_set(process_set_id, "size_op")
-    return _runtime_int(lambda: hvd_torch.size() if process_set is global_process_set else process_set.size(), name)
+    return _runtime_int(lambda: _core.size() if process_set is global_process_set else process_set.size(), name)
 
 
 def local_size_op(name=None):
     """The number of processes on this host, as an op read when it runs."""
-    return _runtime_int(hvd_torch.local_size, name)
+    return _runtime_int(_core.local_size, name)
 
 
 def process_set_included_op(process_set_id=0, name=None):
@@ -75,8 +75,16 @@ def process_set_included_op(process_set_id=0, name=None):
     process_set = _process_set(process_set_id, "process_set_included_op")
 
     def read():
-        hvd_torch.rank()  # raises, with the fix, before init()
+        _core.rank()  # raises, with the fix, before init()
         included = process_set.included()
         return -3 if included is None or process_set.process_set_id is None else int(included)
 
     return _runtime_int(read, name)
+
+
+def join():
+    """This rank has run out of data (``hvd.join`` of the torch API): an int32 scalar, the rank that joined last.
+
+    Eagerly it blocks until every rank has joined; in a graph it is an op that does so when it runs.
+    """
+    return _runtime_int(_core.join, "join")

@@ -1,7 +1,7 @@
 """Collectives on tf.Tensors, eager and in tf.function, with Horovod's gradients.
 
-Each op hands its tensors to ``sparkhvd.collective.torch``'s public asynchronous functions
-(through DLPack, ``_bridge.py``) and waits for the result; in a graph the whole op is one
+Each op hands its tensors to the core's asynchronous functions (``collective/_core``, the ones
+the torch API uses too) through DLPack (``_bridge.py``) and waits for the result; in a graph the whole op is one
 ``py_function``. ``tf.IndexedSlices`` (sparse gradients) are reduced as Horovod does: their
 values and indices are allgathered, and Average divides the values by the set's size.
 """
@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from .. import torch as hvd_torch
-from .._background import HorovodInternalError
-from ..torch import Average, Sum, global_process_set
-from ..torch import synchronize as _wait
-from ._bridge import graph_op, run, to_tf, to_torch
+from .. import _core
+from .._core import Average, HorovodInternalError, Sum, global_process_set
+from .._core import synchronize as _wait
 from .._reduction import resolve_op
+from ._bridge import graph_op, run, to_tf, to_torch
 from ._compression import Compression
 
 
@@ -89,7 +88,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     wire, ctx = compression.compress(tensor)
 
     def now(v):
-        return to_tf(synchronize(hvd_torch.allreduce_async(to_torch(v), op=op, prescale_factor=prescale_factor,
+        return to_tf(synchronize(_core.allreduce_async(to_torch(v), op=op, prescale_factor=prescale_factor,
                                                            postscale_factor=postscale_factor,
                                                            process_set=process_set)), v.dtype)
 
@@ -108,7 +107,7 @@ def _grouped_dense(tensors, op, prescale_factor, postscale_factor, compression, 
     def now(*ts):
         wires = [compression.compress(t) for t in ts]
         torch_tensors = [to_torch(w).clone() for w, _ in wires]
-        synchronize(hvd_torch.grouped_allreduce_async_(torch_tensors, op=op, prescale_factor=prescale_factor,
+        synchronize(_core.grouped_allreduce_async_(torch_tensors, op=op, prescale_factor=prescale_factor,
                                                        postscale_factor=postscale_factor, process_set=process_set))
         return [compression.decompress(to_tf(t, w.dtype), c) for t, (w, c) in zip(torch_tensors, wires)]
 
@@ -194,7 +193,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
         return []
 
     def now(*ts):
-        outs = synchronize(hvd_torch.grouped_allgather_async([to_torch(t) for t in ts], process_set=process_set))
+        outs = synchronize(_core.grouped_allgather_async([to_torch(t) for t in ts], process_set=process_set))
         return [to_tf(o, t.dtype) for o, t in zip(outs, ts)]
 
     @tf.custom_gradient
@@ -210,7 +209,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     tensor = tf.convert_to_tensor(tensor)
 
     def now(v):
-        return to_tf(synchronize(hvd_torch.allgather_async(to_torch(v), process_set=process_set)), v.dtype)
+        return to_tf(synchronize(_core.allgather_async(to_torch(v), process_set=process_set)), v.dtype)
 
     @tf.custom_gradient
     def gather(x):
@@ -225,7 +224,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
     tensor = tf.convert_to_tensor(tensor)
 
     def now(v):
-        return to_tf(synchronize(hvd_torch.broadcast_async(to_torch(v), root_rank, process_set=process_set)),
+        return to_tf(synchronize(_core.broadcast_async(to_torch(v), root_rank, process_set=process_set)),
                      v.dtype)
 
     @tf.custom_gradient
@@ -236,7 +235,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
             averaged = allreduce(dy, op=Average, process_set=process_set)
             # Not tf.zeros_like: in a graph it is a constant that never runs the allreduce, and the root
             # would wait for this rank forever.
-            return averaged if hvd_torch.rank() == root_rank else averaged * 0
+            return averaged if _core.rank() == root_rank else averaged * 0
 
         return out, grad
 
@@ -263,7 +262,7 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
         return []
 
     def now(*ts):
-        handles = [hvd_torch.broadcast_async(to_torch(t), root_rank, process_set=process_set) for t in ts]
+        handles = [_core.broadcast_async(to_torch(t), root_rank, process_set=process_set) for t in ts]
         return [to_tf(synchronize(h), t.dtype) for h, t in zip(handles, ts)]
 
     values = [v.read_value() for v in variables]
@@ -306,7 +305,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     received = []
 
     def now(v, s):
-        out, recv = synchronize(hvd_torch.alltoall_async(to_torch(v), to_torch(s) if given else None,
+        out, recv = synchronize(_core.alltoall_async(to_torch(v), to_torch(s) if given else None,
                                                          process_set=process_set))
         return to_tf(out, v.dtype), to_tf(recv, tf.int32)
 
@@ -337,7 +336,7 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     wire, ctx = compression.compress(tensor)
 
     def now(v):
-        return to_tf(synchronize(hvd_torch.reducescatter_async(
+        return to_tf(synchronize(_core.reducescatter_async(
             to_torch(v), op=op, process_set=process_set, prescale_factor=prescale_factor,
             postscale_factor=postscale_factor)), v.dtype)
 

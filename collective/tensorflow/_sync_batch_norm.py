@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from ..torch import Sum, global_process_set
+from .._core import Sum, global_process_set
 from ._ops import allreduce
 
 

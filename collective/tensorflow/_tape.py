@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from ..torch import Average, Sum, global_process_set
+from .._core import Average, Sum, global_process_set
 from .._reduction import resolve_op
 from ._compression import Compression
 from ._ops import grouped_allreduce

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from .. import _engine
-from . import _ops
+from .._core import _ops
+from .._core._process_sets import global_process_set
 from ._compression import Compression
-from ._process_sets import global_process_set
 
 
 class _Allreduce(torch.autograd.Function):

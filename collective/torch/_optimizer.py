@@ -14,10 +14,11 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ._compression import Compression
-from ._fusion import GradientBuckets, finish_allreduce, fusion_threshold, launch_allreduce, write_back
-from ._ops import Average, ReduceOp, Sum, _resolve_op, allreduce_async_, check, now, sparse_allreduce_async
-from ._process_sets import ProcessSet, global_process_set
-from ._scale import scale_
+from .._core._buffers import fusion_threshold
+from .._core._ops import Average, ReduceOp, Sum, _resolve_op, allreduce_async_, check, now, sparse_allreduce_async
+from .._core._process_sets import ProcessSet, global_process_set
+from .._core._scale import scale_
+from ._fusion import GradientBuckets, finish_allreduce, launch_allreduce, write_back
 
 
 _serials: dict = collections.defaultdict(itertools.count)  # link_id -> numbers for the set's optimizers

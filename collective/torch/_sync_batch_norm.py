@@ -14,8 +14,8 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import _engine
-from ._ops import Sum, allreduce_async_, now
-from ._process_sets import global_process_set
+from .._core._ops import Sum, allreduce_async_, now
+from .._core._process_sets import global_process_set
 
 
 def _sum_all(t: torch.Tensor) -> torch.Tensor:

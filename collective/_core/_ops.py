@@ -4,8 +4,9 @@ Every op takes ``process_set=`` (default: every rank) and goes to the background
 (``collective/_background.py``), which matches it across ranks by name (explicit, or an automatic
 one: the n-th unnamed op of its kind on the set) and starts its data op in the order the set's
 coordinator gives. Each function here describes its op (``Op``): what must agree across ranks,
-and ``launch``, which starts the c10d op once every member has submitted it. The differentiable
-out-of-place wrappers live in ``_autograd.py``.
+and ``launch``, which starts the c10d op once every member has submitted it. The frameworks wrap
+these: torch's differentiable out-of-place ops are ``collective/torch/_autograd.py``, TensorFlow's
+ops and gradients ``collective/tensorflow/_ops.py``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import _background, _engine
 from .._background import Handle, Op
-from .._reduction import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op  # noqa: F401 (API)
-from . import _fusion, _inline
+from .._reduction import Average, Max, Min, Product, ReduceOp, Sum, resolve_op
+from . import _buffers, _inline
 from ._handles import GroupHandle, synchronize
 from ._scale import scale_, scaled
 from ._process_sets import ProcessSet, global_process_set, require_member
@@ -212,7 +213,7 @@ def _launch_fused(ops: list, item) -> list:
             left[0] -= 1
             if not left[0]:
                 for buffer in pooled:
-                    _fusion.pool.give(buffer)
+                    _buffers.pool.give(buffer)
             return tensor
         return finish
 
@@ -245,7 +246,7 @@ def _fused(members: list, pooled: list) -> torch.Tensor:
     numel = sum(m.numel() for m in members)
     if members[0].device.type != "cpu":
         return _flatten_dense_tensors([m.detach() for m in members])
-    buffer = _fusion.pool.take(members[0].dtype, numel)
+    buffer = _buffers.pool.take(members[0].dtype, numel)
     pooled.append(buffer)
     return torch.cat([m.detach().reshape(-1) for m in members], out=buffer[:numel])
 
@@ -263,7 +264,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     require_member(process_set, "grouped_allreduce")
     size = process_set.size()
     desc = ", ".join(describe(t) for t in tensors)
-    buckets = _fusion.pack(tensors, _fusion.fusion_threshold())
+    buckets = _buffers.pack(tensors, _buffers.fusion_threshold())
     inline = None
     if len(buckets) == 1 and tensors and _inline.fits(tensors[0], size, sum(map(_nbytes, tensors))):
         with torch.no_grad():  # fused only once it is known to fit: a large group is not copied here
@@ -289,7 +290,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                 for t, reduced in zip(members, _unflatten_dense_tensors(flat, members)):
                     t.copy_(reduced)
         for buffer in pooled:
-            _fusion.pool.give(buffer)
+            _buffers.pool.give(buffer)
         return tuple(tensors)
 
     stand_in = {"z": {"kind": "inline", "dtype": str(inline.dtype).replace("torch.", ""), "op": op.name}} \

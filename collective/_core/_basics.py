@@ -1,0 +1,159 @@
+"""Horovod's basics, the same for every framework: ``init``, ``rank``, ``size`` and the rest, ``join``, and what is built.
+
+As Horovod's ``horovod/common/basics.py``: the torch, TensorFlow and Keras APIs all export these.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import _engine
+from . import _process_sets
+from ._handles import synchronize
+from ._process_sets import add_process_set, global_process_set
+
+
+def init(comm=None, process_sets=None) -> None:
+    """Join this process's job: HorovodRunner's, torchrun's, or a job of one.
+
+    ``comm``: None, or the list of every rank (Horovod's MPI communicator argument; a subset
+    of ranks is a process set here). ``process_sets``: ProcessSets (or lists of ranks) to
+    register on every rank, or ``"dynamic"`` (sets are always dynamic here: ``add_process_set``
+    works at any time).
+    """
+    if isinstance(process_sets, str):
+        if process_sets.lower() != "dynamic":
+            raise ValueError(f"init(process_sets={process_sets!r}): pass a list of ProcessSets or \"dynamic\".")
+        process_sets = None
+    _engine.init()
+    if comm is not None:
+        everyone = list(range(_engine.topology().size))
+        if not isinstance(comm, (list, tuple, range)) or sorted(comm) != everyone:
+            raise ValueError(f"init(comm={comm!r}): sparkhvd always runs on every rank of the job ({everyone}); "
+                             "pass comm=None, and put a subset of ranks in a process set (hvd.add_process_set).")
+    global_process_set.ranks = list(range(_engine.topology().size))
+    for ps in process_sets or ():
+        add_process_set(ps)
+
+
+def join(device: int = -1) -> int:
+    """This rank has run out of data: stand in for it, with zeros, in the other ranks' reductions.
+
+    Blocks until every rank has called ``join()`` and returns the rank that called it last (the
+    highest of those that joined together last). While some ranks have joined, the others may
+    run ``allreduce`` / ``grouped_allreduce`` with ``op=Average`` or ``Sum``, DistributedOptimizer
+    steps and SyncBatchNorm; the joined ranks contribute zeros, and Average still divides by
+    ``size()``. Any other collective then fails on every rank with a clear error. ``device`` is
+    accepted for Horovod compatibility (the zeros go where the others' tensors are).
+    """
+    if size() == 1:
+        return 0
+    from .._background import Op
+    from .._negotiate import JOIN
+
+    return synchronize(_engine.engine().submit(global_process_set.link_id, Op(
+        kind=JOIN, name=None, signature="", description="join()"), sync=True))
+
+
+def shutdown() -> None:
+    """Leave the job (``init()`` may be called again); forgets the process sets and unfinished names."""
+    _process_sets._reset()
+    _engine.shutdown()
+
+
+def is_initialized() -> bool:
+    """Whether ``init()`` has been called (and not ``shutdown()``)."""
+    return _engine.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank, 0..size()-1."""
+    return _engine.topology().rank
+
+
+def size() -> int:
+    """The number of processes in the job."""
+    return _engine.topology().size
+
+
+def local_rank() -> int:
+    """This process's rank among the processes on its host."""
+    return _engine.topology().local_rank
+
+
+def local_size() -> int:
+    """The number of processes on this host."""
+    return _engine.topology().local_size
+
+
+def cross_rank() -> int:
+    """The index of this host among the hosts that have a process with this local_rank."""
+    return _engine.topology().cross_rank
+
+
+def cross_size() -> int:
+    """The number of hosts that have a process with this local_rank."""
+    return _engine.topology().cross_size
+
+
+def is_homogeneous() -> bool:
+    """Whether every host runs the same number of processes."""
+    return _engine.topology().homogeneous
+
+
+def nccl_built() -> int:
+    """NCCL's version code (e.g. 21803 for 2.18.3) if CUDA tensors can travel over NCCL here, else 0.
+
+    As Horovod's, a number that is true exactly when NCCL is there.
+    """
+    if not dist.is_nccl_available():
+        return 0
+    major, minor, patch = torch.cuda.nccl.version()[:3]
+    return major * (10000 if (major, minor) >= (2, 9) else 1000) + minor * 100 + patch
+
+
+def gloo_built() -> bool:
+    """Whether CPU tensors can travel over gloo (always, for torch on Linux and macOS)."""
+    return bool(dist.is_gloo_available())
+
+
+def mpi_built() -> bool:
+    """False: sparkhvd never uses MPI (gloo and NCCL carry every collective)."""
+    return False
+
+
+def mpi_enabled() -> bool:
+    """False: sparkhvd never uses MPI."""
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    """Raises, as Horovod does when MPI is not enabled: sparkhvd never uses MPI."""
+    raise ValueError("MPI is not enabled: sparkhvd never uses MPI (gloo and NCCL carry every collective), so "
+                     "there is no MPI threading to ask about; call hvd.mpi_enabled() first.")
+
+
+def gloo_enabled() -> bool:
+    """Whether gloo carries CPU tensors at run time (always, as gloo_built)."""
+    return gloo_built()
+
+
+def ddl_built() -> bool:
+    """False: no IBM DDL."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False: no oneCCL."""
+    return False
+
+
+def rocm_built() -> bool:
+    """Whether this torch was built for ROCm (its GPU collectives then go over RCCL, as NCCL)."""
+    return torch.version.hip is not None
+
+
+def cuda_built() -> bool:
+    """Whether this torch was built with CUDA."""
+    return torch.version.cuda is not None
