@@ -254,8 +254,8 @@ def report(view: StallView, settings: StallSettings) -> tuple[str, list]:
                          f"{_s(max(in_it[r]['age'] for r in checking))}")
         if passed and members is None:
             parts.append(f"{_ranks(passed)} {'waits' if len(passed) == 1 else 'wait'} for its data for "
-                         f"{_s(max(in_it[r]['age'] for r in passed))} (the driver does not know which ranks "
-                         "have reached it: with SPARKHVD_CHECK_COLLECTIVES=0 no collective is checked)")
+                         f"{_s(max(in_it[r]['age'] for r in passed))} (an op of a process set of one, so no other rank "
+                         "takes part in it: its own device or library does not finish it)")
             lines.append(f"- {title}: " + "; ".join(parts) + ".")
             continue
         if passed:

@@ -215,7 +215,7 @@ def test_report_of_a_data_transfer_that_does_not_finish():
             "is cut") in text
 
 
-def test_report_of_a_control_exchange_that_does_not_finish_and_of_an_unchecked_op():
+def test_report_of_a_control_exchange_that_does_not_finish_and_of_an_op_of_a_set_of_one():
     view = StallView(np=2, stalled_for=70.0, ranks=(
         RankState(0, "running", "a", ops=(_op("broadcast", members=[0, 1], age=70),), heard_ago=1),
         RankState(1, "running", "b", ops=(_op("broadcast", members=[0, 1], age=69),
@@ -225,8 +225,8 @@ def test_report_of_a_control_exchange_that_does_not_finish_and_of_an_unchecked_o
     print(text)
     assert ("ranks 0,1 have waited in it for 70 s; every member has reached it, yet its control exchange does not "
             "complete: the network between hosts a, b is cut") in text
-    assert ("- allreduce 'u': rank 1 waits for its data for 5.0 s (the driver does not know which ranks have reached "
-            "it: with SPARKHVD_CHECK_COLLECTIVES=0 no collective is checked).") in text
+    assert ("- allreduce 'u': rank 1 waits for its data for 5.0 s (an op of a process set of one, so no other rank "
+            "takes part in it: its own device or library does not finish it).") in text
 
 
 def test_the_rank_side_registry_snapshots_the_waits_in_flight():
