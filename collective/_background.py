@@ -9,7 +9,11 @@ then for the data. Control traffic is a star: each member talks only to its coor
 op costs 2(n-1) small frames across a set of n, not n(n-1).
 
 Small reductions ride in the control frames (``inline``): the coordinator reduces the members'
-bytes in rank order and sends every member the same result, so no data op runs at all. Ops that
+bytes in rank order and sends every member the same result, so no data op runs at all. In a set
+of two, the coordinator sends its own small reductions' requests and bytes to the other member
+as it takes them, and the other member reduces the pair itself, in the same order with the same
+function, wherever the two requests agree (``_negotiate.pairable``); the coordinator then sends
+no answer for it. Each member waits for the other's bytes only, one trip instead of two. Ops that
 are ready together with one fusion key run as one data op (``Op.launch_fused``); with a cycle time
 the coordinator answers at most once per cycle, so more of them are ready together.
 
@@ -35,7 +39,7 @@ from typing import Callable
 from . import _progress, _timeline
 from ._channel import Channel
 from ._mesh import MeshError
-from ._negotiate import JOIN, RequestCache, Table
+from ._negotiate import JOIN, RequestCache, Table, pairable
 
 _scope = threading.local()  # .prefix, .count: names for this thread's unnamed ops (``named``)
 
@@ -191,6 +195,11 @@ class _Link:
         self.unnamed = collections.defaultdict(itertools.count)  # kind -> numbers for its unnamed ops
         self.in_flight: set = set()  # names submitted and not yet synchronized (a name is one op at a time)
         self.next_answer = 0.0  # on the coordinator with a cycle time: the earliest time of its next answer
+        self.paired = len(members) == 2  # small reductions are worked out by both members (the pair path)
+        self.peer_out: list = []  # on the coordinator of a pair: (request, inline bytes) of its own, to send
+        self.peer_in: dict = {}  # on the other member: name -> (coordinator's request, bytes) not yet paired
+        self.pair_now: list = []  # on the other member: (handle, request, bytes) to pair once its request is out
+        self.peer_cache = RequestCache(cache_capacity)  # shortens the coordinator's requests to the other member
 
     def missing(self, name: str):
         return self.table.waiting_for(name) if self.table is not None else None
@@ -212,6 +221,7 @@ class Engine:
         self._mirror = mirror  # (item, group of the set) -> works: a joined rank's part in the others' op
         self._reduce = reduce  # (request, payloads in set order) -> bytes: the coordinator's inline reduction
         self._links: dict = {}
+        self.paired = 0  # small reductions this rank worked out itself, in a set of two (``_pair``)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the engine thread waits here while nothing is in flight
         self._turn_lock = threading.Lock()  # held by the one thread doing the engine's work (``_turn``)
@@ -444,8 +454,13 @@ class Engine:
         link.waiting[request["n"]] = handle
         if link.table is not None:
             link.table.add(self.rank, request)
+            if link.paired and handle.op.inline is not None and not request.get("p"):
+                link.peer_out.append((request, handle.op.inline))
         else:
             link.outbox.append((request, handle.op.inline))
+            peer = link.peer_in.pop(request["n"], None)
+            if peer is not None:  # after the request has gone out: carrying it out writes the tensor it reads
+                link.pair_now.append((handle, *peer))
 
     def _serve(self, link: _Link, sock, mask: int) -> None:
         if link.broken is not None:
@@ -477,17 +492,17 @@ class Engine:
         try:
             if link.table is not None:
                 items = self._decide(link)
-                if items:
-                    payload = self._inline_results(link, items)
-                    blob = bytearray().join(payload)
-                    for channel in link.channels.values():
-                        channel.send({"b": items}, blob)
-                    self._answers(link, {"b": items}, memoryview(blob))
-            elif link.outbox:
-                outbox, link.outbox = link.outbox, []
-                requests = [link.cache.shorten(r) for r, _ in outbox]
-                blob = b"".join(bytes(memoryview(data).cast("B")) for _, data in outbox if data is not None)
-                link.channels[link.coordinator].send({"r": requests}, blob)
+                if items or link.peer_out:
+                    self._answer_members(link, items)
+            else:
+                if link.outbox:
+                    outbox, link.outbox = link.outbox, []
+                    requests = [link.cache.shorten(r) for r, _ in outbox]
+                    blob = b"".join(bytes(memoryview(data).cast("B")) for _, data in outbox if data is not None)
+                    link.channels[link.coordinator].send({"r": requests}, blob)
+                pairs, link.pair_now = link.pair_now, []
+                for handle, request, data in pairs:
+                    self._pair(link, handle, request, data)
             for channel in link.channels.values():
                 events = selectors.EVENT_READ | (selectors.EVENT_WRITE if channel.pending() else 0)
                 if events != channel.events:  # a system call each: only when it changes
@@ -510,15 +525,45 @@ class Engine:
             link.next_answer = now + self._cycle
         return items
 
+    def _answer_members(self, link: _Link, items: list) -> None:
+        """The coordinator sends the ready ops' answers, and in a pair its own new small reductions, then carries
+        the answers out itself. The other member of a pair gets no answer for an op it works out itself."""
+        results = self._inline_results(link, items)
+        paired = self._paired_items(items) if link.paired else [False] * len(items)
+        for item in items:  # the requests the table kept for an item do not travel
+            item.pop("_requests", None)
+        blob = bytearray().join(r for r in results if r is not None)
+        if not link.paired:
+            for channel in link.channels.values():
+                channel.send({"b": items}, blob)
+        else:
+            peers, link.peer_out = link.peer_out, []
+            meta: dict = {"q": [link.peer_cache.shorten(r) for r, _ in peers]} if peers else {}
+            theirs = [(item, r) for item, r, mine in zip(items, results, paired) if not mine]
+            if theirs:
+                meta["b"] = [item for item, _ in theirs]
+            if meta:  # a copy of the bytes: carrying out the answers below writes the tensors they view
+                payload = bytearray().join([*(data for _, data in peers), *(r for _, r in theirs if r is not None)])
+                link.channels[link.members[1]].send(meta, payload)
+        if items:
+            self._answers(link, {"b": items}, memoryview(blob))
+
+    @staticmethod
+    def _paired_items(items: list) -> list:
+        """Which answers the other member of a pair has worked out itself (``_pair``)."""
+        return [item["a"] == "ok" and len(item["n"]) == 1 and len(item.get("_requests") or ()) == 2
+                and pairable(*item["_requests"]) for item in items]
+
     def _inline_results(self, link: _Link, items: list) -> list:
-        """Reduce each ready inline op's payloads (in set order, working members only) with this rank's own
-        op's reducer; the requests the table kept for it do not travel."""
-        blobs = []
+        """Reduce each ready inline op's payloads (in set order, the members that submitted it) with this rank's
+        own op's reducer: each item's result bytes, or None."""
+        results = []
         for item in items:
-            requests = item.pop("_requests", None)
+            requests = item.get("_requests")
             if "m" in item:
                 item["m"] = {k: v for k, v in item["m"].items() if not k.startswith("_")}
             if item["a"] != "ok" or not any(q is not None and q.get("i") for q in requests):
+                results.append(None)
                 continue
             mine = link.waiting.get(item["n"][0])
             payloads = [mine.op.inline if r == self.rank else q["_payload"]
@@ -526,8 +571,26 @@ class Engine:
             first = next(q for q in requests if q is not None)
             result = self._reduce(first, payloads)
             item["i"] = len(result)
-            blobs.append(result)
-        return blobs
+            results.append(result)
+        return results
+
+    def _pair(self, link: _Link, handle: Handle, request: dict, data) -> None:
+        """The other member of a pair works out a small reduction from the coordinator's request and bytes and
+        its own, as the coordinator does (``_inline_results``), where the two agree; else the answer decides."""
+        mine = handle.op.request
+        if not pairable(request, mine):
+            return
+        link.waiting.pop(mine["n"], None)
+        item = {"n": [mine["n"]], "a": "ok", "x": [request.get("x"), mine.get("x")]}
+        try:
+            result = self._reduce(request, [data, handle.op.inline])
+            works, finish = handle.op.launch(item, result)
+        except BaseException as exc:  # noqa: BLE001 - the caller's synchronize raises it
+            self._end_check(handle)
+            handle._fail(exc)
+            return
+        self.paired += 1
+        self._answered(handle, works, finish)
 
     def _answers(self, link: _Link, meta: dict, payload) -> None:
         """Carry out the coordinator's answers, in its order."""
@@ -536,10 +599,21 @@ class Engine:
             return
         _timeline.cycle()
         offset = 0
+        for request in meta.get("q", ()):  # the coordinator's small reductions, in a pair
+            request = link.peer_cache.expand(link.coordinator, request)
+            size = request["i"]
+            data, offset = payload[offset:offset + size], offset + size
+            handle = link.waiting.get(request["n"])
+            if handle is None:  # not submitted here yet: ``_accept`` pairs it
+                link.peer_in[request["n"]] = (request, data)
+            else:
+                self._pair(link, handle, request, data)
         for item in meta.get("b", ()):
             size = item.get("i") or 0
             result = payload[offset:offset + size] if size else None
             offset += size
+            for name in item["n"]:  # answered without pairing (the two disagree, or this rank stood in)
+                link.peer_in.pop(name, None)
             self._carry_out(link, item, result)
 
     def _carry_out(self, link: _Link, item: dict, result) -> None:
@@ -611,6 +685,8 @@ class Engine:
             self._end_check(handle)
             handle._fail(MeshError(f"{handle.kind} failed: {link.broken}"))
         link.waiting.clear()
+        link.peer_in.clear()
+        link.pair_now.clear()
 
 
 class _Missing:

@@ -16,6 +16,7 @@ import struct
 from ._mesh import MeshError
 
 FRAME = struct.Struct("<qq")
+_encode = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: json.dumps with options builds one per call
 MAX_META = 64 << 20  # a response listing every op of a large model is a few MB at most
 BUFFER = 256 << 10  # bytes read at once; a larger frame gets a buffer of its own
 
@@ -42,7 +43,7 @@ class Channel:
     def send(self, meta: dict, payload=b"") -> None:
         """Queue a frame and send what the socket takes now (``flush`` sends the rest)."""
         Channel.frames_sent += 1
-        data = json.dumps(meta, separators=(",", ":")).encode()
+        data = _encode(meta).encode()
         Channel.meta_bytes_sent += len(data)
         payload = memoryview(payload).cast("B")
         self._out.append(memoryview(FRAME.pack(len(data), payload.nbytes) + data))

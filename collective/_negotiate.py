@@ -43,6 +43,7 @@ class Table:
         self.members = list(members)  # global ranks in set order; the coordinator is members[0]
         self.fusion_threshold = fusion_threshold  # bytes of one fused op; 0: no fusion
         self._pending: dict = {}  # name -> {rank: request}, in the order names first arrived
+        self._later: dict = {}  # name -> [(rank, request)]: a rank's next op of a name, sent before this one's answer
         self._joined: list = []  # ranks inside join(), in the order they joined
         self._join_batch: list = []  # ranks that joined since the latest answered op ("together")
 
@@ -51,7 +52,12 @@ class Table:
             self._joined.append(rank)
             self._join_batch.append(rank)
             return
-        self._pending.setdefault(request["n"], {})[rank] = request
+        name = request["n"]
+        requests = self._pending.setdefault(name, {})
+        if rank in requests or any(r == rank for r, _ in self._later.get(name, ())):
+            self._later.setdefault(name, []).append((rank, request))  # its next op of the name, sent early
+        else:
+            requests[rank] = request
 
     def waiting_for(self, name: str) -> list:
         """The working members that have not submitted ``name`` (a diagnostic for the stall report)."""
@@ -66,19 +72,38 @@ class Table:
         """The response items for every op that is ready now, in order; the table forgets them."""
         items = []
         working = [r for r in self.members if r not in self._joined]
-        for name in list(self._pending):
+        names = list(self._pending)
+        for name in names:  # grows while it runs: a name's next op may be ready as soon as this one is answered
             requests = self._pending[name]
             if any(r not in requests for r in working) or not working:
                 continue
             del self._pending[name]
-            items.append(self._answer(name, requests, working))
+            items.append(self._answer(name, requests))
             self._join_batch = []
+            if self._promote(name):
+                names.append(name)
         items = self._fuse(items)
         if self._joined and len(self._joined) == len(self.members):
             last = max(self._join_batch) if self._join_batch else self._joined[-1]
             items.append({"n": [JOIN], "a": JOIN, "x": last})
             self._joined, self._join_batch = [], []
         return items
+
+    def _promote(self, name: str) -> bool:
+        """The next op of ``name`` from each rank that sent one early takes the answered one's place."""
+        later = self._later.pop(name, None)
+        if not later:
+            return False
+        requests, rest = {}, []
+        for rank, request in later:
+            if rank in requests:
+                rest.append((rank, request))
+            else:
+                requests[rank] = request
+        self._pending[name] = requests
+        if rest:
+            self._later[name] = rest
+        return True
 
     def _fuse(self, items: list) -> list:
         """Ready ops with the same fusion key become one item (Horovod's tensor fusion), up to the threshold in
@@ -101,26 +126,26 @@ class Table:
             del item["_b"]
         return fused
 
-    def _answer(self, name: str, requests: dict, working: list) -> dict:
+    def _answer(self, name: str, requests: dict) -> dict:
+        """Every member that submitted the op takes part in it, one that called join() afterwards too; the
+        joined ones that did not submit it stand in."""
         ordered = [(r, requests[r]) for r in self.members if r in requests]
         problems = [(r, q["p"]) for r, q in ordered if q.get("p")]
         if problems:
             return _error(name, "value", _problem_text(problems, len(ordered)))
-        signatures = {q["s"] for r, q in ordered if r in working}
-        if len(signatures) > 1:
-            return _error(name, "internal", _disagreement(ordered, working))
-        if self._joined:
-            first = requests[working[0]]
-            if not first.get("j"):
-                joined = ",".join(map(str, self._joined))
-                return _error(name, "internal", f"{first['k']} cannot run while ranks {joined} have called "
-                                                f"hvd.join(); {_JOINABLE_HINT}")
+        if len({q["s"] for _, q in ordered}) > 1:
+            return _error(name, "internal", _disagreement(ordered))
+        standing_in = [r for r in self._joined if r not in requests]
+        first = ordered[0][1]
+        if standing_in and not first.get("j"):
+            joined = ",".join(map(str, standing_in))
+            return _error(name, "internal", f"{first['k']} cannot run while ranks {joined} have called "
+                                            f"hvd.join(); {_JOINABLE_HINT}")
         facts = [requests[r].get("x") if r in requests else None for r in self.members]
-        item = {"n": [name], "a": "ok", "x": facts,
-                "_requests": [requests.get(r) if r in working else None for r in self.members]}
-        if self._joined:
-            item["J"] = list(self._joined)
-            item["m"] = requests[working[0]]
+        item = {"n": [name], "a": "ok", "x": facts, "_requests": [requests.get(r) for r in self.members]}
+        if standing_in:
+            item["J"] = standing_in
+            item["m"] = first
         elif self.fusion_threshold and ordered[0][1].get("f") is not None:
             item["_f"], item["_b"] = ordered[0][1]["f"], ordered[0][1].get("b", 0)
         return item
@@ -185,11 +210,10 @@ def _problem_text(problems: list, members: int) -> str:
     return "; ".join(f"rank {r}: {p}" for r, p in problems)
 
 
-def _disagreement(ordered: list, working: list) -> str:
+def _disagreement(ordered: list) -> str:
     groups: dict = {}
     for rank, request in ordered:
-        if rank in working:
-            groups.setdefault(request["d"], []).append(rank)
+        groups.setdefault(request["d"], []).append(rank)
     listing = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}: {text}"
                         for text, ranks in groups.items())
     kind = ordered[0][1]["k"]
@@ -211,3 +235,12 @@ def label(name: str) -> str:
         suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
         return f"the {n}{suffix} unnamed {kind}"
     return f"{kind} {rest!r}"
+
+
+def pairable(first: dict | None, second: dict | None) -> bool:
+    """Whether two requests of a set of two make a small reduction that each member can work out alone
+    (``_background``'s pair path): both inline, of one kind and signature, without a problem. Then the
+    coordinator's answer, once it has both, is "ok" with both payloads in set order, and it sends none."""
+    return (first is not None and second is not None and bool(first.get("i")) and bool(second.get("i"))
+            and first["k"] == second["k"] and first["s"] == second["s"] and not first.get("p")
+            and not second.get("p"))

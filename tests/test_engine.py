@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from sparkhvd import HorovodRunner
-from sparkhvd.collective._negotiate import JOIN, RequestCache, Table, label
+from sparkhvd.collective._negotiate import JOIN, RequestCache, Table, label, pairable
 
 
 def _request(name, signature="float32[4]", problem=None, fact=None, joinable=False, kind="allreduce"):
@@ -60,6 +60,48 @@ def test_joined_ranks_are_stood_in_for_and_join_ends_when_all_have_joined():
     for r in (0, 1):
         table.add(r, {"n": JOIN, "k": JOIN})
     assert table.decide() == [{"n": [JOIN], "a": JOIN, "x": 1}]  # 0 and 1 joined together last: the highest
+
+
+def test_a_ranks_next_op_of_a_name_waits_for_the_answer_to_its_first():
+    # in a set of two the other member pairs small reductions itself and may send a name's next op early
+    table = Table([0, 1])
+    table.add(1, {**_request("a"), "x": 1})
+    table.add(1, {**_request("a"), "x": 2})
+    table.add(0, {**_request("a"), "x": 10})
+    assert [i["x"] for i in table.decide()] == [[10, 1]]
+    assert table.submitted() == {"a": [1]}
+    table.add(0, {**_request("a"), "x": 20})
+    table.add(1, {**_request("a"), "x": 3})
+    table.add(0, {**_request("a"), "x": 30})  # both ahead: answered in turn within one decision
+    assert [i["x"] for i in table.decide()] == [[20, 2], [30, 3]]
+    assert table.submitted() == {}
+
+
+def test_a_rank_that_joins_after_submitting_an_op_takes_part_in_it():
+    table = Table([0, 1, 2])
+    table.add(0, _request("g", joinable=True))
+    table.add(0, {"n": JOIN, "k": JOIN})
+    table.add(1, _request("g", joinable=True))
+    table.add(2, {"n": JOIN, "k": JOIN})
+    (item,) = table.decide()  # rank 2 stands in; rank 0 submitted it before joining, so its data counts
+    assert item["a"] == "ok" and item["J"] == [2] and [q is not None for q in item["_requests"]] == [True, True, False]
+    table.add(0, _request("h"))
+    table.add(1, _request("h"))
+    (item,) = table.decide()  # not joinable, and rank 2 would have to stand in
+    assert item["a"] == "err" and "cannot run while ranks 2 have called hvd.join()" in item["e"]
+    table.add(0, _request("k"))
+    table.add(1, _request("k"))
+    table.add(2, _request("k"))  # every member submitted it: nobody stands in
+    assert [i["a"] for i in table.decide()] == ["ok"]
+
+
+def test_a_pair_works_out_a_small_reduction_only_where_the_two_requests_agree():
+    small = {**_request("a"), "i": 16}
+    assert pairable(small, dict(small))
+    assert not pairable(small, {**small, "s": "float32[5]"})
+    assert not pairable(small, {**small, "p": "bad"}) and not pairable({**small, "p": "bad"}, small)
+    assert not pairable(small, {**small, "i": 0}) and not pairable(_request("a"), _request("a"))
+    assert not pairable(small, {**small, "k": "grouped_allreduce"}) and not pairable(small, None)
 
 
 def test_ops_ready_together_fuse_by_key_up_to_the_threshold_in_place_of_the_first():
@@ -199,6 +241,67 @@ def test_engine_pairs_by_name_is_truly_async_and_carries_every_dtype():
     assert v0["joined_allgather"].startswith("allgather cannot run while ranks 1 have called hvd.join()")
     assert v0["objects"] == v1["objects"] == [0, 1]
     assert v0["empty_uint16"] == v1["empty_uint16"] == (torch.Size([0, 3]),) * 3
+
+
+def _pair_cases():
+    import time
+
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+    from sparkhvd.collective import _engine
+
+    hvd.init()
+    r = hvd.rank()
+    out = {}
+    paired = _engine.engine().paired
+    t = torch.zeros(4)
+    sums = []
+    for i in range(200):  # one name, reused at once: the other member is often an op ahead of the coordinator
+        if i % 50 == 0:
+            time.sleep(0.05 * r)  # each rank in turn is the one that submits last
+        t.fill_(r + i)
+        sums.append(hvd.allreduce_(t, op=hvd.Sum, name="same")[0].item())
+    out["sums"] = sums
+    out["ops"] = [hvd.allreduce(torch.tensor([r + 1.0, -r]), op=op).tolist() for op in (hvd.Average, hvd.Min, hvd.Max,
+                                                                                         hvd.Product)]
+    out["ints"] = hvd.allreduce(torch.tensor([7, r], dtype=torch.int32), op=hvd.Average).tolist()
+    handles = [hvd.allreduce_async(torch.full((3,), float(r * 10 + k)), op=hvd.Sum, name=f"n{k}")
+               for k in (range(5) if r == 0 else reversed(range(5)))]
+    out["async"] = sorted(hvd.synchronize(h)[0].item() for h in handles)
+    try:
+        hvd.allreduce(torch.ones(2 + r), name="shapes")
+    except hvd.HorovodInternalError as exc:
+        out["mismatch"] = str(exc)
+    out["paired"] = _engine.engine().paired - paired
+    # a rank that joins after submitting an op takes part in it with its data
+    h = hvd.allreduce_async(torch.tensor([r + 1.0]), op=hvd.Sum, name="before_join")
+    if r == 1:
+        time.sleep(0.2)  # rank 0 is inside join() when this rank submits the op
+        out["before_join"] = hvd.synchronize(h).item()
+        out["last"] = hvd.join()
+    else:
+        out["last"] = hvd.join()
+        out["before_join"] = hvd.synchronize(h).item()
+    links = _engine.engine()._links.values()
+    out["left"] = [(len(link.waiting), len(link.peer_in), len(link.pair_now), len(link.peer_out)) for link in links]
+    return out
+
+
+def test_a_set_of_two_pairs_small_reductions_without_an_answer_and_stays_exact():
+    v0, v1 = HorovodRunner(np=-2).run_all(_pair_cases).values
+    for v in (v0, v1):
+        assert v["sums"] == [float(2 * i + 1) for i in range(200)]
+        assert v["ops"] == [[1.5, -0.5], [1.0, -1.0], [2.0, 0.0], [2.0, 0.0]]
+        assert v["ints"] == [7, 0]
+        assert v["async"] == [10.0, 12.0, 14.0, 16.0, 18.0]
+        assert v["mismatch"].startswith("ranks disagree on allreduce 'shapes': rank 0: allreduce(op=Average: "
+                                        "float32[2] on cpu); rank 1: allreduce(op=Average: float32[3] on cpu).")
+        assert v["before_join"] == 3.0 and v["last"] == 1
+        assert v["left"] == [(0, 0, 0, 0)]
+    # the other member worked out every small reduction itself (the coordinator answered none of them), but not
+    # the one the two disagreed on; the coordinator pairs nothing
+    assert v1["paired"] == 200 + 4 + 1 + 5 and v0["paired"] == 0
 
 
 def _fusion_cases():
@@ -425,5 +528,7 @@ def test_a_bug_in_the_engine_thread_fails_every_op_with_its_cause():
     v0, v1 = HorovodRunner(np=-2).run_all(_engine_bug).values
     assert v0 == [("MeshError", "allreduce failed: the sparkhvd engine thread failed (RuntimeError: boom)"),
                   ("MeshError", "allreduce cannot run: the sparkhvd engine thread failed (RuntimeError: boom)")]
-    assert [kind for kind, _ in v1] == ["MeshError", "MeshError"]
-    assert "rank 0 closed its control link" in v1[0][1]
+    # rank 1 may have worked out "first" itself from rank 0's bytes (a set of two pairs small reductions) before
+    # rank 0's engine failed; "second" fails, naming rank 0
+    assert [kind for kind, _ in v1] in (["MeshError"], ["MeshError", "MeshError"])
+    assert "rank 0 closed its control link" in v1[-1][1]
