@@ -687,6 +687,7 @@ class Engine:
         link.waiting.clear()
         link.peer_in.clear()
         link.pair_now.clear()
+        link.peer_out.clear()
 
 
 class _Missing:

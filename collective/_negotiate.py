@@ -75,7 +75,7 @@ class Table:
         names = list(self._pending)
         for name in names:  # grows while it runs: a name's next op may be ready as soon as this one is answered
             requests = self._pending[name]
-            if any(r not in requests for r in working) or not working:
+            if any(r not in requests for r in working):  # every member submitted it or is inside join()
                 continue
             del self._pending[name]
             items.append(self._answer(name, requests))

@@ -93,6 +93,9 @@ def test_a_rank_that_joins_after_submitting_an_op_takes_part_in_it():
     table.add(1, _request("k"))
     table.add(2, _request("k"))  # every member submitted it: nobody stands in
     assert [i["a"] for i in table.decide()] == ["ok"]
+    table.add(0, _request("m", joinable=True))
+    table.add(1, {"n": JOIN, "k": JOIN})  # now every member is inside join(): "m" is answered before the join
+    assert [(i["n"], i["a"], i.get("J")) for i in table.decide()] == [(["m"], "ok", [2, 1]), ([JOIN], JOIN, None)]
 
 
 def test_a_pair_works_out_a_small_reduction_only_where_the_two_requests_agree():
@@ -283,6 +286,10 @@ def _pair_cases():
     else:
         out["last"] = hvd.join()
         out["before_join"] = hvd.synchronize(h).item()
+    # both submit an op, then join: it is answered before the join, with both ranks' data
+    h = hvd.allreduce_async(torch.tensor([r + 1.0]), op=hvd.Sum, name="both_join")
+    out["both_last"] = hvd.join()
+    out["both_join"] = hvd.synchronize(h).item()
     links = _engine.engine()._links.values()
     out["left"] = [(len(link.waiting), len(link.peer_in), len(link.pair_now), len(link.peer_out)) for link in links]
     return out
@@ -298,6 +305,7 @@ def test_a_set_of_two_pairs_small_reductions_without_an_answer_and_stays_exact()
         assert v["mismatch"].startswith("ranks disagree on allreduce 'shapes': rank 0: allreduce(op=Average: "
                                         "float32[2] on cpu); rank 1: allreduce(op=Average: float32[3] on cpu).")
         assert v["before_join"] == 3.0 and v["last"] == 1
+        assert v["both_join"] == 3.0 and v["both_last"] in (0, 1)
         assert v["left"] == [(0, 0, 0, 0)]
     # the other member worked out every small reduction itself (the coordinator answered none of them), but not
     # the one the two disagreed on; the coordinator pairs nothing
