@@ -14,7 +14,7 @@ from ..tensorflow import (Average, Compression, Max, Min, Product, Sum, allgathe
                           cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_initialized, local_rank,
                           local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
                           shutdown, size, start_timeline, stop_timeline)
-from . import callbacks
+from . import callbacks, elastic
 from .callbacks import (BestModelCheckpoint, BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
                         LearningRateWarmupCallback, MetricAverageCallback)
 from ._optimizer import DistributedOptimizer, load_model
@@ -26,5 +26,5 @@ __all__ = [
     "allreduce", "allgather", "broadcast", "broadcast_variables", "broadcast_object", "allgather_object",
     "DistributedOptimizer", "load_model", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
     "LearningRateWarmupCallback", "LearningRateScheduleCallback", "BestModelCheckpoint", "Compression",
-    "Average", "Sum", "Min", "Max", "Product", "callbacks", "start_timeline", "stop_timeline",
+    "Average", "Sum", "Min", "Max", "Product", "callbacks", "elastic", "start_timeline", "stop_timeline",
 ]

@@ -20,7 +20,7 @@ from .._core import (Adasum, Average, Max, Min, ProcessSet, Product, ReduceOp, S
                      is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
                      mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
                      start_timeline, stop_timeline)
-from . import util
+from . import elastic, util
 from ._compression import Compression
 from ._functions import (allgather_object, broadcast_object, broadcast_object_fn, join, local_rank_op, local_size_op,
                          process_set_included_op, rank_op, size_op)
@@ -39,6 +39,6 @@ __all__ = [
     "broadcast_variables", "broadcast_global_variables", "alltoall", "reducescatter", "grouped_reducescatter",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "broadcast_object", "broadcast_object_fn", "allgather_object", "DistributedGradientTape",
-    "PartialDistributedGradientTape", "SyncBatchNormalization", "Compression", "util",
+    "PartialDistributedGradientTape", "SyncBatchNormalization", "Compression", "util", "elastic",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product", "start_timeline", "stop_timeline",
 ]

@@ -16,6 +16,7 @@ from .._core import (Adasum, Average, HorovodInternalError, Max, Min, ProcessSet
                      mpi_threads_supported, nccl_built, poll, rank, reducescatter_async, remove_process_set,
                      rocm_built, shutdown, size, sparse_allreduce_async, start_timeline, stop_timeline,
                      synchronize)
+from . import elastic
 from ._autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
                         grouped_reducescatter, reducescatter)
 from ._compression import Compression
@@ -36,6 +37,6 @@ __all__ = [
     "synchronize", "poll", "barrier", "join",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "Compression", "DistributedOptimizer", "SyncBatchNorm", "start_timeline", "stop_timeline",
+    "Compression", "DistributedOptimizer", "SyncBatchNorm", "elastic", "start_timeline", "stop_timeline",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError",
 ]

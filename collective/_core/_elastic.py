@@ -1,0 +1,141 @@
+"""Horovod's elastic state, the same for every framework (``horovod/common/elastic.py``).
+
+A ``State`` holds what training must not lose: ``commit()`` saves it, ``restore()`` goes back to
+the last commit, ``sync()`` makes every rank equal to rank 0. ``run`` wraps the training loop:
+it syncs the state, then runs the loop.
+
+What is here so far is the in-process half. Commits live in this process's memory, as in
+Horovod, and a failed collective (``HorovodInternalError``) ends the run as it does without
+``run``. Horovod would shut down, init again in the same processes and retry. sparkhvd's restarts
+will relaunch the job's ranks instead, and will restore the last commit from off the ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Hosts were added or removed: every rank leaves the loop at the same commit and resets (Horovod's class).
+
+    ``skip_sync``: only hosts were removed, so the remaining ranks' state is already in sync.
+    """
+
+    def __init__(self, skip_sync: bool = False):
+        super().__init__("hosts were added or removed; every rank resets at this commit")
+        self.skip_sync = skip_sync
+
+
+class State:
+    """What training must keep: saved by ``commit()``, put back by ``restore()``, made equal by ``sync()``.
+
+    ``bcast_object(obj)`` returns rank 0's ``obj`` on every rank; ``get_rank()`` is this rank.
+    """
+
+    def __init__(self, bcast_object, get_rank):
+        self._bcast_object = bcast_object
+        self._rank = get_rank
+        self._host_messages: queue.Queue = queue.Queue()
+        self._last_updated_timestamp = 0
+        self._reset_callbacks: list = []
+
+    def register_reset_callbacks(self, callbacks) -> None:
+        """Functions to call after a reset (ranks added or removed), e.g. to rescale the learning rate."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        self._host_messages = queue.Queue()
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def on_hosts_updated(self, timestamp: float, update: int) -> None:
+        """A message that hosts changed (``update``: 1 added, 2 removed, as Horovod's HostUpdateResult)."""
+        self._host_messages.put((timestamp, update))
+
+    def commit(self) -> None:
+        """Save the state, then check for host changes (``HostsUpdatedInterrupt``, on every rank at once).
+
+        A commit copies the state, from the GPU too: commit every few batches rather than every one.
+        """
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise ``HostsUpdatedInterrupt`` on every rank if rank 0 has heard that hosts changed since the last check.
+
+        A collective: every rank calls it at the same point (``commit`` does).
+        """
+        last = previous = self._last_updated_timestamp
+        update = 0
+        while not self._host_messages.empty():
+            timestamp, change = self._host_messages.get()
+            if timestamp > last:
+                last = timestamp
+                update |= change
+        previous, self._last_updated_timestamp, update = self._bcast_object((previous, last, update))
+        if self._last_updated_timestamp > previous:
+            raise HostsUpdatedInterrupt(skip_sync=update == 2)
+
+    def save(self) -> None:
+        """Keep a copy of the state (the commit)."""
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        """Go back to the last commit, undoing what changed since."""
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Make every rank's state rank 0's."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Called after ranks were added or removed, before the next sync."""
+
+
+class ObjectState(State):
+    """State of plain Python values, each a keyword argument and then an attribute (``state.epoch``)."""
+
+    def __init__(self, bcast_object, get_rank, **kwargs):
+        self._bcast_object = bcast_object
+        self._saved_state = kwargs
+        self._set_attrs()
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
+
+    def save(self) -> None:
+        self._saved_state = {name: getattr(self, name) for name in self._saved_state}
+
+    def restore(self) -> None:
+        self._set_attrs()
+
+    def sync(self) -> None:
+        if self._saved_state:
+            self._saved_state = self._bcast_object(self._saved_state)
+            self._set_attrs()
+
+    def _set_attrs(self) -> None:
+        for name, value in self._saved_state.items():
+            setattr(self, name, value)
+
+
+def run_fn(func, reset):
+    """``func(state, ...)`` with ``state`` synced first; after ``HostsUpdatedInterrupt``, ``reset()`` and again."""
+
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        if not isinstance(state, State):
+            raise TypeError(f"hvd.elastic.run: the wrapped function's first argument must be an hvd.elastic state "
+                            f"(TorchState, ObjectState, ...), got {type(state).__name__}; call it as loop(state).")
+        skip_sync = False
+        while True:
+            try:
+                if not skip_sync:
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt as interrupt:
+                skip_sync = interrupt.skip_sync
+            reset()
+            state.on_reset()
+
+    return wrapper

@@ -1,0 +1,114 @@
+"""``hvd.elastic`` for TensorFlow 2: ``TensorFlowState``, ``TensorFlowKerasState`` and ``run``, as Horovod's.
+
+Eager TensorFlow only (as Horovod for TF2). Commits live in this process's memory so far (see
+``collective/_core/_elastic.py``).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from .._core import init, rank, shutdown
+from .._core._elastic import HostsUpdatedInterrupt, ObjectState, State, run_fn
+from ._functions import broadcast_object
+from ._ops import broadcast_variables
+
+__all__ = ["TensorFlowKerasState", "TensorFlowState", "ObjectState", "State", "HostsUpdatedInterrupt", "run"]
+
+
+def run(func):
+    """Run the training loop ``func(state, ...)`` with ``state`` synced from rank 0 first.
+
+    ``HostsUpdatedInterrupt`` (raised by ``state.commit()`` on every rank together) resets and
+    runs the loop again from the committed state; an exception from the user's code ends the run.
+    """
+    return run_fn(func, _reset)
+
+
+def _reset() -> None:
+    shutdown()
+    init()
+
+
+def _eager(what: str) -> None:
+    if not tf.executing_eagerly():
+        raise RuntimeError(f"hvd.elastic.{what} needs eager TensorFlow (as Horovod's for TensorFlow 2); build it "
+                           "outside tf.function and TF1 graphs.")
+
+
+def _variables(thing) -> list:
+    """An optimizer's or model's variables: a list in Keras 3, a method in older optimizers."""
+    variables = thing.variables
+    return list(variables() if callable(variables) else variables)
+
+
+class TensorFlowState(ObjectState):
+    """A list of ``tf.Variable`` (``variables``) and plain values (any keyword), as attributes.
+
+    ``session`` is TensorFlow 1's and is not used.
+    """
+
+    def __init__(self, variables=None, session=None, **kwargs):
+        _eager("TensorFlowState")
+        if variables is None:
+            raise ValueError("hvd.elastic.TensorFlowState(variables=None): eager TensorFlow has no global variables "
+                             "to default to; pass the variables to track, e.g. model.variables.")
+        self.variables = list(variables)
+        self.session = session
+        self._save_variables()
+        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
+
+    def save(self) -> None:
+        self._save_variables()
+        super().save()
+
+    def restore(self) -> None:
+        for var, value in zip(self.variables, self._values):
+            var.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        broadcast_variables(self.variables, root_rank=0, inplace=True)
+        self._save_variables()
+        super().sync()
+
+    def _save_variables(self) -> None:
+        self._values = [var.numpy() for var in self.variables]
+
+
+class TensorFlowKerasState(ObjectState):
+    """A Keras model and its optimizer (``optimizer`` or the model's own), and plain values (any keyword).
+
+    The model must be built. ``backend`` is TensorFlow 1's and is not used.
+    """
+
+    def __init__(self, model, optimizer=None, backend=None, **kwargs):
+        _eager("TensorFlowKerasState")
+        if not getattr(model, "built", True):
+            raise ValueError("hvd.elastic state: the model is not built yet; call model.build(input_shape) (or run "
+                             "one batch through it) first, so that its variables exist.")
+        self.model = model
+        self.optimizer = optimizer or model.optimizer
+        self.backend = backend
+        self._save_model()
+        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
+
+    def save(self) -> None:
+        self._save_model()
+        super().save()
+
+    def restore(self) -> None:
+        for var, value in zip(self._tracked(), self._values):
+            var.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        broadcast_variables(self._tracked(), root_rank=0, inplace=True)
+        self._save_model()
+        super().sync()
+
+    def _tracked(self) -> list:
+        return _variables(self.model) + (_variables(self.optimizer) if self.optimizer is not None else [])
+
+    def _save_model(self) -> None:
+        self._values = [var.numpy() for var in self._tracked()]

@@ -1,0 +1,168 @@
+"""``hvd.elastic`` for torch: ``TorchState``, ``ElasticSampler`` and ``run``, as Horovod's ``horovod.torch.elastic``.
+
+Commits live in this process's memory so far (see ``collective/_core/_elastic.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+
+import torch
+
+from .._core import broadcast_object, init, rank, shutdown, size
+from .._core._elastic import HostsUpdatedInterrupt, ObjectState, State, run_fn
+from ._functions import broadcast_optimizer_state, broadcast_parameters
+
+__all__ = ["TorchState", "ElasticSampler", "ObjectState", "State", "HostsUpdatedInterrupt", "run"]
+
+
+def run(func):
+    """Run the training loop ``func(state, ...)`` with ``state`` synced from rank 0 first.
+
+    The loop must not start with a collective of its own: a rank that joins late syncs first.
+    ``HostsUpdatedInterrupt`` (raised by ``state.commit()`` on every rank together) resets and
+    runs the loop again from the committed state; an exception from the user's code ends the run.
+    """
+    return run_fn(func, _reset)
+
+
+def _reset() -> None:
+    shutdown()
+    init()
+
+
+class ElasticSampler(torch.utils.data.Sampler):
+    """Cuts a dataset among the ranks, and again after a reset, skipping what this epoch already processed.
+
+    As Horovod's: put it in the ``TorchState``, call ``record_batch(batch_idx, batch_size)`` after each
+    batch and ``set_epoch(epoch)`` at the end of each epoch. ``seed`` must be the same on every rank.
+    """
+
+    def __init__(self, dataset, shuffle: bool = True, seed: int = 0):
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.processed_num = 0  # samples processed this epoch by all ranks together
+        self.reset()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` (call it at the end of the previous one): nothing of it is processed yet."""
+        self.epoch = epoch
+        self.processed_num = 0
+        self.reset()
+
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:
+        """Each rank processed ``batch_size`` more samples."""
+        self.processed_num += batch_size * self.num_replicas
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "processed_num": self.processed_num}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.epoch = state_dict["epoch"]
+        self.processed_num = state_dict["processed_num"]
+        self.reset()
+
+    def reset(self) -> None:
+        self.num_replicas = size()
+        self.rank = rank()
+        indices = list(range(len(self.dataset)))
+        if self.shuffle:  # the same order on every rank
+            random.Random(self.seed + self.epoch).shuffle(indices)
+        self.remaining_indices = indices[self.processed_num:]
+        self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+
+    def __iter__(self):
+        indices = self.remaining_indices[:]
+        indices += indices[:self.total_size - len(indices)]  # padded to divide evenly, as DistributedSampler
+        return iter(indices[self.rank:self.total_size:self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class TorchState(ObjectState):
+    """A torch training's state: models, optimizers and ElasticSamplers (any keyword), and plain values.
+
+    ``TorchState(model=model, optimizer=opt, epoch=0, batch=0)``: each keyword is an attribute;
+    modules, optimizers and samplers are saved through their ``state_dict()``, the rest as values.
+    """
+
+    def __init__(self, model=None, optimizer=None, **kwargs):
+        kwargs.update(model=model, optimizer=optimizer)
+        handlers, values = {}, {}
+        for name, value in kwargs.items():
+            handler = _handler(value)
+            if handler is not None:
+                handlers[name] = handler
+            else:
+                values[name] = value
+        self._handlers = handlers
+        for name, handler in handlers.items():
+            setattr(self, name, handler.value)
+        super().__init__(bcast_object=broadcast_object, get_rank=rank, **values)
+
+    def save(self) -> None:
+        for handler in self._handlers.values():
+            handler.save()
+        super().save()
+
+    def restore(self) -> None:
+        for handler in self._handlers.values():
+            handler.restore()
+        super().restore()
+
+    def sync(self) -> None:
+        for handler in self._handlers.values():
+            handler.sync()
+        super().sync()
+
+    def __setattr__(self, name, value):
+        if name in getattr(self, "_handlers", ()) and hasattr(self, name):
+            self._handlers[name].set_value(value)  # a new model or optimizer: saved as it is now
+        super().__setattr__(name, value)
+
+
+class _Handler:
+    """How one kind of value is saved, restored and synced (Horovod's StateHandler)."""
+
+    def __init__(self, value):
+        self.value = value
+        self.save()
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self._saved)
+
+    def set_value(self, value) -> None:
+        self.value = value
+        self.save()
+
+
+class _ModelHandler(_Handler):
+    def sync(self) -> None:
+        broadcast_parameters(self.value.state_dict(), root_rank=0)
+
+
+class _OptimizerHandler(_Handler):
+    def sync(self) -> None:
+        broadcast_optimizer_state(self.value, root_rank=0)
+
+
+class _SamplerHandler(_Handler):
+    def sync(self) -> None:
+        self.value.load_state_dict(broadcast_object(self.value.state_dict()))
+
+
+def _handler(value):
+    for kind, handler in ((torch.nn.Module, _ModelHandler), (torch.optim.Optimizer, _OptimizerHandler),
+                          (ElasticSampler, _SamplerHandler)):
+        if isinstance(value, kind):
+            return handler(value)
+    return None

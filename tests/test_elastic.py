@@ -1,0 +1,170 @@
+"""Horovod's elastic state (``hvd.elastic``) at np=2, in real rank processes: sync from rank 0,
+commit and restore, the elastic sampler, a reset after ``HostsUpdatedInterrupt`` (shutdown and
+init again in the same processes), and the Keras callbacks. Inputs come from the rank; the
+expected values are exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparkhvd import HorovodRunner
+
+
+def _torch_state():
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    out = {}
+    torch.manual_seed(r)  # different weights on each rank until the state syncs
+    model = torch.nn.Linear(2, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    sampler = hvd.elastic.ElasticSampler(list(range(10)), shuffle=True, seed=3)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=10 + r, batch=r)
+    resets, calls = [], []
+    state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+
+    def weights():
+        return [p.detach().clone().tolist() for p in model.parameters()]
+
+    @hvd.elastic.run
+    def loop(state, steps):
+        calls.append((state.epoch, state.batch))
+        if len(calls) == 1:
+            out["synced"] = (weights(), state.epoch, state.batch)
+        x = torch.full((4, 2), float(r + 1))
+        for _ in range(steps):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+            state.batch += 1
+        state.sampler.record_batch(0, 2)
+        state.commit()
+        committed = weights()
+        if len(calls) == 1:
+            out["committed"] = (committed, state.batch, state.sampler.state_dict())
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+            state.batch = 99
+            state.restore()  # back to the commit: weights, momentum, batch
+            out["restored"] = (weights() == committed, state.batch, len(opt.state_dict()["state"]))
+            if r == 0:
+                state.on_hosts_updated(1.0, 1)  # rank 0 heard of a new host: every rank resets at the next commit
+            state.commit()
+        return committed, state.batch
+
+    out["result"] = loop(state, 3)
+    out["calls"], out["resets"] = calls, resets
+    out["sampler"] = (state.sampler.state_dict(), list(iter(state.sampler)))
+    sampler.set_epoch(1)
+    out["sampler_next_epoch"] = sorted(hvd.allgather_object(list(iter(sampler)))[0] +
+                                       hvd.allgather_object(list(iter(sampler)))[1])
+    try:
+        loop("not a state", 1)
+    except TypeError as exc:
+        out["not_a_state"] = str(exc)
+    tries = []
+
+    @hvd.elastic.run
+    def failing(state):
+        tries.append(1)
+        raise ValueError("the user's own bug")
+
+    try:
+        failing(state)
+    except ValueError as exc:
+        out["user_error"] = (str(exc), len(tries))
+    return out
+
+
+def test_torch_state_syncs_commits_restores_and_resets_as_horovods():
+    v0, v1 = HorovodRunner(np=-2).run_all(_torch_state).values
+    assert v0["synced"] == v1["synced"] and v0["synced"][1:] == (10, 0)  # rank 0's weights and values
+    assert v0["committed"] == v1["committed"] and v0["committed"][1] == 3
+    assert v0["committed"][2] == {"epoch": 0, "processed_num": 4}  # 2 samples on each of 2 ranks
+    for v in (v0, v1):
+        assert v["restored"] == (True, 3, 2)  # weights as committed, batch 3, momentum for both parameters
+        # the loop ran twice: the interrupt at the second commit reset (shutdown, init) and synced the commit
+        assert v["calls"] == [(10, 0), (10, 3)] and v["resets"] == [2]
+        assert v["result"][1] == 6
+        assert v["not_a_state"].startswith("hvd.elastic.run: the wrapped function's first argument must be an "
+                                           "hvd.elastic state (TorchState, ObjectState, ...), got str")
+        assert v["user_error"] == ("the user's own bug", 1)  # a user's exception is never retried
+        assert v["sampler_next_epoch"] == list(range(10))
+    assert v0["result"] == v1["result"]
+    # 8 samples recorded this epoch; the reset re-cut what was left after the 4 committed before it: 6, 3 a rank
+    assert v0["sampler"][0] == v1["sampler"][0] == {"epoch": 0, "processed_num": 8}
+    assert len(v0["sampler"][1]) == len(v1["sampler"][1]) == 3 and len(set(v0["sampler"][1] + v1["sampler"][1])) == 6
+
+
+def _tensorflow_state():
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import sparkhvd.collective.keras as khvd
+    import sparkhvd.collective.tensorflow as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    out = {}
+    v = 1.0 if r == 0 else 2.0
+    variables = [tf.Variable(np.full((2, 2), v)), tf.Variable(np.full(2, v))]
+    state = hvd.elastic.TensorFlowState(variables, batch=20 + r, epoch=10 + r)
+    state.sync()
+    out["synced"] = ([x.numpy().tolist() for x in variables], state.batch, state.epoch)
+    for x in variables:
+        x.assign(x * 5)
+    state.batch = 21
+    state.restore()
+    out["restored"] = ([x.numpy().tolist() for x in variables], state.batch)
+    for x in variables:
+        x.assign(x * 3)
+    state.batch = 22
+    state.commit()
+    state.restore()
+    out["committed"] = ([x.numpy().tolist() for x in variables], state.batch)
+
+    keras.utils.set_random_seed(r)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=khvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    state = khvd.elastic.KerasState(model, epoch=0, batch=0)
+    commits = []
+    original_commit = state.commit
+    state.commit = lambda: (commits.append(state.batch), original_commit())
+
+    @khvd.elastic.run
+    def fit(state):
+        x = np.full((8, 3), float(r), dtype="float32")
+        model.fit(x, np.ones((8, 1), dtype="float32"), batch_size=2, epochs=2 - state.epoch, verbose=0,
+                  callbacks=[khvd.elastic.UpdateBatchStateCallback(state), khvd.elastic.UpdateEpochStateCallback(state),
+                             khvd.elastic.CommitStateCallback(state, batches_per_commit=3)])
+        return [w.tolist() for w in model.get_weights()]
+
+    out["keras"] = (fit(state), state.epoch, state.batch, commits)
+    try:
+        hvd.elastic.TensorFlowState()
+    except ValueError as exc:
+        out["no_variables"] = str(exc)
+    return out
+
+
+def test_tensorflow_and_keras_states_and_the_elastic_callbacks():
+    pytest.importorskip("tensorflow")
+    v0, v1 = HorovodRunner(np=-2).run_all(_tensorflow_state).values
+    for v in (v0, v1):
+        ones = [[[1.0, 1.0], [1.0, 1.0]], [1.0, 1.0]]
+        assert v["synced"] == (ones, 20, 10)  # rank 0's
+        assert v["restored"] == (ones, 20)
+        assert v["committed"] == ([[[3.0, 3.0], [3.0, 3.0]], [3.0, 3.0]], 22)
+        weights, epoch, batch, commits = v["keras"]
+        assert (epoch, batch) == (2, 0)
+        # 4 batches an epoch; a commit every 3 batches, counted across epochs (after batch 2 of epoch 0 and batch 1
+        # of epoch 1), and at each epoch's end, where state.batch is back to 0
+        assert commits == [2, 0, 1, 0]
+        assert v["no_variables"].startswith("hvd.elastic.TensorFlowState(variables=None): eager TensorFlow has no")
+    assert v0["keras"][0] == v1["keras"][0]  # synced at the start, then averaged gradients
