@@ -198,7 +198,7 @@ class _Link:
         self.paired = len(members) == 2  # small reductions are worked out by both members (the pair path)
         self.peer_out: list = []  # on the coordinator of a pair: (request, inline bytes) of its own, to send
         self.peer_in: dict = {}  # on the other member: name -> (coordinator's request, bytes) not yet paired
-        self.pair_now: list = []  # on the other member: (handle, request, bytes) to pair once its request is out
+        self.pair_now: list = []  # on the other member: (handle, request, bytes) to pair once its own request is out
         self.peer_cache = RequestCache(cache_capacity)  # shortens the coordinator's requests to the other member
 
     def missing(self, name: str):
@@ -459,8 +459,8 @@ class Engine:
         else:
             link.outbox.append((request, handle.op.inline))
             peer = link.peer_in.pop(request["n"], None)
-            if peer is not None:  # after the request has gone out: carrying it out writes the tensor it reads
-                link.pair_now.append((handle, *peer))
+            if peer is not None:
+                self._claim(link, handle, *peer)
 
     def _serve(self, link: _Link, sock, mask: int) -> None:
         if link.broken is not None:
@@ -500,9 +500,10 @@ class Engine:
                     requests = [link.cache.shorten(r) for r, _ in outbox]
                     blob = b"".join(bytes(memoryview(data).cast("B")) for _, data in outbox if data is not None)
                     link.channels[link.coordinator].send({"r": requests}, blob)
-                pairs, link.pair_now = link.pair_now, []
-                for handle, request, data in pairs:
-                    self._pair(link, handle, request, data)
+                if link.pair_now and not link.channels[link.coordinator].pending():
+                    pairs, link.pair_now = link.pair_now, []  # the coordinator needs this rank's bytes: sent first
+                    for handle, request, data in pairs:
+                        self._pair(link, handle, request, data)
             for channel in link.channels.values():
                 events = selectors.EVENT_READ | (selectors.EVENT_WRITE if channel.pending() else 0)
                 if events != channel.events:  # a system call each: only when it changes
@@ -574,13 +575,19 @@ class Engine:
             results.append(result)
         return results
 
+    @staticmethod
+    def _claim(link: _Link, handle: Handle, request: dict, data) -> None:
+        """The other member of a pair holds the coordinator's request and its own for one name: where the two agree,
+        the op is this rank's to work out (``_pair``), once its own request has left (the coordinator needs its
+        bytes, and carrying the op out writes the tensor they view); else the coordinator's answer decides."""
+        if pairable(request, handle.op.request):
+            link.waiting.pop(handle.op.request["n"], None)  # the name's next "q" is then for its next op
+            link.pair_now.append((handle, request, data))
+
     def _pair(self, link: _Link, handle: Handle, request: dict, data) -> None:
-        """The other member of a pair works out a small reduction from the coordinator's request and bytes and
-        its own, as the coordinator does (``_inline_results``), where the two agree; else the answer decides."""
+        """Work out a claimed small reduction from the coordinator's request and bytes and this rank's own, as the
+        coordinator does (``_inline_results``): the same function, in set order."""
         mine = handle.op.request
-        if not pairable(request, mine):
-            return
-        link.waiting.pop(mine["n"], None)
         item = {"n": [mine["n"]], "a": "ok", "x": [request.get("x"), mine.get("x")]}
         try:
             result = self._reduce(request, [data, handle.op.inline])
@@ -607,7 +614,7 @@ class Engine:
             if handle is None:  # not submitted here yet: ``_accept`` pairs it
                 link.peer_in[request["n"]] = (request, data)
             else:
-                self._pair(link, handle, request, data)
+                self._claim(link, handle, request, data)
         for item in meta.get("b", ()):
             size = item.get("i") or 0
             result = payload[offset:offset + size] if size else None
@@ -681,7 +688,7 @@ class Engine:
                         channel.send({"abort": why})
                     except MeshError:
                         pass
-        for handle in list(link.waiting.values()):
+        for handle in [*link.waiting.values(), *(claimed for claimed, _, _ in link.pair_now)]:
             self._end_check(handle)
             handle._fail(MeshError(f"{handle.kind} failed: {link.broken}"))
         link.waiting.clear()
