@@ -22,6 +22,8 @@ def _torch_state():
     model = torch.nn.Linear(2, 1)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                    named_parameters=model.named_parameters())
+    for p in model.parameters():  # momentum that differs between the ranks until the state syncs
+        opt.state[p]["momentum_buffer"] = torch.full_like(p, float(r + 1))
     sampler = hvd.elastic.ElasticSampler(list(range(10)), shuffle=True, seed=3)
     state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=10 + r, batch=r)
     resets, calls = [], []
@@ -35,6 +37,7 @@ def _torch_state():
         calls.append((state.epoch, state.batch))
         if len(calls) == 1:
             out["synced"] = (weights(), state.epoch, state.batch)
+            out["momentum"] = [opt.state[p]["momentum_buffer"].tolist() for p in model.parameters()]
         x = torch.full((4, 2), float(r + 1))
         for _ in range(steps):
             opt.zero_grad()
@@ -52,8 +55,10 @@ def _torch_state():
             state.batch = 99
             state.restore()  # back to the commit: weights, momentum, batch
             out["restored"] = (weights() == committed, state.batch, len(opt.state_dict()["state"]))
-            if r == 0:
-                state.on_hosts_updated(1.0, 1)  # rank 0 heard of a new host: every rank resets at the next commit
+            if r == 0:  # rank 0 heard of a new host: every rank resets at the next commit, and syncs
+                state.on_hosts_updated(1.0, hvd.elastic.HostUpdateResult.added)
+            else:
+                state.epoch = 77  # the sync after the reset makes it rank 0's again
             state.commit()
         return committed, state.batch
 
@@ -63,6 +68,9 @@ def _torch_state():
     sampler.set_epoch(1)
     out["sampler_next_epoch"] = sorted(hvd.allgather_object(list(iter(sampler)))[0] +
                                        hvd.allgather_object(list(iter(sampler)))[1])
+    last = hvd.elastic.ElasticSampler(list(range(10)), shuffle=False)
+    last.load_state_dict({"epoch": 0, "processed_num": 9})  # one sample left for two ranks: both get a batch
+    out["last_one"] = list(iter(last))
     try:
         loop("not a state", 1)
     except TypeError as exc:
@@ -84,6 +92,8 @@ def _torch_state():
 def test_torch_state_syncs_commits_restores_and_resets_as_horovods():
     v0, v1 = HorovodRunner(np=-2).run_all(_torch_state).values
     assert v0["synced"] == v1["synced"] and v0["synced"][1:] == (10, 0)  # rank 0's weights and values
+    assert v0["momentum"] == v1["momentum"] == [[[1.0, 1.0]], [1.0]]  # and rank 0's optimizer state
+    assert v0["last_one"] == v1["last_one"] == [9]
     assert v0["committed"] == v1["committed"] and v0["committed"][1] == 3
     assert v0["committed"][2] == {"epoch": 0, "processed_num": 4}  # 2 samples on each of 2 ranks
     for v in (v0, v1):
@@ -131,7 +141,7 @@ def _tensorflow_state():
 
     keras.utils.set_random_seed(r)
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    model.compile(optimizer=khvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    model.compile(optimizer=khvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
     state = khvd.elastic.KerasState(model, epoch=0, batch=0)
     commits = []
     original_commit = state.commit
@@ -146,6 +156,11 @@ def _tensorflow_state():
         return [w.tolist() for w in model.get_weights()]
 
     out["keras"] = (fit(state), state.epoch, state.batch, commits)
+    iterations = int(model.optimizer.iterations.numpy())
+    model.fit(np.ones((8, 3), dtype="float32"), np.zeros((8, 1), dtype="float32"), batch_size=2, verbose=0)
+    state.restore()  # back to the commit at the end of the last epoch: weights and Adam's slots and step count
+    out["keras_restored"] = ([w.tolist() for w in model.get_weights()] == out["keras"][0],
+                             int(model.optimizer.iterations.numpy()) == iterations, iterations)
     try:
         hvd.elastic.TensorFlowState()
     except ValueError as exc:
@@ -166,5 +181,6 @@ def test_tensorflow_and_keras_states_and_the_elastic_callbacks():
         # 4 batches an epoch; a commit every 3 batches, counted across epochs (after batch 2 of epoch 0 and batch 1
         # of epoch 1), and at each epoch's end, where state.batch is back to 0
         assert commits == [2, 0, 1, 0]
+        assert v["keras_restored"] == (True, True, 8)
         assert v["no_variables"].startswith("hvd.elastic.TensorFlowState(variables=None): eager TensorFlow has no")
     assert v0["keras"][0] == v1["keras"][0]  # synced at the start, then averaged gradients

@@ -12,8 +12,18 @@ will relaunch the job's ranks instead, and will restore the last commit from off
 
 from __future__ import annotations
 
+import enum
 import functools
 import queue
+
+
+class HostUpdateResult(enum.IntFlag):
+    """What changed among the hosts (Horovod's values)."""
+
+    no_update = 0
+    removed = 1
+    added = 2
+    mixed = removed | added
 
 
 class HostsUpdatedInterrupt(RuntimeError):
@@ -51,7 +61,7 @@ class State:
             callback()
 
     def on_hosts_updated(self, timestamp: float, update: int) -> None:
-        """A message that hosts changed (``update``: 1 added, 2 removed, as Horovod's HostUpdateResult)."""
+        """A message that hosts changed (``update``: a ``HostUpdateResult``)."""
         self._host_messages.put((timestamp, update))
 
     def commit(self) -> None:
@@ -68,7 +78,7 @@ class State:
         A collective: every rank calls it at the same point (``commit`` does).
         """
         last = previous = self._last_updated_timestamp
-        update = 0
+        update = HostUpdateResult.no_update
         while not self._host_messages.empty():
             timestamp, change = self._host_messages.get()
             if timestamp > last:
@@ -76,7 +86,8 @@ class State:
                 update |= change
         previous, self._last_updated_timestamp, update = self._bcast_object((previous, last, update))
         if self._last_updated_timestamp > previous:
-            raise HostsUpdatedInterrupt(skip_sync=update == 2)
+            # only removed: the remaining ranks are in sync already; added ones must sync
+            raise HostsUpdatedInterrupt(skip_sync=update == HostUpdateResult.removed)
 
     def save(self) -> None:
         """Keep a copy of the state (the commit)."""

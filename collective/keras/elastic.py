@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import keras
 
-from .._core._elastic import HostsUpdatedInterrupt, ObjectState, State
+from .._core._elastic import HostsUpdatedInterrupt, HostUpdateResult, ObjectState, State
 from ..tensorflow.elastic import TensorFlowKerasState, run
 
 __all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback",
-           "TensorFlowKerasState", "ObjectState", "State", "HostsUpdatedInterrupt", "run"]
+           "TensorFlowKerasState", "ObjectState", "State", "HostsUpdatedInterrupt", "HostUpdateResult", "run"]
 
 
 class KerasState(TensorFlowKerasState):
@@ -44,8 +44,10 @@ class CommitStateCallback(keras.callbacks.Callback):
 
 
 class UpdateBatchStateCallback(keras.callbacks.Callback):
-    """Keeps ``state.batch`` at the batch just finished (0 after each epoch); with ``steps_per_epoch``, the first
-    epoch after a reset is shortened by the batches it already did."""
+    """Keeps ``state.batch`` at the batch just finished (0 after each epoch).
+
+    It sets ``params["steps"]`` short by ``state.batch`` at the first epoch after a reset, as Horovod's, but Keras 3
+    does not read it back: skip the first ``state.batch`` batches of your data yourself to resume mid-epoch."""
 
     def __init__(self, state):
         super().__init__()

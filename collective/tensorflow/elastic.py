@@ -9,11 +9,12 @@ from __future__ import annotations
 import tensorflow as tf
 
 from .._core import init, rank, shutdown
-from .._core._elastic import HostsUpdatedInterrupt, ObjectState, State, run_fn
+from .._core._elastic import HostsUpdatedInterrupt, HostUpdateResult, ObjectState, State, run_fn
 from ._functions import broadcast_object
 from ._ops import broadcast_variables
 
-__all__ = ["TensorFlowKerasState", "TensorFlowState", "ObjectState", "State", "HostsUpdatedInterrupt", "run"]
+__all__ = ["TensorFlowKerasState", "TensorFlowState", "ObjectState", "State", "HostsUpdatedInterrupt",
+           "HostUpdateResult", "run"]
 
 
 def run(func):
@@ -63,7 +64,7 @@ class TensorFlowState(ObjectState):
         super().save()
 
     def restore(self) -> None:
-        for var, value in zip(self.variables, self._values):
+        for var, value in zip(self.variables, self._values, strict=True):
             var.assign(value)
         super().restore()
 
@@ -89,6 +90,8 @@ class TensorFlowKerasState(ObjectState):
                              "one batch through it) first, so that its variables exist.")
         self.model = model
         self.optimizer = optimizer or model.optimizer
+        if self.optimizer is not None and not getattr(self.optimizer, "built", True):
+            self.optimizer.build(model.trainable_variables)  # Keras 3 makes its slots at the first step: now
         self.backend = backend
         self._save_model()
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
@@ -98,7 +101,7 @@ class TensorFlowKerasState(ObjectState):
         super().save()
 
     def restore(self) -> None:
-        for var, value in zip(self._tracked(), self._values):
+        for var, value in zip(self._tracked(), self._values, strict=True):
             var.assign(value)
         super().restore()
 

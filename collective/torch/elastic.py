@@ -8,14 +8,16 @@ from __future__ import annotations
 import copy
 import math
 import random
+import sys
 
 import torch
 
 from .._core import broadcast_object, init, rank, shutdown, size
-from .._core._elastic import HostsUpdatedInterrupt, ObjectState, State, run_fn
+from .._core._elastic import HostsUpdatedInterrupt, HostUpdateResult, ObjectState, State, run_fn
 from ._functions import broadcast_optimizer_state, broadcast_parameters
 
-__all__ = ["TorchState", "ElasticSampler", "ObjectState", "State", "HostsUpdatedInterrupt", "run"]
+__all__ = ["TorchState", "ElasticSampler", "ObjectState", "State", "HostsUpdatedInterrupt", "HostUpdateResult",
+           "StateHandler", "get_handler_registry", "set_handler_registry", "run"]
 
 
 def run(func):
@@ -78,7 +80,9 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def __iter__(self):
         indices = self.remaining_indices[:]
-        indices += indices[:self.total_size - len(indices)]  # padded to divide evenly, as DistributedSampler
+        pad = self.total_size - len(indices)  # repeated to divide evenly, as DistributedSampler: every rank gets
+        if pad and indices:                    # num_samples, so all run the same number of batches
+            indices += (indices * math.ceil(pad / len(indices)))[:pad]
         return iter(indices[self.rank:self.total_size:self.num_replicas])
 
     def __len__(self) -> int:
@@ -127,8 +131,8 @@ class TorchState(ObjectState):
         super().__setattr__(name, value)
 
 
-class _Handler:
-    """How one kind of value is saved, restored and synced (Horovod's StateHandler)."""
+class StateHandler:
+    """How one kind of value is saved, restored and synced (Horovod's); register more with ``set_handler_registry``."""
 
     def __init__(self, value):
         self.value = value
@@ -145,24 +149,41 @@ class _Handler:
         self.save()
 
 
-class _ModelHandler(_Handler):
+class ModelStateHandler(StateHandler):
     def sync(self) -> None:
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
-class _OptimizerHandler(_Handler):
+class OptimizerStateHandler(StateHandler):
     def sync(self) -> None:
         broadcast_optimizer_state(self.value, root_rank=0)
 
 
-class _SamplerHandler(_Handler):
+class SamplerStateHandler(StateHandler):
     def sync(self) -> None:
         self.value.load_state_dict(broadcast_object(self.value.state_dict()))
 
 
+_handler_registry = [(torch.nn.Module, ModelStateHandler), (torch.optim.Optimizer, OptimizerStateHandler),
+                     (ElasticSampler, SamplerStateHandler)]
+
+
+def get_handler_registry() -> list:
+    """The (type, StateHandler class) pairs TorchState tries in order."""
+    return _handler_registry
+
+
+def set_handler_registry(registry: list) -> None:
+    global _handler_registry
+    _handler_registry = registry
+
+
 def _handler(value):
-    for kind, handler in ((torch.nn.Module, _ModelHandler), (torch.optim.Optimizer, _OptimizerHandler),
-                          (ElasticSampler, _SamplerHandler)):
+    for kind, handler in _handler_registry:
         if isinstance(value, kind):
             return handler(value)
     return None
+
+
+sys.modules[__name__ + ".state"] = sys.modules[__name__]  # Horovod's paths: horovod.torch.elastic.state, .sampler
+sys.modules[__name__ + ".sampler"] = sys.modules[__name__]
