@@ -88,7 +88,7 @@ class Handle:
     """An op in flight: negotiated (``_answered``), then its data works, then ``finish`` gives the result."""
 
     __slots__ = ("op", "name", "kind", "nbytes", "started", "trace", "_answered", "_error", "_works", "_finish",
-                 "_result", "_done", "_check", "_link", "_engine", "_waiting", "__weakref__")
+                 "_result", "_done", "_check", "_link", "_engine", "_waiting", "_out_at", "__weakref__")
 
     def __init__(self, op: Op, link, engine=None):
         self.op = op
@@ -107,6 +107,7 @@ class Handle:
         self._link = link
         self._engine = engine
         self._waiting = threading.Lock()  # one waiter finishes the op; others then read its result
+        self._out_at = float("inf")  # a worker's request has left once its channel's ``sent`` reaches this
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
@@ -188,7 +189,7 @@ class _Link:
         self.table = Table(members, fusion_threshold) if me == self.coordinator else None
         self.cache = RequestCache(cache_capacity)  # shortens this worker's requests, or expands the workers'
         self.waiting: dict = {}  # name -> Handle, submitted and not answered yet
-        self.outbox: list = []  # (request, inline bytes) to send to the coordinator
+        self.outbox: list = []  # (handle, inline bytes) to send to the coordinator
         self.mirrors: list = []  # works this rank started while joined (zeros in the others' reductions)
         self.broken: str | None = None
         self.group = None
@@ -322,6 +323,17 @@ class Engine:
         if not handle._answered.is_set():
             self._wake()  # the thread in a turn takes our op from the queue
             handle._answered.wait()
+
+    def drain(self, timeout: float) -> None:
+        """Wait (up to ``timeout`` seconds) until every frame queued for a peer has left this process: an op done
+        here may still owe a peer its bytes (an answer, or in a pair this rank's request), which a process exit
+        would drop. The engine thread sends them; a broken link drops its own."""
+        deadline = time.monotonic() + timeout
+        while self._closed is None and time.monotonic() < deadline:
+            links = list(self._links.values())
+            if not any(link.broken is None and channel.pending() for link in links for channel in link.channels.values()):
+                return
+            time.sleep(0.005)
 
     def _busy(self) -> bool:
         """Whether the engine has work: ops to take or to answer, frames still to send (an answer larger than
@@ -457,7 +469,7 @@ class Engine:
             if link.paired and handle.op.inline is not None and not request.get("p"):
                 link.peer_out.append((request, handle.op.inline))
         else:
-            link.outbox.append((request, handle.op.inline))
+            link.outbox.append((handle, handle.op.inline))
             peer = link.peer_in.pop(request["n"], None)
             if peer is not None:
                 self._claim(link, handle, *peer)
@@ -495,15 +507,22 @@ class Engine:
                 if items or link.peer_out:
                     self._answer_members(link, items)
             else:
+                channel = link.channels[link.coordinator]
                 if link.outbox:
                     outbox, link.outbox = link.outbox, []
-                    requests = [link.cache.shorten(r) for r, _ in outbox]
+                    requests = [link.cache.shorten(h.op.request) for h, _ in outbox]
                     blob = b"".join(bytes(memoryview(data).cast("B")) for _, data in outbox if data is not None)
-                    link.channels[link.coordinator].send({"r": requests}, blob)
-                if link.pair_now and not link.channels[link.coordinator].pending():
-                    pairs, link.pair_now = link.pair_now, []  # the coordinator needs this rank's bytes: sent first
-                    for handle, request, data in pairs:
+                    channel.send({"r": requests}, blob)
+                    for handle, _ in outbox:
+                        handle._out_at = channel.queued
+                i = 0
+                while i < len(link.pair_now):  # a claimed op once its own request has left: the coordinator needs
+                    handle, request, data = link.pair_now[i]  # its bytes (not this rank's later requests, which
+                    if channel.sent >= handle._out_at:        # the coordinator may not read before this op is done)
+                        del link.pair_now[i]
                         self._pair(link, handle, request, data)
+                    else:
+                        i += 1
             for channel in link.channels.values():
                 events = selectors.EVENT_READ | (selectors.EVENT_WRITE if channel.pending() else 0)
                 if events != channel.events:  # a system call each: only when it changes

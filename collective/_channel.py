@@ -39,6 +39,8 @@ class Channel:
         self._got = 0
         self._failure: MeshError | None = None  # the link failed after frames that were still to be handed out
         self.events = 0  # the selector events its socket is registered for (the engine's bookkeeping)
+        self.queued = 0  # bytes handed to ``send`` so far
+        self.sent = 0  # bytes the socket has taken so far: a frame queued when ``queued`` was q has left once sent >= q
 
     def send(self, meta: dict, payload=b"") -> None:
         """Queue a frame and send what the socket takes now (``flush`` sends the rest)."""
@@ -46,6 +48,7 @@ class Channel:
         data = _encode(meta).encode()
         Channel.meta_bytes_sent += len(data)
         payload = memoryview(payload).cast("B")
+        self.queued += FRAME.size + len(data) + payload.nbytes
         self._out.append(memoryview(FRAME.pack(len(data), payload.nbytes) + data))
         if payload.nbytes:
             self._out.append(payload)
@@ -63,6 +66,7 @@ class Channel:
                 return
             except OSError as exc:
                 raise self._failed(exc) from exc
+            self.sent += n
             while n:
                 first = self._out[0]
                 if n >= first.nbytes:

@@ -7,6 +7,7 @@ nothing (a group of one).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import secrets
@@ -199,12 +200,25 @@ def _from_torchrun(rank: int, size: int) -> Topology:
                     cross_rank=cross_rank, cross_size=cross_size, source="torchrun")
 
 
+DRAIN_S = 10.0  # how long leaving waits for frames still owed to peers
+
+
+def drain() -> None:
+    """Send what this rank still owes its peers before the process ends (the rank's exit calls it)."""
+    if _background_engine is not None:
+        _background_engine.drain(DRAIN_S)
+
+
+atexit.register(drain)  # a script under torchrun may exit without hvd.shutdown()
+
+
 def shutdown() -> None:
     """Leave the job; ``init()`` may be called again afterwards."""
     global _topology, _owns_group, _store, _endpoint, _background_engine
     if _topology is None:
         return
     if _background_engine is not None:
+        _background_engine.drain(DRAIN_S)
         _background_engine.close("hvd.shutdown() ran on this rank.")
         _background_engine = None
     if _endpoint is not None:

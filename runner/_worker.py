@@ -68,6 +68,9 @@ def main() -> int:
         _report_failure(client, placement.rank, exc)
         return FAILED_EXIT_CODE
     beat.finishing()
+    engine = sys.modules.get(__name__.rsplit(".", 2)[0] + ".collective._engine")  # imported if fn used it
+    if engine is not None:
+        engine.drain()  # frames its peers are still owed (answers, requests) leave before the process ends
     if placement.rank != 0 and os.environ.get(ENV_RETURN) == "0":
         client.request(Kind.RESULT, {"rank": placement.rank})  # run() keeps rank 0's only: nothing to ship
         return 0
