@@ -16,6 +16,8 @@ import enum
 import functools
 import queue
 
+from ._basics import init, shutdown
+
 
 class HostUpdateResult(enum.IntFlag):
     """What changed among the hosts (Horovod's values)."""
@@ -128,6 +130,22 @@ class ObjectState(State):
     def _set_attrs(self) -> None:
         for name, value in self._saved_state.items():
             setattr(self, name, value)
+
+
+def run(func):
+    """Run the training loop ``func(state, ...)`` with ``state`` synced from rank 0 first (every API's ``hvd.elastic.run``).
+
+    The loop must not start with a collective of its own: a rank that joins late syncs first.
+    ``HostsUpdatedInterrupt`` (raised by ``state.commit()`` on every rank together) resets
+    (``shutdown()``, ``init()``) and runs the loop again from the committed state; an exception
+    from the user's code ends the run.
+    """
+    return run_fn(func, _reset)
+
+
+def _reset() -> None:
+    shutdown()
+    init()
 
 
 def run_fn(func, reset):

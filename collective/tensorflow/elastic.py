@@ -8,27 +8,13 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from .._core import init, rank, shutdown
-from .._core._elastic import HostsUpdatedInterrupt, HostUpdateResult, ObjectState, State, run_fn
+from .._core import rank
+from .._core._elastic import HostsUpdatedInterrupt, HostUpdateResult, ObjectState, State, run
 from ._functions import broadcast_object
 from ._ops import broadcast_variables
 
 __all__ = ["TensorFlowKerasState", "TensorFlowState", "ObjectState", "State", "HostsUpdatedInterrupt",
            "HostUpdateResult", "run"]
-
-
-def run(func):
-    """Run the training loop ``func(state, ...)`` with ``state`` synced from rank 0 first.
-
-    ``HostsUpdatedInterrupt`` (raised by ``state.commit()`` on every rank together) resets and
-    runs the loop again from the committed state; an exception from the user's code ends the run.
-    """
-    return run_fn(func, _reset)
-
-
-def _reset() -> None:
-    shutdown()
-    init()
 
 
 def _eager(what: str) -> None:
@@ -43,7 +29,35 @@ def _variables(thing) -> list:
     return list(variables() if callable(variables) else variables)
 
 
-class TensorFlowState(ObjectState):
+class _VariablesState(ObjectState):
+    """Saves, restores and syncs the values of ``_tracked()``'s variables, and plain values (any keyword)."""
+
+    def __init__(self, **kwargs):
+        self._save_variables()
+        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
+
+    def _tracked(self) -> list:
+        raise NotImplementedError
+
+    def save(self) -> None:
+        self._save_variables()
+        super().save()
+
+    def restore(self) -> None:
+        for var, value in zip(self._tracked(), self._values, strict=True):
+            var.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        broadcast_variables(self._tracked(), root_rank=0, inplace=True)
+        self._save_variables()
+        super().sync()
+
+    def _save_variables(self) -> None:
+        self._values = [var.numpy() for var in self._tracked()]
+
+
+class TensorFlowState(_VariablesState):
     """A list of ``tf.Variable`` (``variables``) and plain values (any keyword), as attributes.
 
     ``session`` is TensorFlow 1's and is not used.
@@ -56,28 +70,13 @@ class TensorFlowState(ObjectState):
                              "to default to; pass the variables to track, e.g. model.variables.")
         self.variables = list(variables)
         self.session = session
-        self._save_variables()
-        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
+        super().__init__(**kwargs)
 
-    def save(self) -> None:
-        self._save_variables()
-        super().save()
-
-    def restore(self) -> None:
-        for var, value in zip(self.variables, self._values, strict=True):
-            var.assign(value)
-        super().restore()
-
-    def sync(self) -> None:
-        broadcast_variables(self.variables, root_rank=0, inplace=True)
-        self._save_variables()
-        super().sync()
-
-    def _save_variables(self) -> None:
-        self._values = [var.numpy() for var in self.variables]
+    def _tracked(self) -> list:
+        return self.variables
 
 
-class TensorFlowKerasState(ObjectState):
+class TensorFlowKerasState(_VariablesState):
     """A Keras model and its optimizer (``optimizer`` or the model's own), and plain values (any keyword).
 
     The model must be built. ``backend`` is TensorFlow 1's and is not used.
@@ -93,25 +92,7 @@ class TensorFlowKerasState(ObjectState):
         if self.optimizer is not None and not getattr(self.optimizer, "built", True):
             self.optimizer.build(model.trainable_variables)  # Keras 3 makes its slots at the first step: now
         self.backend = backend
-        self._save_model()
-        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
-
-    def save(self) -> None:
-        self._save_model()
-        super().save()
-
-    def restore(self) -> None:
-        for var, value in zip(self._tracked(), self._values, strict=True):
-            var.assign(value)
-        super().restore()
-
-    def sync(self) -> None:
-        broadcast_variables(self._tracked(), root_rank=0, inplace=True)
-        self._save_model()
-        super().sync()
+        super().__init__(**kwargs)
 
     def _tracked(self) -> list:
         return _variables(self.model) + (_variables(self.optimizer) if self.optimizer is not None else [])
-
-    def _save_model(self) -> None:
-        self._values = [var.numpy() for var in self._tracked()]

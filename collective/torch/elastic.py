@@ -12,27 +12,12 @@ import sys
 
 import torch
 
-from .._core import broadcast_object, init, rank, shutdown, size
-from .._core._elastic import HostsUpdatedInterrupt, HostUpdateResult, ObjectState, State, run_fn
+from .._core import broadcast_object, rank, size
+from .._core._elastic import HostsUpdatedInterrupt, HostUpdateResult, ObjectState, State, run
 from ._functions import broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["TorchState", "ElasticSampler", "ObjectState", "State", "HostsUpdatedInterrupt", "HostUpdateResult",
            "StateHandler", "get_handler_registry", "set_handler_registry", "run"]
-
-
-def run(func):
-    """Run the training loop ``func(state, ...)`` with ``state`` synced from rank 0 first.
-
-    The loop must not start with a collective of its own: a rank that joins late syncs first.
-    ``HostsUpdatedInterrupt`` (raised by ``state.commit()`` on every rank together) resets and
-    runs the loop again from the committed state; an exception from the user's code ends the run.
-    """
-    return run_fn(func, _reset)
-
-
-def _reset() -> None:
-    shutdown()
-    init()
 
 
 class ElasticSampler(torch.utils.data.Sampler):
