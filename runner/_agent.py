@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ._client import RunAborted, ServiceClient, ServiceError
+from ._commits import ENV_COMMIT_DIR
 from ._host import host_id
 from ._protocol import Kind
 
@@ -43,6 +44,8 @@ class TaskSpec:
     stall_tasks: frozenset = frozenset()  # fault tests: these task indices never register
     network_interface: str | None = None  # the interface ranks talk on; default: the one toward the driver
     every_value: bool = True  # False: only rank 0 ships its return value (HorovodRunner.run)
+    attempt: int = 0  # 0, then 1, 2, ... for each restart (HorovodRunner(max_restarts=))
+    commit_dir: str | None = None  # where rank 0 writes elastic commits (runner/_commits.py); default: the driver
 
 
 def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[str] | None = None,
@@ -118,6 +121,8 @@ def _rank_env(spec: TaskSpec, placement: dict, gpus: list[str] | None) -> dict:
         ENV_RETURN: "all" if spec.every_value else "0",
         "PYTHONUNBUFFERED": "1",
     })
+    if spec.commit_dir:
+        env[ENV_COMMIT_DIR] = spec.commit_dir
     if spec.network_interface:
         env[ENV_NETWORK_INTERFACE] = spec.network_interface
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = spec.network_interface

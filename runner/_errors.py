@@ -9,13 +9,22 @@ class HorovodRunError(RuntimeError):
     ``failures`` lists ``(rank, type name, message, traceback text)`` for each rank that raised,
     first failure first; ``log_dir`` holds each rank's full output (``rank-<r>.log``). Where the
     first failing rank's exception could be rebuilt on the driver it is ``__cause__``.
+
+    ``retryable``: the cause is the infrastructure's (a rank process killed, an executor or host
+    lost, a peer gone silent, a stall), which ``HorovodRunner(max_restarts=)`` restarts from the last
+    commit; a user's exception is not. ``cause``: the headline's cause, one line. ``attempts``: after
+    restarts, the error of every attempt in order, this one last.
     """
 
-    def __init__(self, message: str, *, failures=(), log_dir: str | None = None, run_id: str = ""):
+    def __init__(self, message: str, *, failures=(), log_dir: str | None = None, run_id: str = "",
+                 retryable: bool = False, cause: str = ""):
         super().__init__(message)
         self.failures = list(failures)
         self.log_dir = log_dir
         self.run_id = run_id
+        self.retryable = retryable
+        self.cause = cause or message.split("\n", 1)[0].split(" failed: ", 1)[-1]
+        self.attempts = [self]
 
 
 class StartTimeoutError(HorovodRunError):

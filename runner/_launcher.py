@@ -15,6 +15,8 @@ class Launcher(abc.ABC):
 
     #: Human-readable description for messages, e.g. "a Spark barrier stage on local[2]".
     description: str = ""
+    #: Whether what failed cannot run ranks again (a stopped SparkContext): no restart is tried.
+    fatal: bool = False
 
     @abc.abstractmethod
     def start(self, spec: TaskSpec) -> None:

@@ -48,6 +48,12 @@ class LogRouter:
                     out.write(f"[{rank}] {line}\n")
             out.flush()
 
+    def note(self, line: str) -> None:
+        """Write ``line`` into every rank's log file (where one run's restarts begin)."""
+        with self._lock:
+            for f in self._files.values():
+                f.write(f"{line}\n")
+
     def tail(self, rank: int) -> list:
         with self._lock:
             return list(self._tails.get(rank, ()))

@@ -62,6 +62,8 @@ class Kind(enum.IntEnum):
     STORE_CAS = 35
     STORE_DELETE = 36
     STORE_NUM_KEYS = 37
+    COMMIT = 40  # rank 0 -> server: an elastic state's newest commit (runner/_commits.py)
+    RESTORE = 41  # rank -> server; answered with OK carrying the newest commit of a state, if any
 
 
 class ProtocolError(ConnectionError):

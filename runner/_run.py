@@ -81,6 +81,7 @@ def supervise(service: DriverService, launcher: Launcher, logs: LogRouter, *, np
                     if lost is None and (unfinished := _unfinished_peers(service, failures, exits)):
                         lost = launcher.lost(unfinished)  # Spark's word on where the silent ranks ran
                     error = _failure_error(service, logs, failures, dead, launch_failure, lost, run_id, launcher)
+                    error.failed_at = first_problem_at
                     _stop(service, launcher, "another rank failed")
                     raise error
             elif len(registered) < np and start.expired():
@@ -92,6 +93,7 @@ def supervise(service: DriverService, launcher: Launcher, logs: LogRouter, *, np
                     + start.message(f"on {launcher.description}") + ", or look in the executor "
                     f"logs for why task {missing[0]} did not start.", log_dir=logs.log_dir, run_id=run_id)
             elif (stalled := stalls.check(service)) is not None:
+                stalled.failed_at = time.monotonic()
                 _stop(service, launcher, stalls.abort_reason)
                 raise stalled
             elif len(results) == np:
@@ -217,8 +219,12 @@ def _failure_error(service, logs, failures: list[Failure], dead: dict, launch_fa
                      f"\n{first.traceback.rstrip()}")
     lines.append(f"\nEach rank's full output is in {logs.log_dir}/rank-<rank>.log.")
     ordered = causes + collateral
+    headline = lines[0].split(" failed: ", 1)[1].split("; its last output lines", 1)[0].split("\n", 1)[0]
+    # Infrastructure, which a restart can outlive: a process killed, an executor, host or peer lost. Not a user's
+    # exception, nor a SparkContext that is gone.
+    retryable = not causes and not launcher.fatal
     error = HorovodRunError("\n".join(lines), failures=[(f.rank, f.type, f.message, f.traceback) for f in ordered],
-                            log_dir=logs.log_dir, run_id=run_id)
+                            log_dir=logs.log_dir, run_id=run_id, retryable=retryable, cause=headline)
     if first is not None and first.pickled:
         try:
             import cloudpickle

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 import secrets
@@ -12,6 +13,8 @@ import warnings
 from dataclasses import dataclass, field
 
 from ._agent import TaskSpec
+from ._commits import CommitStore
+from ._errors import HorovodRunError
 from ._launcher import LocalLauncher
 from ._logs import VERBOSITIES, LogRouter
 from ._protocol import new_secret
@@ -40,11 +43,44 @@ class RunResult:
     gpus: list
     payload_bytes: int
     seconds: float
+    restarts: list = field(default_factory=list)  # a RestartEvent per restart (HorovodRunner(max_restarts=))
 
     @property
     def value(self):
         """Rank 0's return value (what ``HorovodRunner.run`` returns)."""
         return self.values[0]
+
+
+@dataclass
+class RestartEvent:
+    """One restart after an infrastructure failure (``RunResult.restarts``, printed on the driver).
+
+    ``lost``: the failure's cause; ``attempt`` of ``attempts``: this restart's attempt (2 is the
+    first restart) and the most there can be; ``commit``: the plain fields (epoch, batch) of the
+    commit the ranks resumed from, None where they started from the beginning; ``seconds``: from the
+    driver seeing the failure to rank 0 loading that commit (to the new ranks' start where the
+    function does not use ``hvd.elastic.run``).
+    """
+
+    attempt: int
+    attempts: int
+    lost: str
+    np_before: int
+    np_after: int
+    failed_at: float = field(repr=False, default=0.0)
+    commit: dict | None = None
+    seconds: float | None = None
+
+    def line(self, run_id: str) -> str:
+        if self.commit is None:
+            resumed = "from the beginning (no state.commit() had reached the driver)"
+        else:
+            fields = " ".join(f"{k}={v}" for k, v in self.commit.items()) or "with no plain fields"
+            resumed = f"from the last commit ({fields})"
+        ranks = f" with np={self.np_after} (was {self.np_before})" if self.np_after != self.np_before else ""
+        when = f" {self.seconds:.1f} s after the failure" if self.seconds is not None else ""
+        return (f"[sparkhvd] run {run_id}: restart {self.attempt - 1} of {self.attempts - 1} after {self.lost}; "
+                f"training resumed{when}{ranks}, {resumed}.")
 
 
 @dataclass
@@ -56,6 +92,9 @@ class RunnerConfig:
     start_timeout: float | None = None
     log_dir: str | None = None
     network_interface: str | None = None
+    max_restarts: int = 0
+    min_np: int | None = None
+    commit_dir: str | None = None
     _stall_tasks: frozenset = field(default=frozenset(), repr=False)  # fault tests only
 
     def __post_init__(self):
@@ -84,6 +123,19 @@ class RunnerConfig:
             raise ValueError(f"network_interface={self.network_interface!r} must be the name of one network "
                              "interface, such as 'eth0', present on every host that runs a rank; leave it unset to "
                              "use the interface that routes to the driver.")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, numbers.Integral) \
+                or self.max_restarts < 0:
+            raise ValueError(f"max_restarts={self.max_restarts!r} must be a whole number >= 0: how many times an "
+                             "infrastructure failure (a lost rank, executor or host) restarts the run from its last "
+                             "commit.")
+        if self.min_np is not None and (isinstance(self.min_np, bool) or not isinstance(self.min_np, numbers.Integral)
+                                        or not 1 <= self.min_np <= abs(self.np)):
+            raise ValueError(f"min_np={self.min_np!r} must be a whole number from 1 to {abs(self.np)} (np={self.np}): "
+                             "the fewest ranks a restart may go on with when Spark cannot give all np slots back.")
+        if self.commit_dir is not None:
+            from ._commits import check_commit_dir
+
+            check_commit_dir(self.commit_dir)
 
 
 class HorovodRunner:
@@ -102,13 +154,22 @@ class HorovodRunner:
     (default 120, or ``$SPARKHVD_START_TIMEOUT``) fail the run too. ``network_interface``
     (Horovod's ``--network-interface``) names the interface ranks talk to each other on; by
     default, the one that routes to the driver.
+
+    ``max_restarts``: how many times an infrastructure failure (a rank process killed, an executor
+    or host lost, a peer gone silent, a stall) relaunches every rank, which then resume from the
+    last ``state.commit()`` of ``hvd.elastic.run`` (docs/elastic.md); a user's exception is never
+    retried. Commits go to the driver, or to ``commit_dir`` (a path or pyarrow filesystem URL every
+    host reaches) for large models. ``min_np``: where Spark cannot give all ``np`` slots back within
+    ``start_timeout``, a restart goes on with as many as there are, down to ``min_np``.
     """
 
     def __init__(self, np: int, *, driver_log_verbosity: str = "all", start_timeout: float | None = None,
-                 log_dir: str | None = None, network_interface: str | None = None):
+                 log_dir: str | None = None, network_interface: str | None = None, max_restarts: int = 0,
+                 min_np: int | None = None, commit_dir: str | None = None):
         self.config = RunnerConfig(np=np, driver_log_verbosity=driver_log_verbosity,
                                    start_timeout=start_timeout, log_dir=log_dir,
-                                   network_interface=network_interface)
+                                   network_interface=network_interface, max_restarts=max_restarts,
+                                   min_np=min_np, commit_dir=commit_dir)
         self.last_result: RunResult | None = None
 
     @property
@@ -134,46 +195,120 @@ class HorovodRunner:
         np = abs(cfg.np)
         started = time.monotonic()
         payload = _pickle(main, kwargs)
+        sc = None
         if cfg.np > 0:
-            from ._spark import SparkLauncher, check_slots, spark_context
+            from ._spark import check_slots, spark_context
 
             sc = spark_context(np)
             check_slots(sc, np)
-            launcher = SparkLauncher(sc, np)
             bind_host = _driver_bind_host(sc)
         else:
-            launcher = LocalLauncher(np)
             bind_host = "127.0.0.1"
         run_id = secrets.token_hex(4)
         log_dir = cfg.log_dir or tempfile.mkdtemp(prefix=f"sparkhvd-{run_id}-")
         os.makedirs(log_dir, exist_ok=True)
         logs = LogRouter(log_dir, cfg.driver_log_verbosity)
+        commits = CommitStore(commit_dir=cfg.commit_dir, run_id=run_id)
         secret = new_secret()
-        service = DriverService(np=np, secret=secret, payload=payload, bind_host=bind_host, on_log=logs,
-                                run_id=run_id)
-        if cfg.driver_log_verbosity == "all":
-            print(f"[sparkhvd] run {run_id}: np={cfg.np} on {launcher.description}; function pickled to "
-                  f"{_size(len(payload))}; logs in {log_dir}", flush=True)
+        attempts = cfg.max_restarts + 1
+        errors: list[HorovodRunError] = []
+        restarts: list[RestartEvent] = []
+        n = np
         try:
-            launcher.start(TaskSpec(address=service.address, secret=secret, run_id=run_id,
-                                    stall_tasks=cfg._stall_tasks, network_interface=cfg.network_interface,
-                                    every_value=every_value))
-            supervise(service, launcher, logs, np=np, start_timeout=cfg.start_timeout, run_id=run_id)
-            import cloudpickle
-
-            values = [cloudpickle.loads(service.results[r]) if every_value or r == 0 else None  # authenticated
-                      for r in range(np)]
-            regs = [service.registrations[t] for t in range(np)]
-            order = sorted(range(np), key=lambda t: service.placements[t].rank)
-            self.last_result = RunResult(
-                values=values, run_id=run_id, log_dir=log_dir, log_paths=logs.paths(),
-                placements=[service.placements[t] for t in order], hosts=[regs[t].host for t in order],
-                gpus=[regs[t].gpus for t in order], payload_bytes=len(payload),
-                seconds=time.monotonic() - started)
-            return self.last_result
+            while True:
+                launcher = _launcher(sc, n)
+                if not errors and cfg.driver_log_verbosity == "all":
+                    print(f"[sparkhvd] run {run_id}: np={cfg.np} on {launcher.description}; function pickled to "
+                          f"{_size(len(payload))}; logs in {log_dir}", flush=True)
+                event = restarts[-1] if restarts else None
+                service = DriverService(np=n, secret=secret, payload=payload, bind_host=bind_host, on_log=logs,
+                                        run_id=run_id, commits=commits,
+                                        on_restore=None if event is None else functools.partial(
+                                            _resumed, event, run_id))
+                try:
+                    launcher.start(TaskSpec(address=service.address, secret=secret, run_id=run_id,
+                                            stall_tasks=cfg._stall_tasks, network_interface=cfg.network_interface,
+                                            every_value=every_value, attempt=len(errors),
+                                            commit_dir=cfg.commit_dir))
+                    supervise(service, launcher, logs, np=n, start_timeout=cfg.start_timeout, run_id=run_id)
+                    _resumed(event, run_id, None, at=service.placed_at)  # where no rank asked for a commit
+                    self.last_result = _result(service, logs, n, run_id, payload, started, every_value, restarts)
+                    return self.last_result
+                except HorovodRunError as error:
+                    errors.append(error)
+                    if not error.retryable or len(errors) == attempts:
+                        raise _final(errors, attempts) from error.__cause__
+                    lost = error.cause
+                finally:
+                    service.close()
+                try:
+                    n = np if sc is None else _slots_for_restart(sc, np, cfg.min_np, cfg.start_timeout)
+                except RuntimeError as exc:
+                    errors.append(HorovodRunError(f"HorovodRunner run {run_id} failed: {exc}.", log_dir=log_dir,
+                                                  run_id=run_id))
+                    raise _final(errors, attempts) from None
+                event = RestartEvent(attempt=len(errors) + 1, attempts=attempts, lost=lost, np_before=service.np,
+                                     np_after=n, failed_at=getattr(errors[-1], "failed_at", time.monotonic()))
+                restarts.append(event)
+                logs.note(f"----- sparkhvd: restart {len(errors)} of {cfg.max_restarts} after {lost} -----")
         finally:
-            service.close()
+            commits.close()
             logs.close()
+
+
+def _launcher(sc, n: int):
+    if sc is None:
+        return LocalLauncher(n)
+    from ._spark import SparkLauncher
+
+    return SparkLauncher(sc, n)
+
+
+def _slots_for_restart(sc, np: int, min_np: int | None, timeout: float) -> int:
+    from ._spark import slots_for_restart
+
+    return slots_for_restart(sc, np, min_np, timeout)
+
+
+def _resumed(event: RestartEvent | None, run_id: str, commit: dict | None, *, at: float | None = None) -> None:
+    """The restart's ranks resumed (rank 0 asked for its commit, or ``at``: they started): say so, once."""
+    if event is None or event.seconds is not None:
+        return
+    event.seconds = (time.monotonic() if at is None else at) - event.failed_at
+    event.commit = None if commit is None else dict(commit.get("fields") or {})
+    print(event.line(run_id), flush=True)
+
+
+def _result(service: DriverService, logs: LogRouter, np: int, run_id: str, payload: bytes, started: float,
+            every_value: bool, restarts: list) -> RunResult:
+    import cloudpickle
+
+    values = [cloudpickle.loads(service.results[r]) if every_value or r == 0 else None  # authenticated
+              for r in range(np)]
+    regs = [service.registrations[t] for t in range(np)]
+    order = sorted(range(np), key=lambda t: service.placements[t].rank)
+    return RunResult(values=values, run_id=run_id, log_dir=logs.log_dir, log_paths=logs.paths(),
+                     placements=[service.placements[t] for t in order], hosts=[regs[t].host for t in order],
+                     gpus=[regs[t].gpus for t in order], payload_bytes=len(payload),
+                     seconds=time.monotonic() - started, restarts=list(restarts))
+
+
+def _final(errors: list[HorovodRunError], attempts: int) -> HorovodRunError:
+    """The error that ends a run: the last attempt's, naming every earlier failure in order where it restarted."""
+    last = errors[-1]
+    if len(errors) == 1:
+        return last
+    ran_out = last.retryable and len(errors) == attempts
+    why = (f"every one of its {attempts} attempts (max_restarts={attempts - 1}) ended in a failure" if ran_out
+           else f"after {len(errors) - 1} restart{'s' if len(errors) > 2 else ''}, a failure that no restart can fix")
+    head, _, rest = str(last).partition("\n")
+    lines = [f"HorovodRunner run {last.run_id} failed: {why}; in order:"]
+    lines += [f"  {i}. {e.cause}" for i, e in enumerate(errors, 1)]
+    lines.append(f"\nThe last failure in full: {head.split(' failed: ', 1)[-1]}" + (f"\n{rest}" if rest else ""))
+    error = type(last)("\n".join(lines), failures=last.failures, log_dir=last.log_dir, run_id=last.run_id,
+                       retryable=last.retryable, cause=last.cause)
+    error.attempts = list(errors)
+    return error
 
 
 def _pickle(main, kwargs) -> bytes:

@@ -25,6 +25,7 @@ from typing import Callable
 
 from ..collective._listener import GuardedListener, Handshake, Refused, RefusalTally
 from ..collective._rendezvous import RendezvousStore, StoreClosed, StoreTimeout
+from ._commits import CommitStore
 from ._protocol import _HEADER, MAGIC, NONCE_BYTES, TAG_BYTES, Channel, Kind, Message, PeerClosed, ProtocolError
 from ._topology import Placement, assign_ranks
 
@@ -70,7 +71,8 @@ class DriverService:
     """Serves one run of ``np`` tasks. Thread-safe; every state change notifies ``cv``."""
 
     def __init__(self, *, np: int, secret: bytes, payload: bytes, bind_host: str = "127.0.0.1",
-                 on_log: LogSink | None = None, run_id: str | None = None):
+                 on_log: LogSink | None = None, run_id: str | None = None, commits: CommitStore | None = None,
+                 on_restore: Callable[[dict | None], None] | None = None):
         self.np = np
         self.run_id = run_id
         self._secret = secret
@@ -79,12 +81,15 @@ class DriverService:
         self.cv = threading.Condition()
         self.registrations: dict[int, Registration] = {}
         self.placements: list[Placement] | None = None
+        self.placed_at: float | None = None  # when every task had registered and the ranks were assigned
         self.results: dict[int, bytes] = {}
         self.failures: list[Failure] = []
         self.exits: dict[int, int] = {}
         self.progress: dict[int, tuple] = {}  # rank -> (its latest heartbeat's meta, when it arrived)
         self.aborted: str | None = None
         self.finished = False
+        self.commits = commits if commits is not None else CommitStore(run_id=run_id or "")
+        self._on_restore = on_restore  # called once, at rank 0's first RESTORE, with the commit's meta
         self.store = RendezvousStore(self.cv, self._over)  # the ranks' c10d rendezvous, served as STORE_*
         self._conns: set[socket.socket] = set()  # authenticated connections, each served by a thread
         self.max_connections = CONNECTIONS_PER_RANK * np + CONNECTIONS_EXTRA
@@ -96,6 +101,7 @@ class DriverService:
             Kind.REGISTER: self._register, Kind.FETCH: self._fetch, Kind.WATCH: self._watch,
             Kind.LOG: self._log, Kind.RESULT: self._result, Kind.ERROR: self._error,
             Kind.EXIT: self._exit, Kind.PROGRESS: self._progress,
+            Kind.COMMIT: self._commit, Kind.RESTORE: self._restore,
             **{kind: self._store_request for kind in _STORE_KINDS},
         }
         self._listener = GuardedListener(server, self._greet, tally=self.tally, name="sparkhvd-service",
@@ -246,6 +252,7 @@ class DriverService:
             host_id=str(msg.meta.get("host_id") or msg.meta.get("host")))
         if len(self.registrations) == self.np:
             self.placements = assign_ranks([self.registrations[t].host_id for t in range(self.np)])
+            self.placed_at = time.monotonic()
         self.cv.notify_all()
 
     def _fetch(self, channel: Channel, msg: Message, peer: str) -> None:
@@ -292,6 +299,23 @@ class DriverService:
             self.exits[int(msg.meta["rank"])] = int(msg.meta["code"])
             self.cv.notify_all()
         channel.send(Kind.OK)
+
+    # ---- elastic commits (runner/_commits.py) ------------------------------------------------
+
+    def _commit(self, channel: Channel, msg: Message, peer: str) -> None:
+        self.commits.put(msg.meta, msg.blob)
+        channel.send(Kind.OK)
+
+    def _restore(self, channel: Channel, msg: Message, peer: str) -> None:
+        commit = self.commits.get(str(msg.meta["key"]))
+        if msg.meta.get("data", True):
+            on_restore, self._on_restore = self._on_restore, None
+            if on_restore is not None:
+                on_restore(None if commit is None else commit.meta)
+        if commit is None:
+            return channel.send(Kind.OK, {"found": False})
+        channel.send(Kind.OK, {"found": True, "commit": commit.meta},
+                     commit.data() if msg.meta.get("data", True) else b"")
 
     # ---- the rendezvous store (collective/_rendezvous.py) over this service's frames --------
 

@@ -95,6 +95,27 @@ def check_slots(sc, np: int) -> None:
             "the driver.")
 
 
+def slots_for_restart(sc, want: int, least: int | None, timeout: float) -> int:
+    """How many ranks a restart can have: ``want`` as soon as Spark has that many task slots again
+    (a lost executor is replaced within seconds on a standalone cluster); after ``timeout`` seconds,
+    what there is, if at least ``least`` (HorovodRunner's min_np); otherwise RuntimeError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        slots = task_slots(sc)
+        if slots >= want:
+            return want
+        if time.monotonic() >= deadline:
+            if least is not None and slots >= least:
+                return slots
+            raise RuntimeError(
+                f"after the failure Spark had {slots} task slot{'s' if slots != 1 else ''} free for the restart within "
+                f"start_timeout={timeout:g} s, not the {want} it needs"
+                + (f" nor min_np={least}" if least is not None else "")
+                + f"; pass min_np=<n> (n <= {max(slots, 1)}) to go on with fewer ranks, raise start_timeout, or add "
+                "executors")
+        time.sleep(0.5)
+
+
 def max_slots(master: str, conf) -> int | None:
     """The most task slots the configuration allows, where it says (local-cluster, spark.cores.max)."""
     task_cpus = max(1, int(conf.get("spark.task.cpus", "1") or 1))
@@ -121,7 +142,7 @@ class SparkLauncher(Launcher):
         self._lost_before: set | None = None
 
     def start(self, spec: TaskSpec) -> None:
-        self._group = f"sparkhvd-{spec.run_id}"
+        self._group = f"sparkhvd-{spec.run_id}-{spec.attempt}"
         try:  # executors lost before this run are not this run's cause
             self._lost_before = {executor_id for executor_id, _, _ in _removed_executors(self.sc)}
         except Exception:  # noqa: BLE001 - a Spark without this private API: lost() says nothing
@@ -133,7 +154,8 @@ class SparkLauncher(Launcher):
     def _job(self, spec: TaskSpec) -> None:
         sc = self.sc
         try:
-            sc.setJobGroup(self._group, f"sparkhvd run {spec.run_id} (np={self.np})", interruptOnCancel=True)
+            attempt = f", restart {spec.attempt}" if spec.attempt else ""
+            sc.setJobGroup(self._group, f"sparkhvd run {spec.run_id} (np={self.np}{attempt})", interruptOnCancel=True)
             rdd = sc.parallelize(range(self.np), self.np).barrier().mapPartitions(
                 functools.partial(_barrier_task, spec))
             if _gpu_amount(sc) > 0:
@@ -145,6 +167,7 @@ class SparkLauncher(Launcher):
             rdd.collect()  # the outcome arrives through the driver service
         except Exception as exc:  # noqa: BLE001 - reported through failure()
             if _stopped(sc) or "SparkContext was shut down" in str(exc):
+                self.fatal = True
                 self._error = ("the SparkContext was stopped while the run was going (spark.stop(), or the "
                                "session ended); start a new SparkSession to run again")
             elif not self._stopped:

@@ -129,7 +129,8 @@ class StallInspector:
                 f"HorovodRunner run {self.run_id} failed after a stall of {_s(stalled_for)} "
                 f"({ENV_SHUTDOWN_TIME}={self.settings.shutdown_time:g}): {headline}\n" + "\n".join(lines)
                 + f"\n\nEach rank's full output is in {self.log_dir}/rank-<rank>.log.",
-                log_dir=self.log_dir, run_id=self.run_id)
+                log_dir=self.log_dir, run_id=self.run_id, retryable=True,
+                cause=f"the run stalled for {_s(stalled_for)}: {headline}")
         if stalled_for >= self._next_report:
             self._print(f"[sparkhvd] run {self.run_id} stalled: {headline}\n" + "\n".join(lines)
                         + f"\nEach rank's output is in {self.log_dir}/rank-<rank>.log.")
@@ -206,7 +207,7 @@ class StallInspector:
             f"heartbeat every {silent[0].interval:g} s ({ENV_HEARTBEAT}); raise {ENV_HEARTBEAT_TIMEOUT} (now "
             f"{timeout:g}{f', from {origin}' if origin else ''}) if a rank can be busy that long, or set it to 0 to "
             f"turn this check off.\n\nEach rank's full output is in {self.log_dir}/rank-<rank>.log.",
-            log_dir=self.log_dir, run_id=self.run_id)
+            log_dir=self.log_dir, run_id=self.run_id, retryable=True, cause=parts[0])
 
     def _update_settings(self, seen: Observation) -> None:
         ranks = {r: meta.get("settings") or {} for r, (meta, _) in seen.progress.items()}

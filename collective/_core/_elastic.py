@@ -4,19 +4,24 @@ A ``State`` holds what training must not lose: ``commit()`` saves it, ``restore(
 the last commit, ``sync()`` makes every rank equal to rank 0. ``run`` wraps the training loop:
 it syncs the state, then runs the loop.
 
-What is here so far is the in-process half. Commits live in this process's memory, as in
-Horovod, and a failed collective (``HorovodInternalError``) ends the run as it does without
-``run``. Horovod would shut down, init again in the same processes and retry. sparkhvd's restarts
-will relaunch the job's ranks instead, and will restore the last commit from off the ranks.
+A commit is kept in this process's memory, as in Horovod, and inside a HorovodRunner run rank 0
+also sends it off the ranks, to the driver or a ``commit_dir`` (``runner/_commits.py``). A failed
+collective (``HorovodInternalError``) ends this attempt: instead of Horovod's shutdown and init in the
+same processes, HorovodRunner(max_restarts=) relaunches every rank, and ``run`` in the new processes
+loads the newest commit on rank 0 before its first sync (``_resume``).
 """
 
 from __future__ import annotations
 
 import enum
 import functools
+import itertools
 import queue
 
-from ._basics import init, shutdown
+from ._basics import init, shutdown, size
+
+_keys = itertools.count()  # states in the order this process creates them: the same in every attempt
+_FIELD_TYPES = (bool, int, float, str)
 
 
 class HostUpdateResult(enum.IntFlag):
@@ -51,6 +56,9 @@ class State:
         self._host_messages: queue.Queue = queue.Queue()
         self._last_updated_timestamp = 0
         self._reset_callbacks: list = []
+        self._key = f"{type(self).__name__}-{next(_keys)}"  # which commit off the ranks is this state's
+        self._seq = 0  # commits made, in every attempt of the run
+        self._resumed = False
 
     def register_reset_callbacks(self, callbacks) -> None:
         """Functions to call after a reset (ranks added or removed), e.g. to rescale the learning rate."""
@@ -72,7 +80,30 @@ class State:
         A commit copies the state, from the GPU too: commit every few batches rather than every one.
         """
         self.save()
+        self._publish()
         self.check_host_updates()
+
+    def _publish(self) -> None:
+        """Inside a HorovodRunner run, send rank 0's commit off the ranks (``runner/_commits.py``)."""
+        self._seq += 1
+        if self._rank() != 0:
+            return
+        from ...runner import _commits
+
+        _commits.publish({"key": self._key, "seq": self._seq, "size": size(), "fields": self._fields()},
+                         self._snapshot())
+
+    def _fields(self) -> dict:
+        """Plain values to name a commit by in the driver's messages (epoch, batch)."""
+        return {}
+
+    def _snapshot(self) -> dict:
+        """What ``save()`` kept, picklable; ``_load`` puts it back."""
+        return {}
+
+    def _load(self, snapshot: dict) -> None:
+        """Make ``snapshot`` (from ``_snapshot``, maybe in another process) what ``save()`` kept, then restore it."""
+        self.restore()
 
     def check_host_updates(self) -> None:
         """Raise ``HostsUpdatedInterrupt`` on every rank if rank 0 has heard that hosts changed since the last check.
@@ -119,6 +150,16 @@ class ObjectState(State):
     def save(self) -> None:
         self._saved_state = {name: getattr(self, name) for name in self._saved_state}
 
+    def _fields(self) -> dict:
+        return {k: v for k, v in self._saved_state.items() if isinstance(v, _FIELD_TYPES) and len(str(v)) <= 40}
+
+    def _snapshot(self) -> dict:
+        return {"values": dict(self._saved_state)}
+
+    def _load(self, snapshot: dict) -> None:
+        self._saved_state = dict(snapshot["values"])
+        super()._load(snapshot)
+
     def restore(self) -> None:
         self._set_attrs()
 
@@ -148,6 +189,29 @@ def _reset() -> None:
     init()
 
 
+def _resume(state: State) -> None:
+    """In a restarted HorovodRunner run: rank 0 loads the newest commit made off the ranks, before the first sync.
+
+    Once per state and process, and only before it commits: a second ``run`` of the same state goes on
+    from where the first left it. Where the commit was made with another number of ranks, every rank
+    runs the reset callbacks (to rescale the learning rate, as after Horovod's reset).
+    """
+    if state._resumed or state._seq:
+        return
+    state._resumed = True
+    from ...runner import _commits
+
+    found = _commits.fetch(state._key, data=state._rank() == 0)
+    if found is None:
+        return
+    meta, snapshot = found
+    state._seq = int(meta["seq"])
+    if snapshot is not None:
+        state._load(snapshot)
+    if int(meta.get("size", size())) != size():
+        state.on_reset()
+
+
 def run_fn(func, reset):
     """``func(state, ...)`` with ``state`` synced first; after ``HostsUpdatedInterrupt``, ``reset()`` and again."""
 
@@ -156,6 +220,7 @@ def run_fn(func, reset):
         if not isinstance(state, State):
             raise TypeError(f"hvd.elastic.run: the wrapped function's first argument must be an hvd.elastic state "
                             f"(TorchState, ObjectState, ...), got {type(state).__name__}; call it as loop(state).")
+        _resume(state)
         skip_sync = False
         while True:
             try:

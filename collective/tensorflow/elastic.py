@@ -1,7 +1,7 @@
 """``hvd.elastic`` for TensorFlow 2: ``TensorFlowState``, ``TensorFlowKerasState`` and ``run``, as Horovod's.
 
-Eager TensorFlow only (as Horovod for TF2). Commits live in this process's memory so far (see
-``collective/_core/_elastic.py``).
+Eager TensorFlow only (as Horovod for TF2). A commit is kept in this process's memory and, inside
+a HorovodRunner run, off the ranks too (see ``collective/_core/_elastic.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +55,13 @@ class _VariablesState(ObjectState):
 
     def _save_variables(self) -> None:
         self._values = [var.numpy() for var in self._tracked()]
+
+    def _snapshot(self) -> dict:
+        return dict(super()._snapshot(), variables=self._values)
+
+    def _load(self, snapshot: dict) -> None:
+        self._values = list(snapshot["variables"])
+        super()._load(snapshot)
 
 
 class TensorFlowState(_VariablesState):

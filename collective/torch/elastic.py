@@ -1,6 +1,7 @@
 """``hvd.elastic`` for torch: ``TorchState``, ``ElasticSampler`` and ``run``, as Horovod's ``horovod.torch.elastic``.
 
-Commits live in this process's memory so far (see ``collective/_core/_elastic.py``).
+A commit is kept in this process's memory and, inside a HorovodRunner run, off the ranks too
+(see ``collective/_core/_elastic.py``).
 """
 
 from __future__ import annotations
@@ -109,6 +110,14 @@ class TorchState(ObjectState):
         for handler in self._handlers.values():
             handler.sync()
         super().sync()
+
+    def _snapshot(self) -> dict:
+        return dict(super()._snapshot(), handlers={name: h._saved for name, h in self._handlers.items()})
+
+    def _load(self, snapshot: dict) -> None:
+        for name, handler in self._handlers.items():
+            handler._saved = snapshot["handlers"][name]
+        super()._load(snapshot)
 
     def __setattr__(self, name, value):
         if name in getattr(self, "_handlers", ()) and hasattr(self, name):

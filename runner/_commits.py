@@ -1,0 +1,277 @@
+"""Elastic commits kept off the ranks, so that losing any rank (rank 0 included) loses no committed work.
+
+``state.commit()`` (``collective/_core/_elastic.py``) copies the state in the rank's memory, as
+Horovod does; inside a HorovodRunner run, rank 0 then hands that copy to a ``Publisher``: a
+thread that pickles it and sends it to the driver as one authenticated COMMIT frame, or, with
+``HorovodRunner(commit_dir=URL)``, writes it to that pyarrow filesystem and sends the driver only
+its path. Training does not wait for it; a newer commit replaces one not yet sent. A commit counts
+once the driver has it: a rank lost while sending one leaves the previous commit in force, which
+is as good, since every commit is a point of the uninterrupted run.
+
+On the driver a ``CommitStore`` keeps the newest commit of each state, in memory up to
+``SPARKHVD_COMMIT_MEMORY_BYTES`` (default 256 MiB) and in a file beyond it, across the restarts
+of one run. It never unpickles what it keeps: only ranks do, from authenticated frames. Every
+commit is removed when the run ends.
+
+When a restarted run reaches ``hvd.elastic.run``, rank 0 asks for the newest commit (RESTORE)
+and loads it; ``state.sync()`` then gives it to the other ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("sparkhvd.commits")
+
+ENV_COMMIT_MEMORY = "SPARKHVD_COMMIT_MEMORY_BYTES"
+DEFAULT_COMMIT_MEMORY = 256 << 20
+ENV_COMMIT_DIR = "SPARKHVD_COMMIT_DIR"  # the rank process's copy of HorovodRunner(commit_dir=)
+
+
+@dataclass
+class Commit:
+    """The newest commit of one state, as the driver keeps it.
+
+    ``meta``: the rank's description (``key``, ``seq``, ``fields``: the state's plain values such
+    as epoch and batch, ``size``: the ranks it was made with, ``bytes``, and ``path`` where it lives
+    in a ``commit_dir``); ``blob``: the pickled state, None where it is spilled or in a commit_dir.
+    """
+
+    meta: dict
+    blob: bytes | None = None
+    spilled: str | None = None  # the file holding the blob on the driver
+
+    def data(self) -> bytes:
+        if self.blob is not None:
+            return self.blob
+        if self.spilled is not None:
+            with open(self.spilled, "rb") as f:
+                return f.read()
+        return b""
+
+
+class CommitStore:
+    """The driver's newest commit of each elastic state, across one run's restarts. Thread-safe."""
+
+    def __init__(self, *, memory_bytes: int | None = None, commit_dir: str | None = None, run_id: str = ""):
+        self.memory_bytes = _memory_bytes() if memory_bytes is None else memory_bytes
+        self.commit_dir = commit_dir
+        self.run_id = run_id
+        self.count = 0  # commits received in the whole run
+        self._commits: dict[str, Commit] = {}
+        self._spill_dir: str | None = None
+        self._lock = threading.Lock()
+
+    def put(self, meta: dict, blob: bytes) -> None:
+        """Keep ``meta``'s commit of its state instead of the one before it."""
+        key = str(meta["key"])
+        meta = dict(meta, at=time.monotonic())
+        spilled = None
+        if len(blob) > self.memory_bytes:
+            spilled = self._spill(key, int(meta.get("seq", 0)), blob)
+            blob = None
+        with self._lock:
+            old = self._commits.get(key)
+            self._commits[key] = Commit(meta=meta, blob=blob, spilled=spilled)
+            self.count += 1
+        if old is not None:
+            _remove_file(old.spilled)
+            if old.meta.get("path") and old.meta.get("path") != meta.get("path"):
+                _remove_path(old.meta["path"])
+
+    def get(self, key: str) -> Commit | None:
+        with self._lock:
+            return self._commits.get(key)
+
+    def newest(self) -> Commit | None:
+        """The commit received last, of any state (what a restart resumes from, for its message)."""
+        with self._lock:
+            return max(self._commits.values(), key=lambda c: c.meta.get("at", 0), default=None)
+
+    def close(self) -> None:
+        """Remove every commit: the spilled files and the run's folder in ``commit_dir``."""
+        with self._lock:
+            commits, self._commits = list(self._commits.values()), {}
+        for commit in commits:
+            _remove_file(commit.spilled)
+        if self._spill_dir is not None:
+            shutil.rmtree(self._spill_dir, ignore_errors=True)
+        if self.commit_dir:
+            try:
+                fs, root = _filesystem(self.commit_dir)
+                fs.delete_dir(f"{root.rstrip('/')}/{self.run_id}")
+            except FileNotFoundError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - a store the driver cannot reach: say so, keep going
+                log.warning("sparkhvd: could not remove run %s's commits from %s: %s", self.run_id,
+                            self.commit_dir, exc)
+
+    def _spill(self, key: str, seq: int, blob: bytes) -> str:
+        if self._spill_dir is None:
+            self._spill_dir = tempfile.mkdtemp(prefix=f"sparkhvd-{self.run_id}-commits-")
+        path = os.path.join(self._spill_dir, f"{_safe(key)}-{seq}.pkl")
+        with open(path, "wb") as f:
+            f.write(blob)
+        return path
+
+
+def _memory_bytes() -> int:
+    raw = os.environ.get(ENV_COMMIT_MEMORY)
+    if raw is None:
+        return DEFAULT_COMMIT_MEMORY
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_COMMIT_MEMORY}={raw!r} is not a number of bytes; set it to e.g. "
+                         f"{DEFAULT_COMMIT_MEMORY} (commits larger than it are kept in a file on the driver).") from None
+
+
+def _safe(key: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in key)
+
+
+def _remove_file(path: str | None) -> None:
+    if path:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+def _remove_path(url: str) -> None:
+    try:
+        fs, path = _filesystem(url)
+        fs.delete_file(path)
+    except Exception:  # noqa: BLE001 - an older commit left behind is removed with the run's folder
+        pass
+
+
+def _filesystem(url: str):
+    from pyarrow import fs
+
+    return fs.FileSystem.from_uri(url) if "://" in url else (fs.LocalFileSystem(), os.path.abspath(url))
+
+
+def check_commit_dir(url: str) -> None:
+    """Fail on the driver, before launching, when ``commit_dir`` is not a filesystem pyarrow can open."""
+    try:
+        _filesystem(url)
+    except Exception as exc:  # noqa: BLE001 - pyarrow's own words name the problem
+        raise ValueError(f"commit_dir={url!r} is not a filesystem pyarrow can open ({exc}); pass a local path "
+                         "every host can reach or a URL such as hdfs://namenode/path or s3://bucket/path.") from None
+
+
+# ---- the rank's side ------------------------------------------------------------------------
+
+
+class Publisher:
+    """Rank 0's thread that sends each commit off the rank; the newest waiting commit wins."""
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+        self._client = None
+        self._pending = None
+        self._busy = False
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="sparkhvd-commits")
+        self._thread.start()
+
+    def submit(self, meta: dict, snapshot) -> None:
+        with self._cv:
+            self._pending = (meta, snapshot)  # replaces a commit not yet taken: only the newest matters
+            self._cv.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted commit has reached the driver; True if it has."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._pending is None and not self._busy, timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._pending is not None)
+                (meta, snapshot), self._pending = self._pending, None
+                self._busy = True
+            try:
+                self._send(meta, snapshot)
+            except Exception as exc:  # noqa: BLE001 - the run goes on; the previous commit stays in force
+                print(f"sparkhvd: rank 0 could not send commit {meta.get('seq')} of {meta.get('key')} off the rank: "
+                      f"{type(exc).__name__}: {exc}; the previous commit stays the one a restart resumes from.",
+                      flush=True)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _send(self, meta: dict, snapshot) -> None:
+        from ._protocol import Kind
+
+        blob = pickle.dumps(snapshot, protocol=pickle.HIGHEST_PROTOCOL)
+        meta = dict(meta, bytes=len(blob))
+        commit_dir = os.environ.get(ENV_COMMIT_DIR)
+        if commit_dir:
+            fs, root = _filesystem(commit_dir)
+            folder = f"{root.rstrip('/')}/{self._ctx.run_id}"
+            fs.create_dir(folder, recursive=True)
+            path = f"{folder}/{_safe(meta['key'])}-{meta['seq']}.pkl"
+            with fs.open_output_stream(path) as f:
+                f.write(blob)
+            meta["path"] = commit_dir.rstrip("/") + path[len(root.rstrip("/")):] if "://" in commit_dir else path
+            blob = b""
+        if self._client is None:
+            self._client = self._ctx.new_client()
+        self._client.request(Kind.COMMIT, meta, blob)
+
+
+_publisher: Publisher | None = None
+_publisher_lock = threading.Lock()
+
+
+def publish(meta: dict, snapshot) -> bool:
+    """Send ``snapshot`` off this rank as its state's newest commit; False outside a HorovodRunner run."""
+    global _publisher
+    from . import _context
+
+    ctx = _context.current()
+    if ctx is None:
+        return False
+    with _publisher_lock:
+        if _publisher is None:
+            _publisher = Publisher(ctx)
+    _publisher.submit(meta, snapshot)
+    return True
+
+
+def flush(timeout: float | None = None) -> bool:
+    """Wait for this rank's commits to reach the driver (True at once where none were sent)."""
+    return _publisher is None or _publisher.flush(timeout)
+
+
+def fetch(key: str, *, data: bool = True):
+    """The driver's newest commit of ``key`` as ``(meta, snapshot)``; ``(meta, None)`` with ``data=False``;
+    None when there is none or this process is not in a HorovodRunner run."""
+    from . import _context
+    from ._protocol import Kind
+
+    ctx = _context.current()
+    if ctx is None:
+        return None
+    reply = ctx.client.request(Kind.RESTORE, {"key": key, "data": data})
+    if not reply.meta.get("found"):
+        return None
+    meta = reply.meta["commit"]
+    if not data:
+        return meta, None
+    blob = reply.blob
+    if meta.get("path"):
+        fs, path = _filesystem(meta["path"])
+        with fs.open_input_stream(path) as f:
+            blob = f.read()
+    return meta, pickle.loads(blob)  # from an authenticated frame, or rank 0's own file

@@ -1,0 +1,212 @@
+"""Restarts from the last commit (``HorovodRunner(max_restarts=)``): a rank process killed with SIGKILL
+mid-training, on a real local Spark session and on the driver, and the run ends with the weights of
+a run that was never interrupted, bit for bit. Commits live off the ranks (the driver, a file on the
+driver, a ``commit_dir``); a user's exception is never retried; when restarts run out the error
+names every failure in order."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+
+import pytest
+
+from sparkhvd import HorovodRunner
+from sparkhvd.runner import HorovodRunError
+
+EPOCHS, BATCHES = 3, 8
+
+
+def _train(marks: str, kills: tuple = (), commit_every: int = 3, reset_log: bool = False):
+    """A deterministic CPU training loop; ``kills`` holds ``(rank, epoch, batch)`` where that rank's process
+    kills itself with SIGKILL, once in the run (a file under ``marks`` remembers it)."""
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+    from sparkhvd.runner import _commits
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05 * hvd.size(), momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0, batch=0, seen=0)
+    resets = []
+    state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+
+    @hvd.elastic.run
+    def loop(state):
+        while state.epoch < EPOCHS:
+            while state.batch < BATCHES:
+                if any((epoch, batch) == (state.epoch, state.batch) for _, epoch, batch in kills):
+                    _commits.flush(60)  # the commit before the kill has reached the driver: it is the one resumed
+                    hvd.barrier()
+                    for rank, epoch, batch in kills:
+                        mark = os.path.join(marks, f"killed-{rank}-{epoch}-{batch}")
+                        if (hvd.rank(), state.epoch, state.batch) == (rank, epoch, batch) and not os.path.exists(mark):
+                            open(mark, "w").close()
+                            os.kill(os.getpid(), signal.SIGKILL)
+                with open(os.path.join(marks, f"steps-{hvd.rank()}"), "a") as f:
+                    f.write(f"{state.epoch},{state.batch}\n")
+                g = torch.Generator().manual_seed(1000 * state.epoch + 10 * state.batch + hvd.rank())
+                x = torch.randn(16, 4, generator=g)
+                y = x.sum(dim=1, keepdim=True).sin()
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                state.batch += 1
+                state.seen += 1
+                if state.batch % commit_every == 0:
+                    state.commit()
+            state.batch = 0
+            state.epoch += 1
+            state.commit()
+        return {k: v.clone() for k, v in model.state_dict().items()}, state.seen
+
+    weights, seen = loop(state)
+    return (weights, seen, resets) if reset_log else (weights, seen)
+
+
+def _same(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference(spark, tmp_path_factory):
+    """The uninterrupted run's final weights (np=2) and steps taken."""
+    weights, seen = HorovodRunner(np=2).run(_train, marks=str(tmp_path_factory.mktemp("marks")))
+    return weights, seen
+
+
+def test_killing_rank_0_then_rank_1_mid_training_ends_with_the_uninterrupted_weights(spark, tmp_path, reference,
+                                                                                      capsys, rank_processes):
+    runner = HorovodRunner(np=2, max_restarts=2)
+    weights, seen = runner.run(_train, marks=str(tmp_path), kills=((0, 0, 5), (1, 1, 7)))
+    assert _same(weights, reference[0])  # bit for bit
+    assert seen == reference[1] == EPOCHS * BATCHES  # the counter came back with the commit: no step counted twice
+    restarts = runner.last_result.restarts
+    assert [(e.attempt, e.attempts, e.np_before, e.np_after) for e in restarts] == [(2, 3, 2, 2), (3, 3, 2, 2)]
+    assert "rank 0's process was killed by signal 9" in restarts[0].lost
+    assert "rank 1's process was killed by signal 9" in restarts[1].lost
+    # commits after 3 and 6 batches and at each epoch's end: (0, 5) resumes from (0, 3); (1, 7) from (1, 6)
+    assert restarts[0].commit == {"epoch": 0, "batch": 3, "seen": 3}
+    assert restarts[1].commit == {"epoch": 1, "batch": 6, "seen": 14}
+    assert all(0 < e.seconds < 60 for e in restarts)
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "restart" in line and line.startswith("[sparkhvd]")]
+    assert len(lines) == 2, out
+    assert "restart 1 of 2 after rank 0's process was killed by signal 9" in lines[0]
+    assert "from the last commit (epoch=0 batch=3 seen=3)" in lines[0]
+    assert "restart 2 of 2 after rank 1's process" in lines[1]
+    assert len(glob.glob(os.path.join(tmp_path, "killed-*"))) == 2
+    # rank 0 stepped through (0,0)-(0,4) and was killed; resumed at (0,3) through (1,7), where rank 1 was killed
+    # after their barrier; resumed at (1,6): 5 + 13 + 10 steps, where starting over would have taken 5 + 16 + 24
+    steps = (tmp_path / "steps-0").read_text().split()
+    assert len(steps) == 28 and steps[5] == "0,3" and steps[18] == "1,6", " ".join(steps)
+
+
+def test_a_restart_before_any_commit_starts_from_the_beginning_on_the_driver(tmp_path, reference, capsys):
+    runner = HorovodRunner(np=-2, max_restarts=1)
+    weights, seen = runner.run(_train, marks=str(tmp_path), kills=((1, 0, 1),))
+    assert _same(weights, reference[0])
+    assert runner.last_result.restarts[0].commit is None
+    assert "from the beginning (no state.commit() had reached the driver)" in capsys.readouterr().out
+
+
+def test_commits_larger_than_the_memory_setting_go_to_a_file_on_the_driver_and_are_removed(
+        tmp_path, reference, monkeypatch):
+    monkeypatch.setenv("SPARKHVD_COMMIT_MEMORY_BYTES", "0")
+    before = set(glob.glob(os.path.join(os.path.realpath(__import__("tempfile").gettempdir()), "sparkhvd-*-commits-*")))
+    runner = HorovodRunner(np=-2, max_restarts=1)
+    weights, _ = runner.run(_train, marks=str(tmp_path), kills=((0, 2, 4),))
+    assert _same(weights, reference[0])
+    assert runner.last_result.restarts[0].commit == {"epoch": 2, "batch": 3, "seen": 19}
+    assert (tmp_path / "steps-1").read_text().split()[21] == "2,3"  # after (2,4), past the barrier: resumed at the commit
+    after = set(glob.glob(os.path.join(os.path.realpath(__import__("tempfile").gettempdir()), "sparkhvd-*-commits-*")))
+    assert after == before  # the spill folder went with the run
+
+
+def test_commits_in_a_commit_dir_survive_a_restart_and_are_removed_at_the_end(tmp_path, reference):
+    commit_dir = tmp_path / "commits"
+    runner = HorovodRunner(np=-2, max_restarts=1, commit_dir=f"file://{commit_dir}")
+    weights, _ = runner.run(_train, marks=str(tmp_path), kills=((1, 1, 4),))
+    assert _same(weights, reference[0])
+    assert runner.last_result.restarts[0].commit == {"epoch": 1, "batch": 3, "seen": 11}
+    assert not os.path.exists(commit_dir / runner.last_result.run_id)
+
+
+def test_a_users_exception_is_never_retried(tmp_path):
+    def fails(marks):
+        open(os.path.join(marks, f"ran-{os.getpid()}"), "w").close()
+        import sparkhvd.collective.torch as hvd
+
+        hvd.init()
+        if hvd.rank() == 1:
+            raise ValueError("bad learning rate -1")
+        hvd.allreduce(__import__("torch").ones(1))
+
+    with pytest.raises(HorovodRunError) as info:
+        HorovodRunner(np=-2, max_restarts=3).run(fails, marks=str(tmp_path))
+    assert "rank 1: ValueError: bad learning rate -1" in str(info.value).splitlines()[0]
+    assert not info.value.retryable and len(info.value.attempts) == 1
+    assert len(os.listdir(tmp_path)) == 2  # one attempt of two ranks
+
+
+def _always_killed(marks):
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    attempt = len(os.listdir(marks))
+    if hvd.rank() == 1:
+        open(os.path.join(marks, f"attempt-{attempt}"), "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    hvd.allreduce(__import__("torch").ones(1))
+
+
+def test_when_restarts_run_out_the_error_names_every_failure_in_order(tmp_path):
+    with pytest.raises(HorovodRunError) as info:
+        HorovodRunner(np=-2, max_restarts=1).run(_always_killed, marks=str(tmp_path))
+    text = str(info.value)
+    assert text.splitlines()[0].endswith(
+        "failed: every one of its 2 attempts (max_restarts=1) ended in a failure; in order:"), text
+    assert "  1. rank 1's process was killed by signal 9 before returning a result" in text
+    assert "  2. rank 1's process was killed by signal 9 before returning a result" in text
+    assert "The last failure in full: rank 1's process was killed by signal 9" in text
+    assert [e.cause for e in info.value.attempts] == [e.cause for e in info.value.attempts[:1]] * 2
+
+
+def test_a_users_exception_after_a_restart_names_the_earlier_failure_too(tmp_path):
+    def killed_then_fails(marks):
+        import sparkhvd.collective.torch as hvd
+
+        hvd.init()
+        if hvd.rank() == 0 and not os.path.exists(os.path.join(marks, "killed")):
+            open(os.path.join(marks, "killed"), "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if hvd.rank() == 0:
+            raise KeyError("label")
+        hvd.allreduce(__import__("torch").ones(1))
+
+    with pytest.raises(HorovodRunError) as info:
+        HorovodRunner(np=-2, max_restarts=2).run(killed_then_fails, marks=str(tmp_path))
+    lines = str(info.value).splitlines()
+    assert lines[0].endswith("failed: after 1 restart, a failure that no restart can fix; in order:")
+    assert lines[1].startswith("  1. rank 0's process was killed by signal 9")
+    assert lines[2] == "  2. rank 0: KeyError: 'label'"
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    ({"max_restarts": -1}, "max_restarts=-1 must be a whole number >= 0"),
+    ({"max_restarts": 1.5}, "max_restarts=1.5 must be a whole number >= 0"),
+    ({"min_np": 0}, "min_np=0 must be a whole number from 1 to 2 (np=2)"),
+    ({"min_np": 3}, "min_np=3 must be a whole number from 1 to 2 (np=2)"),
+    ({"commit_dir": "nosuchscheme://bucket/x"}, "commit_dir='nosuchscheme://bucket/x' is not a filesystem pyarrow "
+                                                "can open"),
+])
+def test_bad_restart_settings_are_refused_with_the_fix(kwargs, text):
+    with pytest.raises(ValueError, match=text.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        HorovodRunner(np=2, **kwargs)
