@@ -174,10 +174,16 @@ _COLLATERAL_TYPES = {"MeshError", "DistBackendError", "DistNetworkError", "RunAb
 _GLOO_TEXT = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "GLHF", "pair.cc")
 
 
+#: TensorFlow's types for an error raised inside an op's Python function; its message keeps the original's type name.
+_TF_WRAPPERS = {"UnknownError", "InternalError"}
+
+
 def is_collateral(failure: Failure) -> bool:
-    """Whether a rank's error is what a lost peer causes (a closed control link, gloo's read error)."""
+    """Whether a rank's error is what a lost peer causes (a closed control link, gloo's read error), also where
+    TensorFlow wrapped it (``UnknownError: ... MeshError: ...`` from a collective inside ``model.fit``)."""
     return failure.type in _COLLATERAL_TYPES or (
-        failure.type == "RuntimeError" and any(text in failure.message for text in _GLOO_TEXT))
+        failure.type == "RuntimeError" and any(text in failure.message for text in _GLOO_TEXT)) or (
+        failure.type in _TF_WRAPPERS and any(f"{kind}: " in failure.message for kind in _COLLATERAL_TYPES))
 
 
 def explained(failures: list[Failure], dead: dict, launch_failure, lost) -> bool:

@@ -210,3 +210,109 @@ def test_a_users_exception_after_a_restart_names_the_earlier_failure_too(tmp_pat
 def test_bad_restart_settings_are_refused_with_the_fix(kwargs, text):
     with pytest.raises(ValueError, match=text.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         HorovodRunner(np=2, **kwargs)
+
+
+def _fit(marks: str, kill_at: tuple | None = None):
+    """Keras ``model.fit`` with Horovod's elastic callbacks in Horovod's documented order; ``kill_at``:
+    ``(rank, epoch, batch)`` where that rank's process kills itself, once."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import sparkhvd.collective.keras as hvd
+
+    tf.config.experimental.enable_op_determinism()
+    hvd.init()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9)), loss="mse")
+    model.build((None, 4))
+    state = hvd.elastic.KerasState(model, epoch=0, batch=0)
+    rng = np.random.default_rng(hvd.rank())
+    x = rng.normal(size=(48, 4)).astype("float32")
+    y = np.sin(x.sum(axis=1, keepdims=True))
+
+    class Kill(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            mark = os.path.join(marks, "killed")
+            if kill_at == (hvd.rank(), state.epoch, batch) and not os.path.exists(mark):
+                open(mark, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    @hvd.elastic.run
+    def train(state):
+        model.fit(x, y, batch_size=8, shuffle=False, epochs=EPOCHS - state.epoch, verbose=0,
+                  callbacks=[hvd.elastic.CommitStateCallback(state, batches_per_commit=100),
+                             hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state),
+                             Kill()])
+        return [w for w in model.get_weights()], state.epoch
+
+    return train(state)
+
+
+def test_keras_fit_with_the_elastic_callbacks_resumes_at_the_epoch_after_the_last_commit(tmp_path):
+    pytest.importorskip("tensorflow")
+    import numpy as np
+
+    reference, epochs = HorovodRunner(np=-2).run(_fit, marks=str(tmp_path / "none"))
+    runner = HorovodRunner(np=-2, max_restarts=1)
+    weights, resumed_epochs = runner.run(_fit, marks=str(tmp_path), kill_at=(1, 1, 3))
+    assert epochs == resumed_epochs == EPOCHS
+    assert all(np.array_equal(a, b) for a, b in zip(weights, reference, strict=True))  # bit for bit
+    # committed at the end of epoch 0, in Horovod's order of callbacks: the restart runs epochs 1 and 2
+    assert runner.last_result.restarts[0].commit == {"epoch": 1, "batch": 0}
+
+
+def _tape(marks: str, kill_at: tuple | None = None):
+    """A TensorFlow loop with ``DistributedGradientTape`` and ``TensorFlowKerasState``, committing every 3 batches."""
+    import keras
+    import tensorflow as tf
+
+    import sparkhvd.collective.tensorflow as hvd
+    from sparkhvd.runner import _commits
+
+    tf.config.experimental.enable_op_determinism()
+    hvd.init()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    opt = keras.optimizers.SGD(0.05, momentum=0.9)
+    opt.build(model.trainable_variables)
+    state = hvd.elastic.TensorFlowKerasState(model, opt, epoch=0, batch=0)
+
+    @hvd.elastic.run
+    def loop(state):
+        while state.epoch < EPOCHS:
+            while state.batch < BATCHES:
+                if kill_at is not None and kill_at[1:] == (state.epoch, state.batch):
+                    _commits.flush(60)
+                    hvd.allreduce(tf.constant(0.0))  # a barrier (Horovod's TensorFlow API has none)
+                    if kill_at[0] == hvd.rank() and not os.path.exists(os.path.join(marks, "killed")):
+                        open(os.path.join(marks, "killed"), "w").close()
+                        os.kill(os.getpid(), signal.SIGKILL)
+                x = tf.random.stateless_normal((16, 4), seed=(state.epoch * 100 + state.batch, hvd.rank()))
+                y = tf.sin(tf.reduce_sum(x, axis=1, keepdims=True))
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean((model(x) - y) ** 2)
+                tape = hvd.DistributedGradientTape(tape)
+                grads = tape.gradient(loss, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+                state.batch += 1
+                if state.batch % 3 == 0:
+                    state.commit()
+            state.batch = 0
+            state.epoch += 1
+            state.commit()
+        return model.get_weights()
+
+    return loop(state)
+
+
+def test_a_tensorflow_loop_with_distributed_gradient_tape_resumes_from_its_commit(tmp_path):
+    pytest.importorskip("tensorflow")
+    import numpy as np
+
+    reference = HorovodRunner(np=-2).run(_tape, marks=str(tmp_path))
+    runner = HorovodRunner(np=-2, max_restarts=1)
+    weights = runner.run(_tape, marks=str(tmp_path), kill_at=(0, 1, 5))
+    assert all(np.array_equal(a, b) for a, b in zip(weights, reference, strict=True))  # bit for bit
+    assert runner.last_result.restarts[0].commit == {"epoch": 1, "batch": 3}

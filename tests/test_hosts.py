@@ -66,6 +66,10 @@ def test_a_failure_with_only_collateral_errors_names_the_silent_ranks(tmp_path):
         assert not is_collateral(Failure(0, "ConnectionRefusedError", "[Errno 111] Connection refused", ""))
         assert is_collateral(Failure(0, "RuntimeError", "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "
                                                         "error [127.0.0.1]:1234: Connection reset by peer", ""))
+        # inside model.fit TensorFlow wraps it; a user's own TensorFlow error stays a cause
+        assert is_collateral(Failure(0, "UnknownError", "Graph execution error: ... MeshError: grouped_allreduce "
+                                                        "failed: rank 1's control link failed", ""))
+        assert not is_collateral(Failure(0, "UnknownError", "Graph execution error: ... ValueError: bad shape", ""))
         text = str(_failure_error(service, logs, collateral, {}, None, None, "r1", LocalLauncher(4)))
         assert text.startswith("HorovodRunner run r1 failed: ranks 2,3 stopped without a word: no error, no exit "
                                "code and no result reached the driver, so their process, executor or host was lost")

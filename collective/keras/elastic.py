@@ -1,6 +1,7 @@
 """``hvd.elastic`` for Keras 3: ``KerasState``, the elastic callbacks and ``run``, as Horovod's ``horovod.keras.elastic``.
 
-Commits live in this process's memory so far (see ``collective/_core/_elastic.py``).
+A commit is kept in this process's memory and, inside a HorovodRunner run, off the ranks too
+(see ``collective/_core/_elastic.py``).
 """
 
 from __future__ import annotations
@@ -22,25 +23,48 @@ class KerasState(TensorFlowKerasState):
 
 
 class CommitStateCallback(keras.callbacks.Callback):
-    """Commits ``state`` every ``batches_per_commit`` batches, and at the end of each epoch."""
+    """Commits ``state`` every ``batches_per_commit`` batches, and at the end of each epoch.
+
+    Each commit is made once every callback has seen the batch or epoch end, at the next batch's or
+    epoch's start (or the end of training), so that it holds what ``UpdateBatchStateCallback`` and
+    ``UpdateEpochStateCallback`` set, in whatever order they are listed: a commit at an epoch's end
+    resumes at the next epoch. (Horovod commits at once, before the callbacks listed after it, so
+    that in its documented order a restart repeats the epoch.)
+    """
 
     def __init__(self, state, batches_per_commit: int = 1):
         super().__init__()
         self.state = state
         self.batches_per_commit = batches_per_commit
         self.batches_remaining = batches_per_commit
+        self._due = False
 
     def on_train_begin(self, logs=None):
         self.batches_remaining = self.batches_per_commit  # alike on every rank after a reset
+        self._due = False
 
     def on_train_batch_end(self, batch, logs=None):
         self.batches_remaining -= 1
         if self.batches_remaining == 0:
-            self.state.commit()
+            self._due = True
             self.batches_remaining = self.batches_per_commit
 
     def on_epoch_end(self, epoch, logs=None):
-        self.state.commit()
+        self._due = True
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._commit_if_due()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._commit_if_due()
+
+    def on_train_end(self, logs=None):
+        self._commit_if_due()
+
+    def _commit_if_due(self) -> None:
+        if self._due:
+            self._due = False
+            self.state.commit()
 
 
 class UpdateBatchStateCallback(keras.callbacks.Callback):
