@@ -59,6 +59,7 @@ class Outcome:
     hosts: list = field(default_factory=list)
     placements: list = field(default_factory=list)  # dicts: rank, local_rank, cross_rank, ...
     gpus: list = field(default_factory=list)
+    restarts: list = field(default_factory=list)  # RunResult.restarts, as dicts
     error_type: str | None = None
     error: str | None = None
     output: str = ""  # what the driver printed during the run ("[rank] line"s included)

@@ -9,6 +9,7 @@ stdin closes.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import pickle
@@ -85,7 +86,8 @@ def run(request: dict) -> dict:
         return {"ok": False, "seconds": time.monotonic() - started, "error_type": type(exc).__name__,
                 "error": str(exc) or repr(exc)}
     return {"ok": True, "seconds": time.monotonic() - started, "values": result.values, "hosts": result.hosts,
-            "placements": [p.as_dict() for p in result.placements], "gpus": result.gpus}
+            "placements": [p.as_dict() for p in result.placements], "gpus": result.gpus,
+            "restarts": [dataclasses.asdict(e) for e in result.restarts]}
 
 
 def main() -> None:

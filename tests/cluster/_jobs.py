@@ -88,3 +88,45 @@ def allreduce_loop(steps: int = 1_000_000, numel: int = 1 << 16):
     for i in range(steps):
         hvd.allreduce(x, name=f"loop.{i % 8}")
     return steps
+
+
+def elastic_train(epochs: int = 3, batches: int = 40, commit_every: int = 5, step_seconds: float = 0.05):
+    """Deterministic training under ``hvd.elastic.run``, committing every few batches; slow enough for a fault
+    to land mid-run. Returns the final weights and the steps counted in the committed state."""
+    import time
+
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+    from sparkhvd.runner import _commits
+
+    hvd.init()
+    print(f"rank {hvd.rank()} pid {os.getpid()} on {socket.gethostname()}", flush=True)
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0, batch=0, steps=0)
+
+    @hvd.elastic.run
+    def loop(state):
+        while state.epoch < epochs:
+            while state.batch < batches:
+                g = torch.Generator().manual_seed(10_000 * state.epoch + 10 * state.batch + hvd.rank())
+                x = torch.randn(16, 4, generator=g)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True).sin()).backward()
+                opt.step()
+                time.sleep(step_seconds)
+                state.batch += 1
+                state.steps += 1
+                if state.batch % commit_every == 0:
+                    state.commit()
+                    if state.steps == 2 * commit_every and hvd.rank() == 0:
+                        _commits.flush(60)
+                        print(f"commit of step {state.steps} is on the driver", flush=True)  # the tests' cue
+            state.batch = 0
+            state.epoch += 1
+            state.commit()
+        return [p.detach().clone() for p in model.parameters()], state.steps
+
+    return loop(state)

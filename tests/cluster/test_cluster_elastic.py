@@ -1,0 +1,75 @@
+"""Restarts on the 2-host cluster: a training run under ``hvd.elastic.run`` with ``max_restarts`` goes on
+after its host B loses a rank process or its executor JVM, and ends with the weights of the same run
+uninterrupted, bit for bit.
+
+np=4 (ranks 0,1 on host A, 2,3 on host B); the fault lands mid-training, after some commits. Each
+test prints the seconds from the fault to the run's end and the driver's restart line.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from . import _faults
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+
+NP = 4
+STEPS = 3 * 40  # elastic_train's epochs x batches
+
+
+@pytest.fixture(scope="module")
+def reference(cluster):
+    outcome = cluster.driver.run("elastic_train", NP, timeout=240, step_seconds=0.0)
+    assert outcome.ok, outcome.error
+    return outcome.values[0]
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _training(cluster):
+    pending = cluster.driver.submit("elastic_train", NP, runner={"max_restarts": 2})
+    for r in range(NP):
+        pending.wait_for_output(f"[{r}] rank {r} pid", timeout=120)
+    ranks = _faults.wait_for_ranks(cluster, NP, timeout=30)
+    pending.wait_for_output("[0] commit of step 10 is on the driver", timeout=120)
+    time.sleep(0.6)  # a few steps past that commit
+    return pending, ranks[3][0]
+
+
+def _finished(cluster, pending, reference, what: str):
+    faulted = time.monotonic()
+    outcome = pending.result(300)
+    seconds = time.monotonic() - faulted
+    assert outcome.ok, f"the run did not survive {what}: {outcome.error}"
+    weights, steps = outcome.values[0]
+    assert _same(weights, reference[0]) and steps == reference[1] == STEPS  # bit for bit, no step counted twice
+    assert len(outcome.restarts) == 1, outcome.restarts
+    event = outcome.restarts[0]
+    assert event["commit"] is not None and event["commit"]["steps"] >= 10, event  # resumed mid-run, not from the start
+    line = next(line for line in outcome.output.splitlines() if "restart 1 of 2 after" in line)
+    print(f"\n[cluster] {what}: the run ended {seconds:.1f} s after the fault; {event['seconds']:.1f} s from the "
+          f"failure to training resumed\n[cluster]   {line}")
+    assert not cluster.wait_no_ranks(timeout=30)
+    return event
+
+
+def test_a_rank_killed_on_host_b_restarts_from_the_last_commit(cluster, reference):
+    pending, b = _training(cluster)
+    _faults.kill_rank(cluster, 3, signal.SIGKILL)
+    event = _finished(cluster, pending, reference, "SIGKILL of rank 3")
+    assert event["lost"].startswith(f"rank 3's process on host {b.hostname} ({b.address}) was killed by signal 9")
+
+
+def test_an_executor_killed_on_host_b_restarts_once_spark_replaces_it(cluster, reference):
+    pending, b = _training(cluster)
+    _faults.kill_executor(cluster, b)
+    event = _finished(cluster, pending, reference, "kill -9 of host B's executor JVM")
+    assert b.hostname in event["lost"] or b.address in event["lost"] or "ExecutorLostFailure" in event["lost"], event
