@@ -134,8 +134,9 @@ class SparkDatasetConverter:
 
         As in Petastorm, ``num_epochs=None`` (the default) reads forever. Other keyword
         arguments go to make_batch_reader. Each iteration of the loader reads afresh
-        (``num_epochs`` epochs, in a new order), as make_torch_loader over a URL does. Use it
-        in ``with``: leaving it stops the reader.
+        (``num_epochs`` epochs, in a new order), as make_torch_loader over a URL does, and
+        ``resume_from=(epoch, batch)`` resumes mid-epoch as it does there. Use it in ``with``:
+        leaving it stops the reader.
         """
         from .torch import make_torch_loader
 

@@ -121,14 +121,42 @@ class EpochPlan:
             return len(self.slices)
         return sum(count for _, count in self.size_runs)
 
-    def batch_sizes(self) -> Iterator[int]:
-        """The sizes of the batches the shard yields this epoch, in order."""
+    def batch_sizes(self, skip_rows: int = 0) -> Iterator[int]:
+        """The sizes of the batches the shard yields this epoch, in order, from its row ``skip_rows`` on.
+
+        Batches wholly before ``skip_rows`` are left out; a batch that ``skip_rows`` cuts is
+        shortened to its rows from there (a resumed reader starts on a batch boundary, so none is).
+        """
         if self.size_runs is None:
-            yield from (s.num_rows for s in self.slices)
-            return
+            sizes: Iterator[int] = (s.num_rows for s in self.slices)
+        else:
+            sizes = (size for size, count in self.size_runs for _ in range(count))
+        end = 0
+        for size in sizes:
+            end += size
+            if end > skip_rows:
+                yield min(size, end - skip_rows)
+
+    def rows_before(self, batch: int) -> int:
+        """The rows in the epoch's first ``batch`` batches (all of them when ``batch`` is past the last)."""
+        if self.size_runs is None:
+            return sum(s.num_rows for s in self.slices[:batch])
+        rows = 0
         for size, count in self.size_runs:
-            for _ in range(count):
-                yield size
+            taken = min(count, batch)
+            rows, batch = rows + taken * size, batch - taken
+        return rows
+
+    def start_at(self, skip_rows: int) -> tuple[int, int]:
+        """Where reading the epoch from its row ``skip_rows`` starts: ``(slice index, leading rows of that slice to drop)``.
+
+        Slices wholly before ``skip_rows`` are never read; ``(len(slices), 0)`` when none is left.
+        """
+        for index, piece_slice in enumerate(self.slices):
+            if skip_rows < piece_slice.num_rows:
+                return index, skip_rows
+            skip_rows -= piece_slice.num_rows
+        return len(self.slices), 0
 
 
 def plan_epoch(
@@ -177,9 +205,9 @@ def plan_epoch(
     return EpochPlan(slices, runs)
 
 
-def iter_epochs(num_epochs: int | None) -> Iterator[int]:
-    """Epoch numbers 0, 1, ...: ``num_epochs`` of them, or forever when it is None."""
-    epoch = 0
+def iter_epochs(num_epochs: int | None, start: int = 0) -> Iterator[int]:
+    """Epoch numbers ``start``, ``start + 1``, ... up to ``num_epochs - 1``, or forever when it is None."""
+    epoch = start
     while num_epochs is None or epoch < num_epochs:
         yield epoch
         epoch += 1

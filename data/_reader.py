@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import operator
 import os
-import sys
 import threading
 import weakref
 from concurrent.futures import CancelledError
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from typing import Iterator, Sequence
 
@@ -18,56 +16,13 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from ._arrow import batch_type, rebatch, table_to_batch
+from ._checks import _check_positive, _check_resume, _check_seed, _check_shard
 from ._errors import EmptyShardError, ReadError
 from ._metadata import Dataset, open_dataset
 from ._plan import EpochPlan, Slice, iter_epochs, plan_epoch, resolve_seed
 from ._prefetch import Prefetcher
 
 DEFAULT_WORKERS = 4
-
-
-def _default_shard() -> tuple[int, int]:
-    """``(rank, size)`` of the initialized ``sparkhvd.collective.torch`` communicator, else ``(0, 1)``.
-
-    Looks the module up in ``sys.modules`` only, so it never imports torch itself.
-    """
-    hvd = sys.modules.get("sparkhvd.collective.torch")
-    is_initialized = getattr(hvd, "is_initialized", None)
-    if is_initialized is None or not is_initialized():
-        return 0, 1
-    return int(hvd.rank()), int(hvd.size())
-
-
-def _as_int(name: str, value, fix: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got the bool {value!r}; {fix}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}; {fix}") from None
-
-
-def _check_shard(cur_shard, shard_count) -> tuple[int, int]:
-    if cur_shard is None and shard_count is None:
-        return _default_shard()
-    if cur_shard is None or shard_count is None:
-        raise ValueError(f"Pass both cur_shard and shard_count or neither (got cur_shard={cur_shard!r}, shard_count={shard_count!r}); e.g. cur_shard=hvd.rank(), shard_count=hvd.size().")
-    fix = "pass e.g. cur_shard=hvd.rank(), shard_count=hvd.size()."
-    cur_shard, shard_count = _as_int("cur_shard", cur_shard, fix), _as_int("shard_count", shard_count, fix)
-    if shard_count < 1:
-        raise ValueError(f"shard_count must be at least 1, got {shard_count}; {fix}")
-    if not 0 <= cur_shard < shard_count:
-        raise ValueError(f"cur_shard must satisfy 0 <= cur_shard < shard_count, got cur_shard={cur_shard}, shard_count={shard_count}; {fix}")
-    return cur_shard, shard_count
-
-
-def _check_positive(name: str, value, allow_none: bool, fix: str) -> int | None:
-    if value is None and allow_none:
-        return None
-    value = _as_int(name, value, fix)
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}; {fix}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -89,6 +44,7 @@ class _Shard:
     batch_size: int | None
     equal_steps: bool
     step_rows: int | None
+    start: tuple[int, int] = (0, 0)  # (first epoch read, rows of it skipped): where a resumed reader starts
 
     def plan(self, epoch: int) -> EpochPlan:
         return plan_epoch(
@@ -97,9 +53,15 @@ class _Shard:
             step_rows=self.step_rows,
         )
 
-    def read(self, task: tuple[int, int, Slice]) -> pa.Table:
-        """One row-group slice of the plan, read (and row-shuffled) in a prefetch thread."""
-        epoch, position, piece_slice = task
+    def epochs(self) -> Iterator[tuple[int, EpochPlan, int]]:
+        """``(epoch, plan, rows of it skipped)`` for every epoch the reader reads, from its start on."""
+        start_epoch, skipped = self.start
+        for epoch in iter_epochs(self.num_epochs, start_epoch):
+            yield epoch, self.plan(epoch), skipped if epoch == start_epoch else 0
+
+    def read(self, task: tuple[int, int, Slice, int]) -> pa.Table:
+        """One row-group slice of the plan, read (and row-shuffled) in a prefetch thread, less its first ``drop`` rows."""
+        epoch, position, piece_slice, drop = task
         piece = self.dataset.pieces[piece_slice.piece]
         columns = self.dataset.schema.names
         try:
@@ -125,19 +87,46 @@ class _Shard:
         if self.shuffle_rows:
             rng = np.random.default_rng([self.seed, epoch, self.cur_shard, position])
             table = table.take(rng.permutation(table.num_rows))
-        return table
+        # Dropped after the shuffle, which permutes the whole slice, so a resumed reader yields what an uninterrupted one did.
+        return table.slice(drop) if drop else table
 
-    def tasks(self) -> Iterator[tuple[int, int, Slice]]:
-        for epoch in iter_epochs(self.num_epochs):
-            for position, piece_slice in enumerate(self.plan(epoch).slices):
-                yield epoch, position, piece_slice
+    def tasks(self) -> Iterator[tuple[int, int, Slice, int]]:
+        """``(epoch, position in the plan, slice, leading rows to drop)``; slices a resumed reader skips are not tasks."""
+        for epoch, plan, skipped in self.epochs():
+            first, drop = plan.start_at(skipped)
+            for position in range(first, len(plan.slices)):
+                yield epoch, position, plan.slices[position], drop if position == first else 0
 
 
 def _batches(shard: _Shard, tables: Prefetcher) -> Iterator[pa.Table]:
     """The shard's batches as Arrow tables, epoch by epoch, cut from the prefetched ones (a function, not a method: see _Shard)."""
-    for epoch in iter_epochs(shard.num_epochs):
-        plan = shard.plan(epoch)
-        yield from rebatch(islice(tables, len(plan.slices)), plan.batch_sizes())
+    for _, plan, skipped in shard.epochs():
+        first, _ = plan.start_at(skipped)
+        yield from rebatch(islice(tables, len(plan.slices) - first), plan.batch_sizes(skipped))
+
+
+def _resume_start(shard: _Shard, resume_from: tuple[int, int]) -> tuple[int, int]:
+    """The shard's start ``(epoch, rows of it skipped)`` for ``resume_from=(epoch, batch)``; ValueError past the end."""
+    epoch, batch = resume_from
+    same = ("build the reader with the interrupted run's dataset, filters, cur_shard, shard_count, seed, shuffle options, "
+            "batch_size and equal_steps")
+    if shard.num_epochs is not None and (epoch > shard.num_epochs or (epoch == shard.num_epochs and batch)):
+        raise ValueError(
+            f"resume_from=({epoch}, {batch}) starts in epoch {epoch}, but num_epochs={shard.num_epochs} reads epochs 0 to "
+            f"{shard.num_epochs - 1}; num_epochs counts every epoch, not those left, so pass the interrupted run's num_epochs "
+            f"and an epoch below {shard.num_epochs} (or ({shard.num_epochs}, 0), which yields nothing: the run had finished)."
+        )
+    if shard.num_epochs is not None and epoch == shard.num_epochs:
+        return epoch, 0
+    plan = shard.plan(epoch)
+    if batch > plan.num_batches:
+        size = f"batch_size={shard.batch_size}" if shard.batch_size is not None else "batch_size=None"
+        raise ValueError(
+            f"resume_from=({epoch}, {batch}) skips {batch} batches of epoch {epoch}, but shard {shard.cur_shard} of "
+            f"{shard.shard_count} has {plan.num_batches} batches ({plan.num_rows} rows, {size}) in that epoch; pass a "
+            f"batch from 0 to {plan.num_batches} ({plan.num_batches} means the epoch was finished), and {same}."
+        )
+    return epoch, plan.rows_before(batch)
 
 
 class Reader:
@@ -161,6 +150,7 @@ class Reader:
         equal_steps: bool,
         workers_count: int,
         step_rows: int | None = None,
+        resume_from: tuple[int, int] | None = None,
     ):
         self.dataset = dataset
         self.cur_shard, self.shard_count = cur_shard, shard_count
@@ -169,8 +159,11 @@ class Reader:
         self.batch_size, self.equal_steps = batch_size, equal_steps
         self.workers_count = workers_count
         self.batch_type = batch_type(dataset.schema.names)
+        self.resume_from = resume_from
         self._shard = _Shard(dataset, cur_shard, shard_count, num_epochs, seed, shuffle_row_groups, shuffle_rows,
                              batch_size, equal_steps, step_rows)
+        if resume_from is not None:
+            self._shard = replace(self._shard, start=_resume_start(self._shard, resume_from))
         self._prefetcher: Prefetcher | None = None
         self._batches: Iterator[pa.Table] | None = None
         self._stopped = False
@@ -255,14 +248,14 @@ class Reader:
 
 def _build(
     dataset_url_or_urls, *, cur_shard, shard_count, num_epochs, shuffle_row_groups, shuffle_rows, seed,
-    schema_fields, filters, batch_size, equal_steps, workers_count, step_rows=None,
+    schema_fields, filters, batch_size, equal_steps, workers_count, step_rows=None, resume_from=None,
 ) -> Reader:
     cur_shard, shard_count = _check_shard(cur_shard, shard_count)
     num_epochs = _check_positive("num_epochs", num_epochs, True, "pass None to read forever, or a positive number of epochs.")
     batch_size = _check_positive("batch_size", batch_size, True, "pass None to yield row groups as read, or a positive batch size.")
     workers_count = _check_positive("workers_count", workers_count, False, f"pass a positive number of threads (default {DEFAULT_WORKERS}).")
-    if seed is not None and (_as_int("seed", seed, "pass a non-negative int.") < 0):
-        raise ValueError(f"seed must be a non-negative int or None, got {seed}; pass e.g. seed=42 (the same on every rank).")
+    seed = _check_seed(seed)
+    resume_from = _check_resume(resume_from)
     dataset = open_dataset(dataset_url_or_urls, schema_fields=schema_fields, filters=filters, workers=workers_count)
     total = dataset.num_rows
     if total < shard_count:
@@ -279,6 +272,7 @@ def _build(
         dataset, cur_shard=cur_shard, shard_count=shard_count, num_epochs=num_epochs,
         shuffle_row_groups=bool(shuffle_row_groups), shuffle_rows=bool(shuffle_rows), seed=resolve_seed(seed),
         batch_size=batch_size, equal_steps=bool(equal_steps), workers_count=workers_count, step_rows=step_rows,
+        resume_from=resume_from,
     )
 
 
@@ -296,6 +290,7 @@ def make_batch_reader(
     batch_size: int | None = None,
     equal_steps: bool = True,
     workers_count: int = DEFAULT_WORKERS,
+    resume_from: tuple[int, int] | None = None,
 ) -> Reader:
     """A reader of one shard of a Parquet dataset, yielding namedtuples of NumPy arrays (one per column).
 
@@ -344,6 +339,24 @@ def make_batch_reader(
     ``list`` columns whose rows in the batch all have one length as 2-D ``(n, length)``
     arrays, ragged lists as object arrays of 1-D arrays.
 
+    ``resume_from=(epoch, batch)``: start where an uninterrupted reader with the same arguments
+    stood after yielding ``batch`` batches of epoch ``epoch`` (both counted from 0, on this
+    shard, as yielded: batches of ``batch_size`` rows, or of the plan's sizes when it is None),
+    such as the position an elastic run's last commit recorded. The reader then yields exactly
+    what that reader would have yielded from there on: the same rows, batches and order, up to
+    the same last epoch (``num_epochs`` counts every epoch, not those left), so each row is
+    still read once per epoch. Orders depend only on ``seed``, the epoch and the shard, so they
+    are reproducible with any seed (``None`` is 0), but every argument that shapes the plan
+    must be the interrupted run's: the dataset, ``filters``, ``cur_shard``, ``shard_count``,
+    ``seed``, ``shuffle_row_groups``, ``shuffle_rows``, ``batch_size`` and ``equal_steps``
+    (``schema_fields`` and ``workers_count`` may change). ``batch`` runs from 0 to the epoch's
+    batch count (``reader.plan(epoch).num_batches``), which means the epoch was finished, as
+    ``(epoch + 1, 0)`` does; ``(num_epochs, 0)`` yields nothing, and a position past these
+    raises ``ValueError``. Row groups whose rows all fall in skipped batches are never read
+    (only footers are, when the reader is built); the one the first batch starts in is read
+    whole (Parquet reads whole row groups, and ``shuffle_rows`` permutes them whole) and its
+    skipped rows dropped. See docs/data.md for a commit loop and the loaders' epoch count.
+
     Use it as an iterator, preferably in ``with``: ``with make_batch_reader(url) as reader:
     for batch in reader: ...``. ``stop()`` ends the prefetch threads; an error in one is
     raised in the consuming thread. A reader is read once; dropping the last reference to it
@@ -353,4 +366,5 @@ def make_batch_reader(
         dataset_url_or_urls, cur_shard=cur_shard, shard_count=shard_count, num_epochs=num_epochs,
         shuffle_row_groups=shuffle_row_groups, shuffle_rows=shuffle_rows, seed=seed, schema_fields=schema_fields,
         filters=filters, batch_size=batch_size, equal_steps=equal_steps, workers_count=workers_count,
+        resume_from=resume_from,
     )

@@ -26,8 +26,8 @@ except ModuleNotFoundError as exc:
     raise ModuleNotFoundError("TensorFlow isn't installed: pip install 'sparkhvd[tensorflow]'", name="tensorflow") from None
 
 from ._arrow import table_to_batch
-from ._plan import resolve_seed
-from ._reader import Reader, make_batch_reader
+from ._passes import url_passes
+from ._reader import Reader
 
 __all__ = ["TFDatasetContext", "make_tf_dataset"]
 
@@ -174,12 +174,7 @@ def _build(reader_or_url, batch_size: int | None, list_lengths: Mapping[str, int
             raise ValueError(f"make_tf_dataset(batch_size={batch_size}) was given a Reader built with batch_size={reader_or_url.batch_size}; build the reader with make_batch_reader(..., batch_size={batch_size}), or pass batch_size=None to keep the reader's batches.")
         first, again = reader_or_url, None
     else:
-        first = make_batch_reader(reader_or_url, batch_size=batch_size, **reader_kwargs)
-        seed = resolve_seed(reader_kwargs.get("seed"))
-
-        def again(k: int) -> Reader:
-            # Iteration k reads with seed + k: a new order each pass, the same on every rank.
-            return make_batch_reader(reader_or_url, batch_size=batch_size, **{**reader_kwargs, "seed": seed + k})
+        first, again = url_passes(reader_or_url, batch_size, reader_kwargs)
     signature = output_signature(first.schema, list_lengths)
     source = _Source(first, again, signature)
     return tf.data.Dataset.from_generator(source, output_signature=signature), source
@@ -194,6 +189,8 @@ def make_tf_dataset(reader_or_url, batch_size: int | None = None, *, list_length
     built with the same ``batch_size`` (or pass ``batch_size=None`` to keep the reader's),
     which can be iterated once. ``batch_size=None`` with a URL keeps make_batch_reader's
     batches. Every shard yields the same number of batches per epoch (``equal_steps``).
+    ``resume_from=(epoch, batch)`` (a URL only) resumes mid-epoch as in make_torch_loader:
+    ``epoch`` counts the dataset's epochs over its iterations (Keras iterates once per epoch).
 
     ``list_lengths``: ``{column: L}`` for list columns whose rows all have length L, giving
     them static shape ``(None, L)``. Errors in the data (ragged lists, nulls, float columns'

@@ -11,8 +11,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ._plan import resolve_seed
-from ._reader import Reader, make_batch_reader
+from ._passes import url_passes
+from ._reader import Reader
 
 __all__ = ["TorchLoader", "make_torch_loader"]
 
@@ -92,6 +92,13 @@ def make_torch_loader(reader_or_url, batch_size: int | None = 32, **reader_kwarg
     same ``batch_size`` (or pass ``batch_size=None`` to keep the reader's), which can be
     iterated once (a second iteration raises RuntimeError). Every shard yields the same
     number of batches per epoch (``equal_steps``).
+
+    ``resume_from=(epoch, batch)`` (a URL only) resumes a loader mid-epoch without reading the
+    skipped batches: ``epoch`` counts the loader's epochs over its iterations (with the default
+    ``num_epochs=1``, epoch k is iteration k), so the first iteration continues the
+    uninterrupted loader's iteration ``epoch // num_epochs`` from that batch and later
+    iterations follow it with the same seeds; loop ``for epoch in range(resumed_epoch, E)``.
+    ``batch`` counts the batches yielded in that epoch, as in make_batch_reader.
     """
     if isinstance(reader_or_url, Reader):
         if reader_kwargs:
@@ -99,11 +106,5 @@ def make_torch_loader(reader_or_url, batch_size: int | None = 32, **reader_kwarg
         if batch_size is not None and batch_size != reader_or_url.batch_size:
             raise ValueError(f"make_torch_loader(batch_size={batch_size}) was given a Reader built with batch_size={reader_or_url.batch_size}; build the reader with make_batch_reader(..., batch_size={batch_size}), or pass batch_size=None to keep the reader's batches.")
         return TorchLoader(reader_or_url)
-    first = make_batch_reader(reader_or_url, batch_size=batch_size, **reader_kwargs)
-    seed = resolve_seed(reader_kwargs.get("seed"))
-
-    def again(k: int) -> Reader:
-        # Iteration k reads with seed + k: a new order each pass, the same on every rank (as the tf.data adapter).
-        return make_batch_reader(reader_or_url, batch_size=batch_size, **{**reader_kwargs, "seed": seed + k})
-
+    first, again = url_passes(reader_or_url, batch_size, reader_kwargs)
     return TorchLoader(first, again)

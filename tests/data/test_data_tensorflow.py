@@ -161,3 +161,11 @@ def test_converter_make_tf_dataset_has_static_shapes_and_feeds_keras(spark, tmp_
         history = model.fit(dataset.map(lambda b: (b["vec"], b["y"])), steps_per_epoch=3, epochs=2, shuffle=False, verbose=0)
     assert len(history.history["loss"]) == 2
     converter.delete()
+
+
+def test_resume_from_continues_the_uninterrupted_dataset_and_its_later_iterations(url):
+    kwargs = dict(batch_size=8, cur_shard=1, shard_count=2, seed=2, shuffle_rows=True, num_epochs=1)
+    uninterrupted = make_tf_dataset(url, **kwargs)
+    passes = [[b["id"].tolist() for b in _read(uninterrupted)] for _ in range(3)]
+    resumed = make_tf_dataset(url, resume_from=(1, 2), **kwargs)  # loader epoch 1 is iteration 1 (num_epochs=1)
+    assert [[b["id"].tolist() for b in _read(resumed)] for _ in range(2)] == [passes[1][2:], passes[2]]

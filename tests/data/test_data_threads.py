@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from sparkhvd.data import ReadError, make_batch_reader
-from sparkhvd.data._reader import _default_shard
+from sparkhvd.data._checks import _default_shard
 from sparkhvd.data.torch import make_torch_loader
 
 
