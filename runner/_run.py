@@ -76,8 +76,9 @@ def supervise(service: DriverService, launcher: Launcher, logs: LogRouter, *, np
                     lost, lost_checked_at = launcher.lost(_unfinished_peers(service, failures, exits)), now
                 known = explained(failures, dead, launch_failure, lost)
                 waited = now - first_problem_at
+                everyone = {f.rank for f in failures} | set(exits) | results  # every rank has had its say
                 if waited >= (FAILURE_GRACE_S if known else UNEXPLAINED_GRACE_S) or len(exits) == np \
-                        or launch_failure:
+                        or launch_failure or (known and len(everyone) == np):
                     if lost is None and (unfinished := _unfinished_peers(service, failures, exits)):
                         lost = launcher.lost(unfinished)  # Spark's word on where the silent ranks ran
                     error = _failure_error(service, logs, failures, dead, launch_failure, lost, run_id, launcher)
@@ -211,7 +212,8 @@ def _failure_error(service, logs, failures: list[Failure], dead: dict, launch_fa
     if launch_failure:
         lines.append(f"{launcher.description}: {launch_failure}")
     silent = _silent_ranks(service, failures, dead)
-    if silent and not lines:
+    silent_only = silent and not lines
+    if silent_only:
         lines.append(f"rank{'s' if len(silent) > 1 else ''} {_ranks(silent)}{where(silent[0]) if len(silent) == 1 else ''} "
                      "stopped without a word: no error, no exit code and no result reached the driver, so their "
                      "process, executor or host was lost (look in the Spark executor logs of that host)")
@@ -231,6 +233,8 @@ def _failure_error(service, logs, failures: list[Failure], dead: dict, launch_fa
     retryable = not causes and not launcher.fatal
     error = HorovodRunError("\n".join(lines), failures=[(f.rank, f.type, f.message, f.traceback) for f in ordered],
                             log_dir=logs.log_dir, run_id=run_id, retryable=retryable, cause=headline)
+    if silent_only:
+        error.silent_ranks = silent
     if first is not None and first.pickled:
         try:
             import cloudpickle

@@ -239,8 +239,11 @@ class HorovodRunner:
                     if not error.retryable or len(errors) == attempts:
                         raise _final(errors, attempts) from error.__cause__
                     lost = error.cause
+                    cut_off = _hosts_of(service, getattr(error, "silent_ranks", ()))
                 finally:
                     service.close()
+                if sc is not None and cut_off:
+                    _replace_executors(sc, cut_off, run_id)
                 try:
                     n = np if sc is None else _slots_for_restart(sc, np, cfg.min_np, cfg.start_timeout)
                 except RuntimeError as exc:
@@ -262,6 +265,30 @@ def _launcher(sc, n: int):
     from ._spark import SparkLauncher
 
     return SparkLauncher(sc, n)
+
+
+def _hosts_of(service: DriverService, ranks) -> set:
+    """The addresses and hostnames the ranks ran on."""
+    ranks = set(ranks)
+    if not ranks or service.placements is None:
+        return set()
+    regs = [service.registrations[t] for t, p in enumerate(service.placements) if p.rank in ranks]
+    return {reg.peer for reg in regs} | {reg.host for reg in regs}
+
+
+def _replace_executors(sc, hosts: set, run_id: str) -> None:
+    from ._spark import replace_executors
+
+    try:
+        ids = replace_executors(sc, hosts)
+    except Exception as exc:  # noqa: BLE001 - a Spark without this API: Spark notices the lost host itself, later
+        warnings.warn(f"sparkhvd run {run_id}: could not ask Spark to replace the executors on {sorted(hosts)}, whose "
+                      f"ranks went silent ({type(exc).__name__}: {exc}); the restart waits until Spark gives up on "
+                      "them (spark.network.timeout).", RuntimeWarning, stacklevel=3)
+        return
+    if ids:
+        print(f"[sparkhvd] run {run_id}: asked Spark to replace executor{'s' if len(ids) > 1 else ''} "
+              f"{', '.join(ids)} on {', '.join(sorted(hosts))}, whose ranks went silent.", flush=True)
 
 
 def _slots_for_restart(sc, np: int, min_np: int | None, timeout: float) -> int:

@@ -116,6 +116,24 @@ def slots_for_restart(sc, want: int, least: int | None, timeout: float) -> int:
         time.sleep(0.5)
 
 
+def replace_executors(sc, hosts: set) -> list:
+    """Ask Spark to kill and replace the executors on ``hosts`` (addresses or hostnames); returns their ids.
+
+    Ranks there went silent: their host is cut off. Spark would count those executors' slots, and place
+    a restart's tasks on them, until it gives up on them itself (``spark.network.timeout``, 120 s).
+    The replacements come where the cluster manager has room (on the same host once it is back).
+    """
+    summaries = sc._jsc.sc().statusStore().executorList(True).iterator()
+    ids = []
+    while summaries.hasNext():
+        summary = summaries.next()
+        if summary.id() != "driver" and summary.hostPort().rsplit(":", 1)[0] in hosts:
+            ids.append(summary.id())
+    for executor_id in ids:
+        sc._jsc.sc().killAndReplaceExecutor(executor_id)  # private[spark] in Scala, public to py4j
+    return ids
+
+
 def max_slots(master: str, conf) -> int | None:
     """The most task slots the configuration allows, where it says (local-cluster, spark.cores.max)."""
     task_cpus = max(1, int(conf.get("spark.task.cpus", "1") or 1))

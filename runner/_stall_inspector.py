@@ -200,7 +200,7 @@ class StallInspector:
                       for s in states if s.heard_ago is not None]
         origin = self.settings.origin.get(ENV_HEARTBEAT_TIMEOUT)
         self.abort_reason = f"{_ranks(s.rank for s in silent)} stopped sending heartbeats to the driver"
-        return HorovodRunError(
+        error = HorovodRunError(
             f"HorovodRunner run {self.run_id} failed: " + "; ".join(parts) + ". A rank that stops sending "
             f"heartbeats has lost its host or the network to the driver, or its process is frozen (stopped, or in a "
             f"native call that holds Python's GIL). A rank sends a "
@@ -208,6 +208,8 @@ class StallInspector:
             f"{timeout:g}{f', from {origin}' if origin else ''}) if a rank can be busy that long, or set it to 0 to "
             f"turn this check off.\n\nEach rank's full output is in {self.log_dir}/rank-<rank>.log.",
             log_dir=self.log_dir, run_id=self.run_id, retryable=True, cause=parts[0])
+        error.silent_ranks = sorted(s.rank for s in silent)  # their executors are cut off: a restart replaces them
+        return error
 
     def _update_settings(self, seen: Observation) -> None:
         ranks = {r: meta.get("settings") or {} for r, (meta, _) in seen.progress.items()}

@@ -184,3 +184,30 @@ def test_tensorflow_and_keras_states_and_the_elastic_callbacks():
         assert v["keras_restored"] == (True, True, 8)
         assert v["no_variables"].startswith("hvd.elastic.TensorFlowState(variables=None): eager TensorFlow has no")
     assert v0["keras"][0] == v1["keras"][0]  # synced at the start, then averaged gradients
+
+
+def _restore_twice():
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step():
+        opt.zero_grad()
+        model(torch.ones(3, 2)).sum().backward()
+        opt.step()
+
+    step()
+    state = hvd.elastic.TorchState(model=model, optimizer=opt)
+    committed = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    state.restore()
+    step()  # changes the momentum buffers the restore put in place
+    state.restore()
+    return all(torch.equal(opt.state[p]["momentum_buffer"], c) for p, c in zip(model.parameters(), committed))
+
+
+def test_a_second_restore_brings_back_the_commit_not_what_the_steps_after_the_first_did():
+    assert HorovodRunner(np=-1).run(_restore_twice) is True

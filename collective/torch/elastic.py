@@ -136,7 +136,8 @@ class StateHandler:
         self._saved = copy.deepcopy(self.value.state_dict())
 
     def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
+        # a copy: an optimizer's load_state_dict keeps the tensors it is given, which its next step would change
+        self.value.load_state_dict(copy.deepcopy(self._saved))
 
     def set_value(self, value) -> None:
         self.value = value

@@ -8,6 +8,7 @@ test prints the seconds from the fault to the run's end and the driver's restart
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -73,3 +74,40 @@ def test_an_executor_killed_on_host_b_restarts_once_spark_replaces_it(cluster, r
     _faults.kill_executor(cluster, b)
     event = _finished(cluster, pending, reference, "kill -9 of host B's executor JVM")
     assert b.hostname in event["lost"] or b.address in event["lost"] or "ExecutorLostFailure" in event["lost"], event
+
+
+def _executors(cluster) -> set:
+    return {(e["host"], e["port"]) for e in cluster.driver.executors()}
+
+
+@pytest.mark.timeout(480)  # the cut-off host's ranks take up to ~60 s to end themselves, its executor longer to return
+def test_a_host_cut_off_goes_on_with_the_other_host_down_to_min_np(cluster):
+    before = _executors(cluster)  # not while a run goes: the driver answers one request at a time
+    pending = cluster.driver.submit("elastic_train", NP, runner={"max_restarts": 1, "min_np": 2, "start_timeout": 20})
+    for r in range(NP):
+        pending.wait_for_output(f"[{r}] rank {r} pid", timeout=120)
+    ranks = _faults.wait_for_ranks(cluster, NP, timeout=30)
+    pending.wait_for_output("[0] commit of step 10 is on the driver", timeout=120)
+    b = ranks[3][0]
+    faulted = time.monotonic()
+    _faults.link_down(b)
+    try:
+        outcome = pending.result(300)
+    finally:
+        _faults.heal(cluster)
+    seconds = time.monotonic() - faulted
+    assert outcome.ok, f"the run did not survive host B's link going down: {outcome.error}"
+    event = outcome.restarts[0]
+    assert (event["np_before"], event["np_after"]) == (4, 2), event
+    assert re.match(rf"ranks? [23](,3)? on host {b.hostname} ", event["lost"]), event  # silent, by its heartbeats
+    assert f"on {b.address}" in outcome.output or b.hostname in outcome.output  # its executor was replaced
+    weights, steps = outcome.values[0]
+    assert steps == STEPS and len(outcome.hosts) == 2 and b.hostname not in outcome.hosts
+    line = next(line for line in outcome.output.splitlines() if "restart 1 of 1 after" in line)
+    print(f"\n[cluster] host B's link down: the run ended {seconds:.1f} s after the fault, with np=2\n[cluster]   {line}")
+    left = cluster.wait_no_ranks(timeout=90)  # the cut-off host's ranks end when they notice the driver is gone
+    assert not left, left
+    deadline = time.monotonic() + 150  # host B's executor, which the restart asked Spark to replace, comes back
+    while (len(now := _executors(cluster)) < len(cluster.hosts) or now == before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert cluster.driver.run("whoami", NP, timeout=240).ok
