@@ -183,9 +183,9 @@ class Publisher:
         self._thread = threading.Thread(target=self._loop, daemon=True, name="sparkhvd-commits")
         self._thread.start()
 
-    def submit(self, meta: dict, snapshot) -> None:
+    def submit(self, meta: dict, snapshot, on_hosts_updated=None) -> None:
         with self._cv:
-            self._pending = (meta, snapshot)  # replaces a commit not yet taken: only the newest matters
+            self._pending = (meta, snapshot, on_hosts_updated)  # replaces one not yet taken: only the newest matters
             self._cv.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -197,10 +197,14 @@ class Publisher:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._pending is not None)
-                (meta, snapshot), self._pending = self._pending, None
+                (meta, snapshot, on_hosts_updated), self._pending = self._pending, None
                 self._busy = True
             try:
-                self._send(meta, snapshot)
+                update = self._send(meta, snapshot)
+                if update and on_hosts_updated is not None:
+                    global growing
+                    growing = True
+                    on_hosts_updated(*update)  # Spark has room for more ranks: the state resizes at its next commit
             except Exception as exc:  # noqa: BLE001 - the run goes on; the previous commit stays in force
                 print(f"sparkhvd: rank 0 could not send commit {meta.get('seq')} of {meta.get('key')} off the rank: "
                       f"{type(exc).__name__}: {exc}; the previous commit stays the one a restart resumes from.",
@@ -210,7 +214,8 @@ class Publisher:
                     self._busy = False
                     self._cv.notify_all()
 
-    def _send(self, meta: dict, snapshot) -> None:
+    def _send(self, meta: dict, snapshot) -> list | None:
+        """Send one commit; returns the driver's ``[timestamp, HostUpdateResult]`` when ranks can be added."""
         from ._protocol import Kind
 
         blob = pickle.dumps(snapshot, protocol=pickle.HIGHEST_PROTOCOL)
@@ -227,15 +232,19 @@ class Publisher:
             blob = b""
         if self._client is None:
             self._client = self._ctx.new_client()
-        self._client.request(Kind.COMMIT, meta, blob)
+        return self._client.request(Kind.COMMIT, meta, blob).meta.get("hosts_updated")
 
 
 _publisher: Publisher | None = None
+growing = False  # the driver said the run can grow: HostsUpdatedInterrupt relaunches every rank
 _publisher_lock = threading.Lock()
 
 
-def publish(meta: dict, snapshot) -> bool:
-    """Send ``snapshot`` off this rank as its state's newest commit; False outside a HorovodRunner run."""
+def publish(meta: dict, snapshot, on_hosts_updated=None) -> bool:
+    """Send ``snapshot`` off this rank as its state's newest commit; False outside a HorovodRunner run.
+
+    ``on_hosts_updated(timestamp, update)`` is called when the driver answers that the run can grow.
+    """
     global _publisher
     from . import _context
 
@@ -245,7 +254,7 @@ def publish(meta: dict, snapshot) -> bool:
     with _publisher_lock:
         if _publisher is None:
             _publisher = Publisher(ctx)
-    _publisher.submit(meta, snapshot)
+    _publisher.submit(meta, snapshot, on_hosts_updated)
     return True
 
 

@@ -47,11 +47,20 @@ class Deadline:
         return f"{what} within {self.seconds:g} s; raise {self.setting}"
 
 
+#: The type every rank reports when it leaves at a commit for the driver to relaunch more ranks (_core/_elastic.py).
+RESIZE = "RanksChanged"
+RESIZE_WAIT_S = 300.0  # how long the first rank to leave for a resize waits for the others (rank 0 sends its commit)
+GROW_CHECK_S = 2.0  # how often to ask Spark whether a run that can grow has free task slots
+
+
 def supervise(service: DriverService, launcher: Launcher, logs: LogRouter, *, np: int,
-              start_timeout: float, run_id: str) -> None:
-    """Return when every rank has returned its value; raise HorovodRunError otherwise."""
+              start_timeout: float, run_id: str, can_grow=None) -> bool:
+    """Return when every rank has returned its value (False), or left at a commit to be relaunched with more ranks
+    (True, after ``can_grow()`` said Spark has slots for them); raise HorovodRunError otherwise."""
     start = Deadline(start_timeout, "start_timeout")
     first_problem_at = None
+    resize_at = None
+    grow_checked_at = -GROW_CHECK_S  # the first check as soon as every rank has registered
     all_results_at = None
     lost, lost_checked_at = None, 0.0
     stalls = StallInspector(np=np, run_id=run_id, log_dir=logs.log_dir)  # the stall report, lost ranks
@@ -67,7 +76,20 @@ def supervise(service: DriverService, launcher: Launcher, logs: LogRouter, *, np
             dead = {r: c for r, c in exits.items() if r not in results and r not in {f.rank for f in failures}}
             if len(results) == np and len(exits) == np:
                 launcher.join(STOP_WAIT_S)
-                return
+                return False
+            if failures and service.hosts_updated is not None and not dead and not launch_failure \
+                    and all(f.type == RESIZE for f in failures):
+                if len(failures) == np and len(exits) == np:  # every rank left at the same commit
+                    launcher.join(STOP_WAIT_S)
+                    return True
+                resize_at = resize_at or time.monotonic()
+                if time.monotonic() - resize_at < RESIZE_WAIT_S:
+                    continue
+            if can_grow is not None and service.hosts_updated is None and len(registered) == np and not failures \
+                    and time.monotonic() - grow_checked_at >= GROW_CHECK_S:
+                grow_checked_at = -GROW_CHECK_S  # the first check as soon as every rank has registered
+                if can_grow():
+                    service.announce_growth()
             if failures or dead or launch_failure:
                 now = time.monotonic()
                 if first_problem_at is None:
@@ -105,7 +127,7 @@ def supervise(service: DriverService, launcher: Launcher, logs: LogRouter, *, np
                               f"{_ranks(sorted(set(range(np)) - set(exits)))} did not exit within "
                               f"{EXIT_WAIT_S:g} s; they were stopped.", RuntimeWarning, stacklevel=3)
                 _stop(service, launcher, "the run has finished")
-                return
+                return False
     except KeyboardInterrupt:
         _stop(service, launcher, "the run was interrupted on the driver (KeyboardInterrupt)")
         raise
@@ -171,7 +193,7 @@ def _ranks(ranks) -> str:
 #: Errors a rank gets because a peer went away: never the root cause while another one is known.
 #: By type (ours and torch.distributed's), or gloo's RuntimeError by its text; a user's own OSError
 #: (a database that refuses connections) is a cause, whatever its text.
-_COLLATERAL_TYPES = {"MeshError", "DistBackendError", "DistNetworkError", "RunAborted"}
+_COLLATERAL_TYPES = {"MeshError", "DistBackendError", "DistNetworkError", "RunAborted", RESIZE}
 _GLOO_TEXT = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "GLHF", "pair.cc")
 
 

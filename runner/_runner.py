@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import numbers
 import os
 import secrets
@@ -64,7 +65,7 @@ class RestartEvent:
 
     attempt: int
     attempts: int
-    lost: str
+    lost: str | None  # None: not a failure, the run grew (every rank left at a commit, Spark had slots for more)
     np_before: int
     np_after: int
     failed_at: float = field(repr=False, default=0.0)
@@ -78,9 +79,15 @@ class RestartEvent:
             fields = " ".join(f"{k}={v}" for k, v in self.commit.items()) or "with no plain fields"
             resumed = f"from the last commit ({fields})"
         ranks = f" with np={self.np_after} (was {self.np_before})" if self.np_after != self.np_before else ""
-        when = f" {self.seconds:.1f} s after the failure" if self.seconds is not None else ""
-        return (f"[sparkhvd] run {run_id}: restart {self.attempt - 1} of {self.attempts - 1} after {self.lost}; "
-                f"training resumed{when}{ranks}, {resumed}.")
+        since = "the failure" if self.lost is not None else "every rank left"
+        when = f" {self.seconds:.1f} s after {since}" if self.seconds is not None else ""
+        return f"[sparkhvd] run {run_id}: {self.what()}; training resumed{when}{ranks}, {resumed}."
+
+    def what(self) -> str:
+        if self.lost is None:
+            return (f"growing from np={self.np_before} to np={self.np_after} at a commit, as Spark has task slots for "
+                    "more ranks")
+        return f"restart {self.attempt - 1} of {self.attempts - 1} after {self.lost}"
 
 
 @dataclass
@@ -94,6 +101,7 @@ class RunnerConfig:
     network_interface: str | None = None
     max_restarts: int = 0
     min_np: int | None = None
+    max_np: int | None = None
     commit_dir: str | None = None
     _stall_tasks: frozenset = field(default=frozenset(), repr=False)  # fault tests only
 
@@ -132,6 +140,15 @@ class RunnerConfig:
                                         or not 1 <= self.min_np <= abs(self.np)):
             raise ValueError(f"min_np={self.min_np!r} must be a whole number from 1 to {abs(self.np)} (np={self.np}): "
                              "the fewest ranks a restart may go on with when Spark cannot give all np slots back.")
+        if self.max_np is not None:
+            if self.np < 0:
+                raise ValueError(f"max_np={self.max_np!r} grows a Spark run when its cluster has free task slots; np="
+                                 f"{self.np} runs a fixed {-self.np} process{'es' if self.np < -1 else ''} on the driver: "
+                                 "leave max_np unset, or use np>0.")
+            if isinstance(self.max_np, bool) or not isinstance(self.max_np, numbers.Integral) \
+                    or self.max_np < self.np:
+                raise ValueError(f"max_np={self.max_np!r} must be a whole number >= np={self.np}: the most ranks the "
+                                 "run grows to at a commit when Spark has free task slots.")
         if self.commit_dir is not None:
             from ._commits import check_commit_dir
 
@@ -160,16 +177,18 @@ class HorovodRunner:
     last ``state.commit()`` of ``hvd.elastic.run`` (docs/elastic.md); a user's exception is never
     retried. Commits go to the driver, or to ``commit_dir`` (a path or pyarrow filesystem URL every
     host reaches) for large models. ``min_np``: where Spark cannot give all ``np`` slots back within
-    ``start_timeout``, a restart goes on with as many as there are, down to ``min_np``.
+    ``start_timeout``, a restart goes on with as many as there are, down to ``min_np``. ``max_np``:
+    while Spark has free task slots, the run grows, up to ``max_np`` ranks (and a run a restart
+    shrank, back to ``np``), at a commit: every rank leaves there and all are relaunched.
     """
 
     def __init__(self, np: int, *, driver_log_verbosity: str = "all", start_timeout: float | None = None,
                  log_dir: str | None = None, network_interface: str | None = None, max_restarts: int = 0,
-                 min_np: int | None = None, commit_dir: str | None = None):
+                 min_np: int | None = None, max_np: int | None = None, commit_dir: str | None = None):
         self.config = RunnerConfig(np=np, driver_log_verbosity=driver_log_verbosity,
                                    start_timeout=start_timeout, log_dir=log_dir,
                                    network_interface=network_interface, max_restarts=max_restarts,
-                                   min_np=min_np, commit_dir=commit_dir)
+                                   min_np=min_np, max_np=max_np, commit_dir=commit_dir)
         self.last_result: RunResult | None = None
 
     @property
@@ -214,10 +233,11 @@ class HorovodRunner:
         errors: list[HorovodRunError] = []
         restarts: list[RestartEvent] = []
         n = np
+        target = cfg.max_np or np  # what a run shrunk by a restart, or started below max_np, grows back to
         try:
-            while True:
+            for launch in itertools.count():
                 launcher = _launcher(sc, n)
-                if not errors and cfg.driver_log_verbosity == "all":
+                if not launch and cfg.driver_log_verbosity == "all":
                     print(f"[sparkhvd] run {run_id}: np={cfg.np} on {launcher.description}; function pickled to "
                           f"{_size(len(payload))}; logs in {log_dir}", flush=True)
                 event = restarts[-1] if restarts else None
@@ -225,38 +245,56 @@ class HorovodRunner:
                                         run_id=run_id, commits=commits,
                                         on_restore=None if event is None else functools.partial(
                                             _resumed, event, run_id))
+                cut_off = ()
                 try:
                     launcher.start(TaskSpec(address=service.address, secret=secret, run_id=run_id,
                                             stall_tasks=cfg._stall_tasks, network_interface=cfg.network_interface,
-                                            every_value=every_value, attempt=len(errors),
-                                            commit_dir=cfg.commit_dir))
-                    supervise(service, launcher, logs, np=n, start_timeout=cfg.start_timeout, run_id=run_id)
+                                            every_value=every_value, attempt=launch, commit_dir=cfg.commit_dir))
+                    grown = supervise(service, launcher, logs, np=n, start_timeout=cfg.start_timeout, run_id=run_id,
+                                      can_grow=None if sc is None or n >= target else functools.partial(
+                                          _has_free_slots, sc, n))
                     _resumed(event, run_id, None, at=service.placed_at)  # where no rank asked for a commit
-                    self.last_result = _result(service, logs, n, run_id, payload, started, every_value, restarts)
-                    return self.last_result
+                    if not grown:
+                        self.last_result = _result(service, logs, n, run_id, payload, started, every_value,
+                                                   restarts)
+                        return self.last_result
+                    lost, failed_at = None, time.monotonic()
                 except HorovodRunError as error:
                     errors.append(error)
                     if not error.retryable or len(errors) == attempts:
                         raise _final(errors, attempts) from error.__cause__
-                    lost = error.cause
+                    lost, failed_at = error.cause, getattr(error, "failed_at", time.monotonic())
                     cut_off = _hosts_of(service, getattr(error, "silent_ranks", ()))
                 finally:
                     service.close()
                 if sc is not None and cut_off:
                     _replace_executors(sc, cut_off, run_id)
                 try:
-                    n = np if sc is None else _slots_for_restart(sc, np, cfg.min_np, cfg.start_timeout)
+                    if lost is None:  # every rank left at a commit: Spark has slots for more
+                        n = min(target, max(n, _task_slots(sc)))
+                    else:
+                        n = np if sc is None else _slots_for_restart(sc, np, cfg.min_np, cfg.start_timeout)
                 except RuntimeError as exc:
                     errors.append(HorovodRunError(f"HorovodRunner run {run_id} failed: {exc}.", log_dir=log_dir,
                                                   run_id=run_id))
                     raise _final(errors, attempts) from None
                 event = RestartEvent(attempt=len(errors) + 1, attempts=attempts, lost=lost, np_before=service.np,
-                                     np_after=n, failed_at=getattr(errors[-1], "failed_at", time.monotonic()))
+                                     np_after=n, failed_at=failed_at)
                 restarts.append(event)
-                logs.note(f"----- sparkhvd: restart {len(errors)} of {cfg.max_restarts} after {lost} -----")
+                logs.note(f"----- sparkhvd: {event.what()} -----")
         finally:
             commits.close()
             logs.close()
+
+
+def _has_free_slots(sc, n: int) -> bool:
+    return _task_slots(sc) > n
+
+
+def _task_slots(sc) -> int:
+    from ._spark import task_slots
+
+    return task_slots(sc)
 
 
 def _launcher(sc, n: int):

@@ -87,6 +87,7 @@ class DriverService:
         self.exits: dict[int, int] = {}
         self.progress: dict[int, tuple] = {}  # rank -> (its latest heartbeat's meta, when it arrived)
         self.aborted: str | None = None
+        self.hosts_updated: list | None = None  # [timestamp, HostUpdateResult]: told to rank 0 with each commit
         self.finished = False
         self.commits = commits if commits is not None else CommitStore(run_id=run_id or "")
         self._on_restore = on_restore  # called once, at rank 0's first RESTORE, with the commit's meta
@@ -302,9 +303,17 @@ class DriverService:
 
     # ---- elastic commits (runner/_commits.py) ------------------------------------------------
 
+    def announce_growth(self) -> None:
+        """Tell rank 0, in the answer to its next commit, that the run can have more ranks (Horovod's hosts added)."""
+        with self.cv:
+            if self.hosts_updated is None:
+                self.hosts_updated = [time.time(), 2]  # HostUpdateResult.added
+
     def _commit(self, channel: Channel, msg: Message, peer: str) -> None:
         self.commits.put(msg.meta, msg.blob)
-        channel.send(Kind.OK)
+        with self.cv:
+            update = self.hosts_updated
+        channel.send(Kind.OK, {"hosts_updated": update} if update else {})
 
     def _restore(self, channel: Channel, msg: Message, peer: str) -> None:
         commit = self.commits.get(str(msg.meta["key"]))

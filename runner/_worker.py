@@ -65,6 +65,12 @@ def main() -> int:
     try:
         value = fn(**kwargs)
     except BaseException as exc:  # noqa: BLE001 - the user's failure, reported whole
+        if type(exc).__name__ == "RanksChanged":  # left at a commit for the driver to relaunch more ranks
+            engine = sys.modules.get(__name__.rsplit(".", 2)[0] + ".collective._engine")
+            if engine is not None:
+                engine.drain()
+            _report_failure(client, placement.rank, exc, quiet=True)
+            return FAILED_EXIT_CODE
         _report_failure(client, placement.rank, exc)
         return FAILED_EXIT_CODE
     beat.finishing()
@@ -117,10 +123,13 @@ def _network(driver_host: str) -> str:
     return local
 
 
-def _report_failure(client: ServiceClient, rank: int, exc: BaseException) -> None:
+def _report_failure(client: ServiceClient, rank: int, exc: BaseException, quiet: bool = False) -> None:
     import cloudpickle
 
-    sys.stderr.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))  # whole, in the log
+    if quiet:
+        sys.stderr.write(f"sparkhvd: rank {rank} leaves at this commit: {exc}\n")
+    else:
+        sys.stderr.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))  # whole, in the log
     sys.stderr.flush()
     text = user_traceback(exc)
     try:

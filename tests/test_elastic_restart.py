@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import os
 import signal
+import time
 
 import pytest
 
@@ -18,7 +19,7 @@ from sparkhvd.runner import HorovodRunError
 EPOCHS, BATCHES = 3, 8
 
 
-def _train(marks: str, kills: tuple = (), commit_every: int = 3, reset_log: bool = False):
+def _train(marks: str, kills: tuple = (), commit_every: int = 3, reset_log: bool = False, pause: float = 0.0):
     """A deterministic CPU training loop; ``kills`` holds ``(rank, epoch, batch)`` where that rank's process
     kills itself with SIGKILL, once in the run (a file under ``marks`` remembers it)."""
     import torch
@@ -55,6 +56,7 @@ def _train(marks: str, kills: tuple = (), commit_every: int = 3, reset_log: bool
                 opt.zero_grad()
                 torch.nn.functional.mse_loss(model(x), y).backward()
                 opt.step()
+                time.sleep(pause)
                 state.batch += 1
                 state.seen += 1
                 if state.batch % commit_every == 0:
@@ -199,17 +201,36 @@ def test_a_users_exception_after_a_restart_names_the_earlier_failure_too(tmp_pat
     assert isinstance(info.value.__cause__, KeyError)
 
 
+def test_a_run_grows_to_max_np_at_a_commit_when_spark_has_free_slots(spark, tmp_path, capsys):
+    runner = HorovodRunner(np=1, max_np=2)  # local[2]: a slot is free from the start
+    weights, seen, resets = runner.run(_train, marks=str(tmp_path), commit_every=1, reset_log=True, pause=0.1)
+    assert seen == EPOCHS * BATCHES  # every step counted once, across the two launches
+    (event,) = runner.last_result.restarts
+    assert (event.lost, event.np_before, event.np_after) == (None, 1, 2)
+    assert event.commit["seen"] >= 2  # rank 0 heard of the slot with a commit, and every rank left at the next one
+    assert resets == [2]  # the reset callbacks ran in the relaunched ranks, which are 2
+    assert len(runner.last_result.hosts) == 2
+    steps = (tmp_path / "steps-1").read_text().split()  # rank 1 exists from the growth on: it ran the rest
+    assert len(steps) == EPOCHS * BATCHES - event.commit["seen"]
+    out = capsys.readouterr().out
+    assert "growing from np=1 to np=2 at a commit, as Spark has task slots for more ranks; training resumed" in out
+    assert "[0] sparkhvd: rank 0 leaves at this commit" in out
+
+
 @pytest.mark.parametrize("kwargs, text", [
     ({"max_restarts": -1}, "max_restarts=-1 must be a whole number >= 0"),
     ({"max_restarts": 1.5}, "max_restarts=1.5 must be a whole number >= 0"),
     ({"min_np": 0}, "min_np=0 must be a whole number from 1 to 2 (np=2)"),
     ({"min_np": 3}, "min_np=3 must be a whole number from 1 to 2 (np=2)"),
+    ({"max_np": 1}, "max_np=1 must be a whole number >= np=2"),
+    ({"np": -2, "max_np": 4}, "max_np=4 grows a Spark run when its cluster has free task slots; np=-2 runs a fixed 2 "
+                              "processes on the driver"),
     ({"commit_dir": "nosuchscheme://bucket/x"}, "commit_dir='nosuchscheme://bucket/x' is not a filesystem pyarrow "
                                                 "can open"),
 ])
 def test_bad_restart_settings_are_refused_with_the_fix(kwargs, text):
     with pytest.raises(ValueError, match=text.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
-        HorovodRunner(np=2, **kwargs)
+        HorovodRunner(**{"np": 2, **kwargs})
 
 
 def _fit(marks: str, kill_at: tuple | None = None):

@@ -39,9 +39,10 @@ class HostsUpdatedInterrupt(RuntimeError):
     ``skip_sync``: only hosts were removed, so the remaining ranks' state is already in sync.
     """
 
-    def __init__(self, skip_sync: bool = False):
+    def __init__(self, skip_sync: bool = False, *, relaunch: bool = False):
         super().__init__("hosts were added or removed; every rank resets at this commit")
         self.skip_sync = skip_sync
+        self.relaunch = relaunch  # the HorovodRunner driver said it can grow the run: it relaunches every rank
 
 
 class State:
@@ -91,7 +92,7 @@ class State:
         from ...runner import _commits
 
         _commits.publish({"key": self._key, "seq": self._seq, "size": size(), "fields": self._fields()},
-                         self._snapshot())
+                         self._snapshot(), self.on_hosts_updated)
 
     def _fields(self) -> dict:
         """Plain values to name a commit by in the driver's messages (epoch, batch)."""
@@ -117,10 +118,13 @@ class State:
             if timestamp > last:
                 last = timestamp
                 update |= change
-        previous, self._last_updated_timestamp, update = self._bcast_object((previous, last, update))
+        from ...runner import _commits
+
+        previous, self._last_updated_timestamp, update, relaunch = self._bcast_object(
+            (previous, last, update, _commits.growing))
         if self._last_updated_timestamp > previous:
             # only removed: the remaining ranks are in sync already; added ones must sync
-            raise HostsUpdatedInterrupt(skip_sync=update == HostUpdateResult.removed)
+            raise HostsUpdatedInterrupt(skip_sync=update == HostUpdateResult.removed, relaunch=relaunch)
 
     def save(self) -> None:
         """Keep a copy of the state (the commit)."""
@@ -189,6 +193,18 @@ def _reset() -> None:
     init()
 
 
+class RanksChanged(Exception):
+    """Leaves a HorovodRunner rank at a commit after ``HostsUpdatedInterrupt``: the driver relaunches every rank
+    with the new number, which resume from that commit (not an error; the run goes on)."""
+
+    def __init__(self):
+        super().__init__("Spark has task slots for more ranks: every rank leaves at this commit, and the driver "
+                         "relaunches them all with more")
+
+
+_RESIZE_FLUSH_S = 300.0  # the commit the relaunched ranks resume from must reach the driver first
+
+
 def _resume(state: State) -> None:
     """In a restarted HorovodRunner run: rank 0 loads the newest commit made off the ranks, before the first sync.
 
@@ -228,6 +244,11 @@ def run_fn(func, reset):
                     state.sync()
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as interrupt:
+                if interrupt.relaunch:  # every rank leaves here; this commit reaches the driver first
+                    from ...runner import _commits
+
+                    _commits.flush(_RESIZE_FLUSH_S)
+                    raise RanksChanged() from None
                 skip_sync = interrupt.skip_sync
             reset()
             state.on_reset()
