@@ -87,7 +87,7 @@ def supervise(service: DriverService, launcher: Launcher, logs: LogRouter, *, np
                     continue
             if can_grow is not None and service.hosts_updated is None and len(registered) == np and not failures \
                     and time.monotonic() - grow_checked_at >= GROW_CHECK_S:
-                grow_checked_at = -GROW_CHECK_S  # the first check as soon as every rank has registered
+                grow_checked_at = time.monotonic()
                 if can_grow():
                     service.announce_growth()
             if failures or dead or launch_failure:

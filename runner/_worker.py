@@ -66,17 +66,13 @@ def main() -> int:
         value = fn(**kwargs)
     except BaseException as exc:  # noqa: BLE001 - the user's failure, reported whole
         if type(exc).__name__ == "RanksChanged":  # left at a commit for the driver to relaunch more ranks
-            engine = sys.modules.get(__name__.rsplit(".", 2)[0] + ".collective._engine")
-            if engine is not None:
-                engine.drain()
+            _drain_engine()
             _report_failure(client, placement.rank, exc, quiet=True)
             return FAILED_EXIT_CODE
         _report_failure(client, placement.rank, exc)
         return FAILED_EXIT_CODE
     beat.finishing()
-    engine = sys.modules.get(__name__.rsplit(".", 2)[0] + ".collective._engine")  # imported if fn used it
-    if engine is not None:
-        engine.drain()  # frames its peers are still owed (answers, requests) leave before the process ends
+    _drain_engine()
     if placement.rank != 0 and os.environ.get(ENV_RETURN) == "0":
         client.request(Kind.RESULT, {"rank": placement.rank})  # run() keeps rank 0's only: nothing to ship
         return 0
@@ -97,6 +93,13 @@ def main() -> int:
         return FAILED_EXIT_CODE
     client.request(Kind.RESULT, {"rank": placement.rank}, blob)
     return 0
+
+
+def _drain_engine() -> None:
+    """Frames this rank's peers are still owed (answers, requests) leave before the process ends."""
+    engine = sys.modules.get(__name__.rsplit(".", 2)[0] + ".collective._engine")  # imported if fn used it
+    if engine is not None:
+        engine.drain()
 
 
 def _size(n: int) -> str:
