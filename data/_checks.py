@@ -57,14 +57,16 @@ def _check_positive(name: str, value, allow_none: bool, fix: str) -> int | None:
     return value
 
 
-def _check_resume(resume_from) -> tuple[int, int] | None:
-    """``resume_from`` as an ``(epoch, batch)`` pair of non-negative ints, or None; its bounds are checked against the plan."""
+def _check_resume(resume_from, unit: str = "batch") -> tuple[int, int] | None:
+    """``resume_from`` as an ``(epoch, batch)`` (or ``(epoch, row)``) pair of non-negative ints, or None; its bounds are checked against the plan."""
     if resume_from is None:
         return None
-    fix = "pass the (epoch, batch) that the interrupted run had reached, e.g. resume_from=(2, 37), or None to start at the beginning."
+    fix = (f"pass the (epoch, {unit}) that the interrupted run had reached, e.g. resume_from=(2, 37), or None to start at "
+           "the beginning.")
     if isinstance(resume_from, (str, bytes)) or not isinstance(resume_from, Sequence) or len(resume_from) != 2:
-        raise TypeError(f"resume_from must be a pair (epoch, batch) of ints, got {type(resume_from).__name__} {resume_from!r}; {fix}")
-    epoch, batch = (_as_int(f"resume_from's {name}", value, fix) for name, value in zip(("epoch", "batch"), resume_from))
-    if epoch < 0 or batch < 0:
-        raise ValueError(f"resume_from=({epoch}, {batch}) has a negative {'epoch' if epoch < 0 else 'batch'}; epochs and batches count from 0, so {fix}")
-    return epoch, batch
+        raise TypeError(f"resume_from must be a pair (epoch, {unit}) of ints, got {type(resume_from).__name__} {resume_from!r}; {fix}")
+    epoch, position = (_as_int(f"resume_from's {name}", value, fix) for name, value in zip(("epoch", unit), resume_from))
+    if epoch < 0 or position < 0:
+        raise ValueError(f"resume_from=({epoch}, {position}) has a negative {'epoch' if epoch < 0 else unit}; epochs and "
+                         f"{unit}{'es' if unit == 'batch' else 's'} count from 0, so {fix}")
+    return epoch, position

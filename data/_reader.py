@@ -105,28 +105,39 @@ def _batches(shard: _Shard, tables: Prefetcher) -> Iterator[pa.Table]:
         yield from rebatch(islice(tables, len(plan.slices) - first), plan.batch_sizes(skipped))
 
 
-def _resume_start(shard: _Shard, resume_from: tuple[int, int]) -> tuple[int, int]:
-    """The shard's start ``(epoch, rows of it skipped)`` for ``resume_from=(epoch, batch)``; ValueError past the end."""
-    epoch, batch = resume_from
-    same = ("build the reader with the interrupted run's dataset, filters, cur_shard, shard_count, seed, shuffle options, "
-            "batch_size and equal_steps")
-    if shard.num_epochs is not None and (epoch > shard.num_epochs or (epoch == shard.num_epochs and batch)):
+def _resume_start(shard: _Shard, resume_from: tuple[int, int], unit: str = "batch") -> tuple[int, int]:
+    """The shard's start ``(epoch, rows of it skipped)`` for ``resume_from=(epoch, position)``; ValueError past the end.
+
+    ``unit`` says what the position counts: the batches yielded (make_batch_reader) or the rows (make_reader).
+    """
+    epoch, position = resume_from
+    same = ("build the reader with the interrupted run's dataset, filters, cur_shard, shard_count, seed, shuffle options"
+            + (", batch_size and equal_steps" if unit == "batch" else " and equal_steps"))
+    if shard.num_epochs is not None and (epoch > shard.num_epochs or (epoch == shard.num_epochs and position)):
         raise ValueError(
-            f"resume_from=({epoch}, {batch}) starts in epoch {epoch}, but num_epochs={shard.num_epochs} reads epochs 0 to "
+            f"resume_from=({epoch}, {position}) starts in epoch {epoch}, but num_epochs={shard.num_epochs} reads epochs 0 to "
             f"{shard.num_epochs - 1}; num_epochs counts every epoch, not those left, so pass the interrupted run's num_epochs "
             f"and an epoch below {shard.num_epochs} (or ({shard.num_epochs}, 0), which yields nothing: the run had finished)."
         )
     if shard.num_epochs is not None and epoch == shard.num_epochs:
         return epoch, 0
     plan = shard.plan(epoch)
-    if batch > plan.num_batches:
+    if unit == "row":
+        if position > plan.num_rows:
+            raise ValueError(
+                f"resume_from=({epoch}, {position}) skips {position} rows of epoch {epoch}, but shard {shard.cur_shard} of "
+                f"{shard.shard_count} reads {plan.num_rows} rows in that epoch; pass a row from 0 to {plan.num_rows} "
+                f"({plan.num_rows} means the epoch was finished), and {same}."
+            )
+        return epoch, position
+    if position > plan.num_batches:
         size = f"batch_size={shard.batch_size}" if shard.batch_size is not None else "batch_size=None"
         raise ValueError(
-            f"resume_from=({epoch}, {batch}) skips {batch} batches of epoch {epoch}, but shard {shard.cur_shard} of "
+            f"resume_from=({epoch}, {position}) skips {position} batches of epoch {epoch}, but shard {shard.cur_shard} of "
             f"{shard.shard_count} has {plan.num_batches} batches ({plan.num_rows} rows, {size}) in that epoch; pass a "
             f"batch from 0 to {plan.num_batches} ({plan.num_batches} means the epoch was finished), and {same}."
         )
-    return epoch, plan.rows_before(batch)
+    return epoch, plan.rows_before(position)
 
 
 class Reader:
@@ -151,6 +162,7 @@ class Reader:
         workers_count: int,
         step_rows: int | None = None,
         resume_from: tuple[int, int] | None = None,
+        resume_unit: str = "batch",
     ):
         self.dataset = dataset
         self.cur_shard, self.shard_count = cur_shard, shard_count
@@ -163,7 +175,7 @@ class Reader:
         self._shard = _Shard(dataset, cur_shard, shard_count, num_epochs, seed, shuffle_row_groups, shuffle_rows,
                              batch_size, equal_steps, step_rows)
         if resume_from is not None:
-            self._shard = replace(self._shard, start=_resume_start(self._shard, resume_from))
+            self._shard = replace(self._shard, start=_resume_start(self._shard, resume_from, resume_unit))
         self._prefetcher: Prefetcher | None = None
         self._batches: Iterator[pa.Table] | None = None
         self._stopped = False
@@ -249,13 +261,14 @@ class Reader:
 def _build(
     dataset_url_or_urls, *, cur_shard, shard_count, num_epochs, shuffle_row_groups, shuffle_rows, seed,
     schema_fields, filters, batch_size, equal_steps, workers_count, step_rows=None, resume_from=None,
+    resume_unit="batch",
 ) -> Reader:
     cur_shard, shard_count = _check_shard(cur_shard, shard_count)
     num_epochs = _check_positive("num_epochs", num_epochs, True, "pass None to read forever, or a positive number of epochs.")
     batch_size = _check_positive("batch_size", batch_size, True, "pass None to yield row groups as read, or a positive batch size.")
     workers_count = _check_positive("workers_count", workers_count, False, f"pass a positive number of threads (default {DEFAULT_WORKERS}).")
     seed = _check_seed(seed)
-    resume_from = _check_resume(resume_from)
+    resume_from = _check_resume(resume_from, resume_unit)
     dataset = open_dataset(dataset_url_or_urls, schema_fields=schema_fields, filters=filters, workers=workers_count)
     total = dataset.num_rows
     if total < shard_count:
@@ -272,7 +285,7 @@ def _build(
         dataset, cur_shard=cur_shard, shard_count=shard_count, num_epochs=num_epochs,
         shuffle_row_groups=bool(shuffle_row_groups), shuffle_rows=bool(shuffle_rows), seed=resolve_seed(seed),
         batch_size=batch_size, equal_steps=bool(equal_steps), workers_count=workers_count, step_rows=step_rows,
-        resume_from=resume_from,
+        resume_from=resume_from, resume_unit=resume_unit,
     )
 
 

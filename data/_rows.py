@@ -48,16 +48,24 @@ def make_reader(
     filters=None,
     equal_steps: bool = True,
     workers_count: int = DEFAULT_WORKERS,
+    resume_from: tuple[int, int] | None = None,
 ) -> RowReader:
     """A row-at-a-time reader: the same arguments and plan as make_batch_reader, one namedtuple per row.
 
     With ``equal_steps=True`` every shard yields exactly ``m = rows // shard_count`` rows per
     epoch (the shards holding ``m + 1`` leave out their last row); with ``equal_steps=False``
     every row is read exactly once per epoch.
+
+    ``resume_from=(epoch, row)``: start where an uninterrupted reader with the same arguments
+    stood after yielding ``row`` rows of epoch ``epoch`` (both counted from 0, on this shard),
+    and yield exactly what it would have yielded from there; the rules are make_batch_reader's
+    with rows for batches (``row`` runs from 0 to the epoch's row count,
+    ``reader.reader.plan(epoch).num_rows``). Row groups wholly before the position are not read.
     """
     reader = _build(
         dataset_url_or_urls, cur_shard=cur_shard, shard_count=shard_count, num_epochs=num_epochs,
         shuffle_row_groups=shuffle_row_groups, shuffle_rows=shuffle_rows, seed=seed, schema_fields=schema_fields,
         filters=filters, batch_size=None, equal_steps=equal_steps, workers_count=workers_count, step_rows=1,
+        resume_from=resume_from, resume_unit="row",
     )
     return RowReader(reader)

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparkhvd.data import ReadError, SparkDatasetConverter, make_batch_reader
+from sparkhvd.data import ReadError, SparkDatasetConverter, make_batch_reader, make_reader
 from sparkhvd.data._plan import Piece, plan_epoch
 from sparkhvd.data.torch import make_torch_loader
 
@@ -109,6 +109,22 @@ def test_schema_fields_and_workers_count_may_change_on_resume(dataset):
         batches = list(reader)
     assert batches[0]._fields == ("id",)
     assert [_ids(b) for b in batches] == epochs[0][2:] + epochs[1]
+
+
+@pytest.mark.parametrize("equal_steps", [True, False])
+def test_the_row_reader_resumes_at_a_row(dataset, equal_steps):
+    kwargs = dict(cur_shard=0, shard_count=3, num_epochs=2, seed=4, shuffle_rows=True, equal_steps=equal_steps)
+    with make_reader(dataset, **kwargs) as reader:
+        rows = [row.id for row in reader]
+        per_epoch = reader.reader.plan(0).num_rows
+    assert len(rows) == 2 * per_epoch == (66 if equal_steps else 68)  # 100 rows: shard 0 of 3 holds 34 and reads 33 with equal steps
+    for epoch, row in [(0, 0), (0, 11), (0, 12), (1, per_epoch - 1), (1, per_epoch), (2, 0)]:
+        with make_reader(dataset, resume_from=(epoch, row), **kwargs) as reader:
+            assert [r.id for r in reader] == rows[epoch * per_epoch + row:], (epoch, row)
+    with pytest.raises(ValueError, match=rf"resume_from=\(1, {per_epoch + 1}\) skips {per_epoch + 1} rows of epoch 1, but shard 0 of 3 reads {per_epoch} rows in that epoch; pass a row from 0 to {per_epoch}"):
+        make_reader(dataset, resume_from=(1, per_epoch + 1), **kwargs)
+    with pytest.raises(ValueError, match=r"resume_from=\(0, -1\) has a negative row; epochs and rows count from 0, so pass the \(epoch, row\)"):
+        make_reader(dataset, resume_from=(0, -1), **kwargs)
 
 
 def _loader_passes(loader, passes: int) -> list[list[list[int]]]:
