@@ -1,14 +1,21 @@
-"""Benchmark (not a test): warm wall time of launching a trivial function on 2 ranks.
+"""Benchmark (not a test): warm wall time of launching a function on 2 ranks.
 
 One ``local[2]`` SparkSession (``spark.ui.enabled=false``, ``PYSPARK_PYTHON`` = this
 interpreter) runs, in the same process:
 
-- ours:  ``HorovodRunner(np=2, driver_log_verbosity="log_callback_only").run(trivial)``
-- peer:  ``TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(trivial)``
+- ours:  ``HorovodRunner(np=2, driver_log_verbosity="log_callback_only").run(fn)``
+- peer:  ``TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(fn)``
   (pyspark.ml.torch: a barrier ``mapInArrow`` stage whose tasks each start
   ``torch_run_process_wrapper`` -> ``torch.distributed.run`` -> the function's process)
 - floor: a bare Spark barrier stage,
   ``sc.parallelize(range(2), 2).barrier().mapPartitions(lambda it: [1]).collect()``
+
+``fn`` is, with ``--fn init`` (the default), what a training function starts with: ours
+imports ``sparkhvd.collective.torch`` and calls ``hvd.init()``; the peer imports
+``torch.distributed`` and calls ``init_process_group("gloo")`` (and destroys it). With ``--fn
+trivial`` both run ``return 1`` and import nothing. Ours forks its ranks from the warm zygote
+(runner/_zygote.py, docs/performance.md) from the second run on; run with ``SPARKHVD_WARM=0`` in
+the environment for fresh rank processes, the baseline.
 
 Each gets one warm-up run (floor first, then ours, then the peer; each is reported as that
 launch's first run), then ``--reps`` timed runs, interleaved ours / peer / floor (the order
@@ -27,6 +34,8 @@ bench` installs it with the ``bench`` extra.
     python bench/launch.py
     python bench/launch.py --reps 9
     python bench/launch.py --no-peer          # ours and the floor only (seconds, not minutes)
+    python bench/launch.py --fn trivial       # return 1 on both sides
+    SPARKHVD_WARM=0 python bench/launch.py    # no warm zygote: every rank a fresh process
 """
 
 from __future__ import annotations
@@ -54,6 +63,26 @@ def trivial():
     return 1
 
 
+def ours_init():
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    return 1 if hvd.size() == NP else hvd.size()
+
+
+def peer_init():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    size = dist.get_world_size()
+    dist.destroy_process_group()
+    return 1 if size == NP else size
+
+
+FNS = {"init": (ours_init, peer_init), "trivial": (trivial, trivial)}
+FN = "init"  # set from --fn
+
+
 # ---------------------------------------------------------------------------------------------
 def require_pandas() -> str:
     """TorchDistributor(local_mode=False) needs real pandas (pyspark's ml extra)."""
@@ -76,7 +105,7 @@ def make_ours(np: int = NP):
     from sparkhvd import HorovodRunner
 
     def ours():
-        result = HorovodRunner(np=np, driver_log_verbosity="log_callback_only").run_all(trivial)
+        result = HorovodRunner(np=np, driver_log_verbosity="log_callback_only").run_all(FNS[FN][0])
         LOG_DIRS.append(result.log_dir)
         assert result.value == 1, result.values
 
@@ -94,7 +123,7 @@ def make_peer():
     logger.propagate = False
 
     def peer():
-        value = TorchDistributor(num_processes=NP, local_mode=False, use_gpu=False).run(trivial)
+        value = TorchDistributor(num_processes=NP, local_mode=False, use_gpu=False).run(FNS[FN][1])
         assert value == 1, value
 
     return peer
@@ -218,12 +247,18 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5, help="timed runs of each (default 5)")
     parser.add_argument("--no-peer", action="store_true", help="skip TorchDistributor")
     parser.add_argument("--no-breakdown", action="store_true", help="skip ours' time breakdown")
+    parser.add_argument("--fn", choices=sorted(FNS), default="init",
+                        help="init: each side initialises its process group (default); trivial: return 1")
     args = parser.parse_args()
+    global FN
+    FN = args.fn
     if args.reps < 1:
         parser.error("--reps must be >= 1")
     wall = time.perf_counter()
 
     os.environ["PYSPARK_PYTHON"] = sys.executable
+    # Marks the zygotes this benchmark's tasks start (they inherit the environment), ended at the end.
+    os.environ["SPARKHVD_BENCH_LAUNCH"] = str(os.getpid())
     from pyspark.sql import SparkSession
 
     spark = (SparkSession.builder.master(f"local[{NP}]").appName("sparkhvd-bench-launch")
@@ -272,8 +307,8 @@ def main() -> int:
     import torch
 
     labels = {
-        "ours": "ours: HorovodRunner(np=2).run(trivial)",
-        "peer": "TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(trivial)",
+        "ours": f"ours: HorovodRunner(np=2).run({FNS[FN][0].__name__})",
+        "peer": f"TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run({FNS[FN][1].__name__})",
         "floor": "floor: bare Spark barrier stage, 2 tasks",
     }
     rows = []
@@ -284,7 +319,7 @@ def main() -> int:
     ours_med = statistics.median(samples["ours"])
     floor_med = statistics.median(samples["floor"])
     print()
-    print(f"## Launch of a trivial function at np={NP} on {sc.master}: wall seconds, {args.reps} warm runs "
+    print(f"## Launch of fn={FN} at np={NP} on {sc.master}: wall seconds, {args.reps} warm runs "
           "each (interleaved)")
     print()
     print(table(["launch", "median", "min", "max", "first run"], rows))
@@ -307,7 +342,13 @@ def main() -> int:
               "runs torch_run_process_wrapper -> torch.distributed.run (static rendezvous, nnodes=2, "
               "nproc_per_node=1) -> the function. Its run() sleeps a fixed 1.0 s after starting its "
               "log-streaming server and 0.2 s when stopping it; both are in its times.")
-    print("- trivial() returns 1; neither side initialises a process group.")
+    if FN == "trivial":
+        print("- trivial() returns 1; neither side initialises a process group.")
+    else:
+        print("- ours_init() imports sparkhvd.collective.torch and calls hvd.init(); peer_init() calls "
+              'torch.distributed.init_process_group("gloo") and destroys it.')
+    warm = os.environ.get("SPARKHVD_WARM", "1") != "0"
+    print(f"- ours' ranks: {'forked from the warm zygote (runner/_zygote.py)' if warm else 'fresh processes (SPARKHVD_WARM=0)'}.")
     if parts:
         print()
         print(f"## Where ours' time goes: {args.reps} more runs each, instrumented (driver-side timestamps "
@@ -328,7 +369,23 @@ def main() -> int:
           f"python {platform.python_version()}, torch {torch.__version__}, pyspark {pyspark.__version__}, "
           f"java via {os.environ.get('JAVA_HOME') or 'PATH'}; whole benchmark {time.perf_counter() - wall:.0f} s")
     spark.stop()
+    stop_zygotes()
     return 0
+
+
+def stop_zygotes() -> None:
+    """End the warm zygotes this benchmark's tasks started (they would otherwise idle out)."""
+    mark = f"SPARKHVD_BENCH_LAUNCH={os.getpid()}".encode()
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if b"sparkhvd.runner._zygote" not in f.read():
+                    continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    os.kill(int(name), 9)
+        except (OSError, ValueError):
+            pass
 
 
 if __name__ == "__main__":

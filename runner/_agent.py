@@ -3,24 +3,26 @@
 It registers with the driver, receives its rank, starts the rank's own Python process with
 the GPU pinning in its environment (a fresh process, so the pinning holds before any CUDA
 work even when Spark reuses its Python workers), forwards that process's stdout and stderr
-to the driver line by line, and reports its exit code. The secret reaches the rank process on
+to the driver in batches of lines, and reports its exit code. The secret reaches the rank process on
 its stdin, never on a command line or in the environment.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ._client import RunAborted, ServiceClient, ServiceError
 from ._commits import ENV_COMMIT_DIR
 from ._host import host_id
-from ._protocol import Kind
+from ._protocol import MAX_PROGRESS_CHARS, Kind
 
 #: Environment of the rank process; read by ``_worker`` only.
 ENV_DRIVER = "SPARKHVD_DRIVER"
@@ -30,6 +32,13 @@ ENV_PARENT = "SPARKHVD_PARENT_PID"
 ENV_NETWORK_INTERFACE = "SPARKHVD_NETWORK_INTERFACE"
 ENV_RETURN = "SPARKHVD_RETURN"  # "all": every rank ships its value; "0": only rank 0 does
 MAX_LINE_BYTES = 64 * 1024  # longer lines reach the driver in pieces of this size
+READ_BYTES = 64 * 1024  # a pipe's default capacity: one read takes all there is
+# A LOG frame goes when this many characters of lines are pending, or this long after the oldest
+# was read. Its JSON (at most 6 bytes a character, 12 for a pair of surrogates, plus a progress
+# state of at most MAX_PROGRESS_CHARS) stays well under the protocol's MAX_META_BYTES.
+FLUSH_CHARS = 64 * 1024
+FLUSH_S = 0.05
+PROGRESS_S = 0.25  # a progress bar's state goes to the driver at most this often (4 a second)
 PUMP_DRAIN_S = 5.0  # after the rank's process group is gone, its pipes close at once
 
 
@@ -46,6 +55,7 @@ class TaskSpec:
     every_value: bool = True  # False: only rank 0 ships its return value (HorovodRunner.run)
     attempt: int = 0  # 0, then 1, 2, ... for each restart (HorovodRunner(max_restarts=))
     commit_dir: str | None = None  # where rank 0 writes elastic commits (runner/_commits.py); default: the driver
+    env: tuple = field(default=(), repr=False)  # (name, value) pairs added to the rank's environment (MLflow)
 
 
 def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[str] | None = None,
@@ -78,9 +88,7 @@ def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[s
         _report(client, Kind.EXIT, {"rank": rank, "code": 1})
         client.close()
         return {"task": task, "rank": rank, "exit": 1, "note": str(exc)}
-    proc = subprocess.Popen([spec.python or sys.executable, "-m", "sparkhvd.runner._worker"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=env, start_new_session=True)
+    proc = _spawn(spec.python, env)
     if on_spawn is not None:
         on_spawn(proc)
     proc.stdin.write(spec.secret)
@@ -113,6 +121,7 @@ def _rank_env(spec: TaskSpec, placement: dict, gpus: list[str] | None) -> dict:
     import json
 
     env = dict(os.environ)
+    env.update(spec.env)
     env.update({
         ENV_DRIVER: f"{spec.address[0]}:{spec.address[1]}",
         ENV_RUN_ID: spec.run_id,
@@ -170,18 +179,138 @@ def omp_threads(local_size: int) -> int:
     return max(1, cpus // max(1, local_size))
 
 
+class _Lines:
+    """Splits a stream's bytes into lines as a terminal shows them (the pure part of ``_pump``).
+
+    A line rewritten with ``\\r`` (a tqdm bar) counts once, as its final state: the text after its
+    last ``\\r``. While such a line is unfinished, ``progress()`` is its current state; only that
+    state is held, so a bar updated forever costs no memory. Lines longer than ``MAX_LINE_BYTES``
+    come out in pieces of that size.
+    """
+
+    def __init__(self):
+        self._partial = b""  # the unfinished line
+        self._live = False  # whether it has been rewritten with \r
+
+    def feed(self, data: bytes) -> list:
+        buf = self._partial + data
+        end = buf.rfind(b"\n")
+        lines = []
+        if end >= 0:
+            for raw in buf[:end].split(b"\n"):
+                lines.extend(_pieces(_final(raw) if b"\r" in raw else raw))
+            buf = buf[end + 1:]
+            self._live = False
+        if b"\r" in buf:
+            self._live = True
+            cut = buf.rstrip(b"\r").rfind(b"\r")
+            buf = buf[cut + 1:]  # the current state, and a trailing \r that the next write overwrites
+        while len(buf) > MAX_LINE_BYTES:
+            lines.append(buf[:MAX_LINE_BYTES].decode("utf-8", errors="replace"))
+            buf = buf[MAX_LINE_BYTES:]
+        self._partial = buf
+        return lines
+
+    def progress(self) -> str | None:
+        """The unfinished line's state if it is a bar (rewritten with ``\\r``), else None."""
+        if not self._live:
+            return None
+        state = self._partial.rstrip(b"\r")[:MAX_PROGRESS_CHARS].decode("utf-8", errors="replace")
+        return state or None
+
+    def end(self) -> list:
+        """The unfinished line, at the end of the stream."""
+        lines = _pieces(_final(self._partial)) if self._partial else []
+        self._partial, self._live = b"", False
+        return lines
+
+
+def _final(raw: bytes) -> bytes:
+    """What a terminal leaves of a line rewritten with \\r: the text after the last one (before
+    any trailing \\r, as in a Windows line end)."""
+    raw = raw.rstrip(b"\r")
+    return raw[raw.rfind(b"\r") + 1:]
+
+
+def _pieces(raw: bytes) -> list:
+    return [raw[i:i + MAX_LINE_BYTES].decode("utf-8", errors="replace")
+            for i in range(0, max(len(raw), 1), MAX_LINE_BYTES)]
+
+
 def _pump(client: ServiceClient, rank: int, stream: str, pipe) -> None:
-    """Forward a pipe's lines to the driver as they come (very long lines in pieces)."""
+    """Forward a pipe's output to the driver as it comes, in batches: a LOG frame when
+    ``FLUSH_CHARS`` are pending or ``FLUSH_S`` after the oldest pending line, and at the end. An
+    unfinished ``\\r``-rewritten line goes along as the frame's ``progress``, at most every
+    ``PROGRESS_S``."""
+    fd = pipe.fileno()
+    poller = select.poll()  # not select.select: an executor's descriptors may pass FD_SETSIZE
+    poller.register(fd, select.POLLIN)
+    lines = _Lines()
+    batch: list = []
+    pending = 0  # characters in batch
+    oldest = 0.0  # when batch's first line was read
+    shown = None  # the progress state last sent
+    shown_at = -PROGRESS_S
     forward = True
-    with pipe:
-        for raw in iter(lambda: pipe.readline(MAX_LINE_BYTES), b""):
-            if not forward:
-                continue  # keep draining so the process never blocks on a full pipe
-            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+
+    def send(progress: str | None) -> None:
+        nonlocal batch, pending, shown, shown_at, forward
+        if forward and (batch or progress is not None):
             try:
-                client.notify(Kind.LOG, {"rank": rank, "stream": stream, "lines": [line]})
+                meta = {"rank": rank, "stream": stream, "lines": batch}
+                if progress is not None:
+                    meta["progress"] = progress
+                client.notify(Kind.LOG, meta)
             except Exception:  # noqa: BLE001 - the driver has gone or refused: stop forwarding, not draining
                 forward = False
+        if batch:
+            shown = None  # these lines may have finished the bar last shown
+        if progress is not None:
+            shown, shown_at = progress, time.monotonic()
+        batch, pending = [], 0
+
+    with pipe:
+        while True:
+            state = lines.progress()
+            due = [oldest + FLUSH_S] if batch else []
+            if state is not None and state != shown:
+                due.append(shown_at + PROGRESS_S)
+            wait = None if not due else max(0.0, min(due) - time.monotonic())
+            if poller.poll(None if wait is None else wait * 1000):
+                data = os.read(fd, READ_BYTES)
+                if not data:
+                    break
+                for line in lines.feed(data):
+                    if pending + len(line) > FLUSH_CHARS:
+                        send(None)
+                    if not batch:
+                        oldest = time.monotonic()
+                    batch.append(line)
+                    pending += len(line) + 1
+            now = time.monotonic()
+            state = lines.progress()
+            bar = state if state is not None and state != shown and now >= shown_at + PROGRESS_S else None
+            if bar is not None or (batch and (pending >= FLUSH_CHARS or now >= oldest + FLUSH_S)):
+                send(bar)
+        batch.extend(lines.end())
+        send(None)
+
+
+def _spawn(python: str | None, env: dict):
+    """Start the rank's process: forked from this executor's warm zygote (runner/_zygote.py) when
+    there is one, else a fresh ``python -m sparkhvd.runner._worker``. Either has Popen's surface."""
+    from . import _zygote
+
+    if _zygote.enabled(python):
+        try:
+            return _zygote.spawn(env)
+        except Exception as exc:  # noqa: BLE001 - any failure of the warm path: a fresh process
+            if os.environ.get(_zygote.ENV_DEBUG) == "1":
+                sys.stderr.write(f"sparkhvd: the warm zygote did not start this rank ({type(exc).__name__}: {exc}); "
+                                 "starting a fresh process.\n")
+    return subprocess.Popen([python or sys.executable, "-m", "sparkhvd.runner._worker"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, start_new_session=True)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -19,9 +19,12 @@ and loads it; ``state.sync()`` then gives it to the other ranks.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import logging
 import os
 import pickle
+import secrets
 import shutil
 import tempfile
 import threading
@@ -41,7 +44,9 @@ class Commit:
 
     ``meta``: the rank's description (``key``, ``seq``, ``fields``: the state's plain values such
     as epoch and batch, ``size``: the ranks it was made with, ``bytes``, and ``path`` where it lives
-    in a ``commit_dir``); ``blob``: the pickled state, None where it is spilled or in a commit_dir.
+    in a ``commit_dir`` with ``sha256``, the digest rank 0 checks before unpickling the file), plus
+    the driver's ``attempt`` (the launch that sent it) and ``at``; ``blob``: the pickled state, None
+    where it is spilled or in a commit_dir.
     """
 
     meta: dict
@@ -67,24 +72,49 @@ class CommitStore:
         self.count = 0  # commits received in the whole run
         self._commits: dict[str, Commit] = {}
         self._spill_dir: str | None = None
+        self._spills = itertools.count()  # spill files are never reused, so removing an old one never hits a new one
         self._lock = threading.Lock()
+        self._closed = False
 
-    def put(self, meta: dict, blob: bytes) -> None:
-        """Keep ``meta``'s commit of its state instead of the one before it."""
+    def put(self, meta: dict, blob: bytes, *, attempt: int = 0) -> bool:
+        """Keep ``meta``'s commit of its state instead of the one before it; False (and nothing kept) when it is
+        not newer: a commit of the same attempt with no higher ``seq``, or any commit once the store is closed.
+
+        OSError where a spill file cannot be written (a full disk): the previous commit stays in force.
+        """
         key = str(meta["key"])
-        meta = dict(meta, at=time.monotonic())
-        spilled = None
-        if len(blob) > self.memory_bytes:
-            spilled = self._spill(key, int(meta.get("seq", 0)), blob)
-            blob = None
+        seq = int(meta.get("seq", 0))
         with self._lock:
             old = self._commits.get(key)
-            self._commits[key] = Commit(meta=meta, blob=blob, spilled=spilled)
-            self.count += 1
+            if self._closed or (old is not None and old.meta.get("attempt") == attempt and old.meta.get("seq", 0) >= seq):
+                return False
+        meta = dict(meta, at=time.monotonic(), attempt=attempt)
+        spilled = None
+        if len(blob) > self.memory_bytes:
+            spilled = self._spill(key, seq, blob)
+            blob = None
+        with self._lock:
+            current = self._commits.get(key)
+            if self._closed or current is not old:  # closed, or a newer one was kept meanwhile
+                keep = False
+            else:
+                self._commits[key] = Commit(meta=meta, blob=blob, spilled=spilled)
+                self.count += 1
+                keep = True
+        if not keep:
+            _remove_file(spilled)
+            return False
         if old is not None:
             _remove_file(old.spilled)
             if old.meta.get("path") and old.meta.get("path") != meta.get("path"):
                 _remove_path(old.meta["path"])
+        return True
+
+    def attempt_of(self, key: str) -> int | None:
+        """The attempt whose commit of ``key`` is kept; None when there is none."""
+        with self._lock:
+            commit = self._commits.get(key)
+            return None if commit is None else commit.meta.get("attempt", 0)
 
     def get(self, key: str) -> Commit | None:
         with self._lock:
@@ -99,6 +129,7 @@ class CommitStore:
         """Remove every commit: the spilled files and the run's folder in ``commit_dir``."""
         with self._lock:
             commits, self._commits = list(self._commits.values()), {}
+            self._closed = True
         for commit in commits:
             _remove_file(commit.spilled)
         if self._spill_dir is not None:
@@ -116,7 +147,7 @@ class CommitStore:
     def _spill(self, key: str, seq: int, blob: bytes) -> str:
         if self._spill_dir is None:
             self._spill_dir = tempfile.mkdtemp(prefix=f"sparkhvd-{self.run_id}-commits-")
-        path = os.path.join(self._spill_dir, f"{_safe(key)}-{seq}.pkl")
+        path = os.path.join(self._spill_dir, f"{_safe(key)}-{seq}-{next(self._spills)}.pkl")
         with open(path, "wb") as f:
             f.write(blob)
         return path
@@ -172,12 +203,13 @@ def check_commit_dir(url: str) -> None:
 
 
 class Publisher:
-    """Rank 0's thread that sends each commit off the rank; the newest waiting commit wins."""
+    """Rank 0's thread that sends each commit off the rank; per state, the newest waiting commit wins."""
 
     def __init__(self, ctx):
         self._ctx = ctx
         self._client = None
-        self._pending = None
+        self._token = secrets.token_hex(4)  # this process's commit_dir files: never another attempt's names
+        self._pending: dict[str, tuple] = {}  # state key -> its newest commit not yet taken, oldest key first
         self._busy = False
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="sparkhvd-commits")
@@ -185,19 +217,20 @@ class Publisher:
 
     def submit(self, meta: dict, snapshot, on_hosts_updated=None) -> None:
         with self._cv:
-            self._pending = (meta, snapshot, on_hosts_updated)  # replaces one not yet taken: only the newest matters
+            # Replaces this state's commit not yet taken (only the newest matters), never another state's.
+            self._pending[str(meta["key"])] = (meta, snapshot, on_hosts_updated)
             self._cv.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every submitted commit has reached the driver; True if it has."""
         with self._cv:
-            return self._cv.wait_for(lambda: self._pending is None and not self._busy, timeout)
+            return self._cv.wait_for(lambda: not self._pending and not self._busy, timeout)
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._pending is not None)
-                (meta, snapshot, on_hosts_updated), self._pending = self._pending, None
+                self._cv.wait_for(lambda: bool(self._pending))
+                meta, snapshot, on_hosts_updated = self._pending.pop(next(iter(self._pending)))
                 self._busy = True
             try:
                 update = self._send(meta, snapshot)
@@ -206,6 +239,7 @@ class Publisher:
                     growing = True
                     on_hosts_updated(*update)  # Spark has room for more ranks: the state resizes at its next commit
             except Exception as exc:  # noqa: BLE001 - the run goes on; the previous commit stays in force
+                self._drop_client()  # the next commit reconnects: a broken link must not lose every later one
                 print(f"sparkhvd: rank 0 could not send commit {meta.get('seq')} of {meta.get('key')} off the rank: "
                       f"{type(exc).__name__}: {exc}; the previous commit stays the one a restart resumes from.",
                       flush=True)
@@ -213,6 +247,14 @@ class Publisher:
                 with self._cv:
                     self._busy = False
                     self._cv.notify_all()
+
+    def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except OSError:
+                pass
 
     def _send(self, meta: dict, snapshot) -> list | None:
         """Send one commit; returns the driver's ``[timestamp, HostUpdateResult]`` when ranks can be added."""
@@ -225,14 +267,15 @@ class Publisher:
             fs, root = _filesystem(commit_dir)
             folder = f"{root.rstrip('/')}/{self._ctx.run_id}"
             fs.create_dir(folder, recursive=True)
-            path = f"{folder}/{_safe(meta['key'])}-{meta['seq']}.pkl"
+            path = f"{folder}/{_safe(meta['key'])}-{meta['seq']}-{self._token}.pkl"
             with fs.open_output_stream(path) as f:
                 f.write(blob)
+            meta["sha256"] = hashlib.sha256(blob).hexdigest()  # the driver's authenticated copy, checked before loading
             meta["path"] = commit_dir.rstrip("/") + path[len(root.rstrip("/")):] if "://" in commit_dir else path
             blob = b""
         if self._client is None:
             self._client = self._ctx.new_client()
-        return self._client.request(Kind.COMMIT, meta, blob).meta.get("hosts_updated")
+        return self._client.request(Kind.COMMIT, meta, blob).meta.get("hosts_updated")  # ERR raises ServiceError
 
 
 _publisher: Publisher | None = None
@@ -283,4 +326,10 @@ def fetch(key: str, *, data: bool = True):
         fs, path = _filesystem(meta["path"])
         with fs.open_input_stream(path) as f:
             blob = f.read()
-    return meta, pickle.loads(blob)  # from an authenticated frame, or rank 0's own file
+        digest = hashlib.sha256(blob).hexdigest()
+        if digest != meta.get("sha256"):
+            raise ValueError(
+                f"the commit file {meta['path']} is not the one rank 0 wrote (its SHA-256 is {digest}, the driver "
+                f"recorded {meta.get('sha256')}); something else wrote to commit_dir: give each run a commit_dir that "
+                "only it writes to. Nothing was loaded from it.")
+    return meta, pickle.loads(blob)  # from an authenticated frame, or a file whose digest came in one

@@ -1,13 +1,31 @@
-"""Where the ranks' output goes on the driver: live to stdout, and a file per rank."""
+"""Where the ranks' output goes on the driver: live to stdout, a file per rank, and which
+runs' log folders are kept.
+
+A run without ``log_dir=`` writes into a folder of its own under the log root
+(``$SPARKHVD_LOG_ROOT``, default ``<tempdir>/sparkhvd-logs-<user>``, made with mode 0o700).
+At the end of each run the folders of failed runs are kept, and of the successful ones the
+newest ``$SPARKHVD_KEEP_LOGS`` (default 5; 0 keeps none); older successful ones are removed.
+A folder given as ``log_dir=`` is never touched.
+"""
 
 from __future__ import annotations
 
 import collections
+import logging
 import os
+import shutil
 import sys
+import tempfile
 import threading
+import time
 
 VERBOSITIES = ("all", "log_callback_only")
+ENV_LOG_ROOT = "SPARKHVD_LOG_ROOT"
+ENV_KEEP_LOGS = "SPARKHVD_KEEP_LOGS"
+DEFAULT_KEEP_LOGS = 5
+SUCCEEDED = ".succeeded"  # marks a finished, successful run's folder: only these are ever removed
+
+log = logging.getLogger("sparkhvd.logs")
 
 
 class LogRouter:
@@ -16,7 +34,12 @@ class LogRouter:
     With ``verbosity="all"`` every line of every rank is printed as ``[rank] line``; with
     ``"log_callback_only"`` only what ranks send through ``log_to_driver`` is. Every line is
     also written to ``<log_dir>/rank-<rank>.log``, and the last lines of each rank are kept
-    for error messages.
+    for error messages. Each call writes its whole batch with one write and one flush.
+
+    A stream's unfinished ``\\r``-rewritten line (a tqdm bar; ``progress`` in a LOG frame) is
+    shown as one line rewritten in place, ``\\r[rank] text``, ended by a newline before any other
+    line; it reaches the log file only as its final state, the stream's next line (or, if none
+    ever comes, its last state at ``close``).
     """
 
     def __init__(self, log_dir: str, verbosity: str, out=None, tail_lines: int = 20):
@@ -26,33 +49,59 @@ class LogRouter:
         self._files: dict[int, object] = {}
         self._tails: dict[int, collections.deque] = {}
         self._tail_lines = tail_lines
+        self._bars: dict[tuple, str] = {}  # (rank, stream) -> its unfinished progress line's latest state
+        self._open: tuple | None = None  # the (rank, stream) whose progress line the cursor is at the end of
+        self._width = 0  # how many characters of that line's text are shown
         self._lock = threading.Lock()
         self._closed = False
 
     def path(self, rank: int) -> str:
         return os.path.join(self.log_dir, f"rank-{rank}.log")
 
-    def __call__(self, rank: int, stream: str, lines: list) -> None:
+    def __call__(self, rank: int, stream: str, lines: list, progress: str | None = None) -> None:
         out = self._out or sys.stdout
+        key = (rank, stream)
+        shown = self.verbosity == "all" or stream == "driver"
+        parts = []
         with self._lock:
             if self._closed:
                 return  # a frame that arrived after the run ended
             f = self._files.get(rank)
             if f is None:
-                f = self._files[rank] = open(self.path(rank), "a", encoding="utf-8", buffering=1)
+                f = self._files[rank] = open(self.path(rank), "a", encoding="utf-8")
                 self._tails[rank] = collections.deque(maxlen=self._tail_lines)
-            for line in lines:
-                f.write(f"{line}\n")
-                self._tails[rank].append(line)
-                if self.verbosity == "all" or stream == "driver":
-                    out.write(f"[{rank}] {line}\n")
-            out.flush()
+            if lines:
+                self._bars.pop(key, None)  # the first line is the bar's final state
+                f.write("\n".join(lines) + "\n")
+                f.flush()
+                self._tails[rank].extend(lines[-self._tail_lines:])
+                if shown:
+                    first = 0
+                    if self._open == key:  # rewrite the bar in place with its final state
+                        parts.append(f"\r[{rank}] {_padded(lines[0], self._width)}\n")
+                        first = 1
+                    elif self._open is not None:
+                        parts.append("\n")
+                    self._open = None
+                    parts.extend(f"[{rank}] {line}\n" for line in lines[first:])
+            if progress:
+                self._bars[key] = progress
+                if shown:
+                    if self._open not in (None, key):
+                        parts.append("\n")  # another stream's bar stays on its own line
+                    width = self._width if self._open == key else 0
+                    parts.append(f"\r[{rank}] {_padded(progress, width)}")
+                    self._open, self._width = key, len(progress)
+            if parts:
+                out.write("".join(parts))
+                out.flush()
 
     def note(self, line: str) -> None:
         """Write ``line`` into every rank's log file (where one run's restarts begin)."""
         with self._lock:
             for f in self._files.values():
                 f.write(f"{line}\n")
+                f.flush()
 
     def tail(self, rank: int) -> list:
         with self._lock:
@@ -65,6 +114,101 @@ class LogRouter:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            for (rank, _), state in self._bars.items():  # a bar whose process ended before its line did
+                self._files[rank].write(f"{state}\n")
+                self._tails[rank].append(state)
+            self._bars.clear()
+            if self._open is not None:
+                out = self._out or sys.stdout
+                out.write("\n")
+                out.flush()
+                self._open = None
             for f in self._files.values():
                 f.close()
             self._files.clear()
+
+
+def _padded(text: str, width: int) -> str:
+    """``text``, with spaces over what is left of a ``width``-character line it rewrites."""
+    return text + " " * (width - len(text))
+
+
+# ---- which log folders are kept ------------------------------------------------------------
+
+
+def keep_logs() -> int:
+    """How many successful runs' log folders are kept: ``$SPARKHVD_KEEP_LOGS``, default 5."""
+    raw = os.environ.get(ENV_KEEP_LOGS, str(DEFAULT_KEEP_LOGS))
+    try:
+        keep = int(raw)
+    except ValueError:
+        keep = -1
+    if keep < 0:
+        raise ValueError(f"{ENV_KEEP_LOGS}={raw!r} is not a whole number >= 0; set it to how many successful runs' "
+                         f"log folders to keep (default {DEFAULT_KEEP_LOGS}; 0 keeps none), or pass log_dir= to keep "
+                         "a run's logs where you choose.")
+    return keep
+
+
+def log_root() -> str:
+    """The folder every run without ``log_dir=`` keeps its logs under (made if missing)."""
+    root = os.environ.get(ENV_LOG_ROOT)
+    if root:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        return root
+    try:
+        import getpass
+
+        user = getpass.getuser()
+    except (KeyError, OSError, ImportError):  # no passwd entry (some containers)
+        user = str(os.getuid())
+    root = os.path.join(tempfile.gettempdir(), f"sparkhvd-logs-{user}")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    # A shared temp dir: a folder or link another user put there must not receive our logs.
+    info = os.lstat(root)
+    what = ("a link" if os.path.islink(root)  # (a file there already failed makedirs, with its own clear error)
+            else f"owned by uid {info.st_uid}, not by you ({os.getuid()})" if info.st_uid != os.getuid() else None)
+    if what is not None:
+        raise PermissionError(f"The sparkhvd log folder {root} is {what}; remove it, set {ENV_LOG_ROOT} to a folder "
+                              "of your own, or pass log_dir=.")
+    return root
+
+
+def run_log_dir(run_id: str, log_dir: str | None = None) -> str:
+    """A run's log folder, at its start: ``log_dir`` as given (made if missing), or a new folder
+    ``<log_root()>/<date>-<time>-<run_id>-*`` (mode 0o700)."""
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+        return log_dir
+    keep_logs()  # a bad setting fails the run before it starts, not at its end
+    return tempfile.mkdtemp(prefix=f"{time.strftime('%Y%m%d-%H%M%S')}-{run_id}-", dir=log_root())
+
+
+def end_run_logs(log_dir: str, *, succeeded: bool, given: bool) -> list:
+    """At a run's end: mark its folder successful (unless ``given`` by the user), then remove all
+    but the newest ``keep_logs()`` successful folders under the log root. Folders of failed runs,
+    runs still going and anything else there are kept. Returns the folders removed; never raises
+    (a run's outcome matters more than its old logs)."""
+    if given or not succeeded:
+        return []
+    try:
+        root = os.path.dirname(os.path.abspath(log_dir))
+        with open(os.path.join(log_dir, SUCCEEDED), "w") as f:
+            f.write(f"{time.time()}\n")
+        done = []
+        for name in os.listdir(root):
+            try:
+                done.append((os.stat(os.path.join(root, name, SUCCEEDED)).st_mtime_ns, name))
+            except OSError:
+                continue  # not a successful run's folder
+        done.sort(reverse=True)
+        removed = []
+        for _, name in done[keep_logs():]:
+            path = os.path.join(root, name)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        return removed
+    except (OSError, ValueError) as exc:
+        log.warning("sparkhvd: could not clean up old log folders next to %s (%s: %s); remove them by hand, or set "
+                    "%s to a folder you can write.", log_dir, type(exc).__name__, exc, ENV_LOG_ROOT)
+        return []

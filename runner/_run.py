@@ -47,6 +47,28 @@ class Deadline:
         return f"{what} within {self.seconds:g} s; raise {self.setting}"
 
 
+WAIT_NOTE_S = 5.0  # a wait with no progress for this long is said once on the driver
+
+
+class WaitNote:
+    """Says once, on the driver, what a wait is waiting for, when it has seen no progress for ``WAIT_NOTE_S``."""
+
+    def __init__(self, verbose: bool):
+        self.verbose = verbose
+        self.said = False
+        self._seen = object()
+        self._since = time.monotonic()
+
+    def progress(self, seen, text) -> None:
+        """``seen``: what changes on progress (a count); ``text()``: the line to print, built only when due."""
+        now = time.monotonic()
+        if seen != self._seen:
+            self._seen, self._since = seen, now
+        elif self.verbose and not self.said and now - self._since >= WAIT_NOTE_S:
+            self.said = True
+            print(f"[sparkhvd] {text()}", flush=True)
+
+
 #: The type every rank reports when it leaves at a commit for the driver to relaunch more ranks (_core/_elastic.py).
 RESIZE = "RanksChanged"
 RESIZE_WAIT_S = 300.0  # how long the first rank to leave for a resize waits for the others (rank 0 sends its commit)
@@ -58,6 +80,8 @@ def supervise(service: DriverService, launcher: Launcher, logs: LogRouter, *, np
     """Return when every rank has returned its value (False), or left at a commit to be relaunched with more ranks
     (True, after ``can_grow()`` said Spark has slots for them); raise HorovodRunError otherwise."""
     start = Deadline(start_timeout, "start_timeout")
+    registering = WaitNote(logs.verbosity == "all")
+    started_at = time.monotonic()
     first_problem_at = None
     resize_at = None
     grow_checked_at = -GROW_CHECK_S  # the first check as soon as every rank has registered
@@ -80,16 +104,30 @@ def supervise(service: DriverService, launcher: Launcher, logs: LogRouter, *, np
             if failures and service.hosts_updated is not None and not dead and not launch_failure \
                     and all(f.type == RESIZE for f in failures):
                 if len(failures) == np and len(exits) == np:  # every rank left at the same commit
-                    launcher.join(STOP_WAIT_S)
+                    if not launcher.join(STOP_WAIT_S):
+                        launcher.stop()  # the stage's tasks outlive their ranks: cancel it before relaunching
                     return True
-                resize_at = resize_at or time.monotonic()
-                if time.monotonic() - resize_at < RESIZE_WAIT_S:
-                    continue
+                now = time.monotonic()
+                resize_at = resize_at or now
+                if now - resize_at < RESIZE_WAIT_S:
+                    # Rank 0 may be sending the commit the relaunch resumes from; a rank that Spark lost meanwhile
+                    # is a failure, handled below, not something to wait out.
+                    if now - lost_checked_at >= _LOST_POLL_S:
+                        lost, lost_checked_at = launcher.lost(_unfinished_peers(service, failures, exits)), now
+                    if (stalled := stalls.check(service)) is not None:  # rank 0's heartbeats stopped, say
+                        stalled.failed_at = now
+                        _stop(service, launcher, stalls.abort_reason)
+                        raise stalled
+                    if lost is None:
+                        continue
             if can_grow is not None and service.hosts_updated is None and len(registered) == np and not failures \
                     and time.monotonic() - grow_checked_at >= GROW_CHECK_S:
                 grow_checked_at = time.monotonic()
                 if can_grow():
                     service.announce_growth()
+            if len(registered) < np and not (failures or dead or launch_failure):
+                registering.progress(len(registered), lambda: _registering(registered, np, started_at, launcher,
+                                                                           start_timeout))
             if failures or dead or launch_failure:
                 now = time.monotonic()
                 if first_problem_at is None:
@@ -131,6 +169,15 @@ def supervise(service: DriverService, launcher: Launcher, logs: LogRouter, *, np
     except KeyboardInterrupt:
         _stop(service, launcher, "the run was interrupted on the driver (KeyboardInterrupt)")
         raise
+
+
+def _registering(registered: set, np: int, started_at: float, launcher: Launcher, start_timeout: float) -> str:
+    """What the driver waits for while tasks have not registered, with Spark's word on the stage where it has one."""
+    missing = sorted(set(range(np)) - registered)
+    stage = getattr(launcher, "waiting_for", lambda: "")()
+    return (f"{len(registered)} of {np} ranks registered after {time.monotonic() - started_at:.0f} s; waiting for "
+            f"task{'s' if len(missing) > 1 else ''} {_ranks(missing)} on {launcher.description}{stage}; will wait up "
+            f"to {start_timeout:g} s (start_timeout)")
 
 
 def _unfinished_peers(service: DriverService, failures: list[Failure], exits: dict) -> dict:

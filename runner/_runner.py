@@ -8,18 +8,19 @@ import numbers
 import os
 import secrets
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
 
 from ._agent import TaskSpec
 from ._commits import CommitStore
-from ._errors import HorovodRunError
+from ._errors import HorovodRunError, StartTimeoutError
 from ._launcher import LocalLauncher
-from ._logs import VERBOSITIES, LogRouter
+from ._logs import VERBOSITIES, LogRouter, end_run_logs, run_log_dir
+from ._mlflow import shared_run
 from ._protocol import new_secret
 from ._run import supervise
+from ._script import as_payload
 from ._service import DriverService
 
 LARGE_PAYLOAD_BYTES = 10 * 1024 * 1024
@@ -71,6 +72,7 @@ class RestartEvent:
     failed_at: float = field(repr=False, default=0.0)
     commit: dict | None = None
     seconds: float | None = None
+    counted: bool = True  # False: not one of max_restarts (a grown stage that could not start, run again smaller)
 
     def line(self, run_id: str) -> str:
         if self.commit is None:
@@ -85,8 +87,13 @@ class RestartEvent:
 
     def what(self) -> str:
         if self.lost is None:
+            if self.np_after == self.np_before:
+                return (f"relaunching with np={self.np_after} at a commit: the task slots Spark had free for more "
+                        "ranks were taken meanwhile")
             return (f"growing from np={self.np_before} to np={self.np_after} at a commit, as Spark has task slots for "
                     "more ranks")
+        if not self.counted:
+            return f"going back from np={self.np_before} to np={self.np_after} after {self.lost}"
         return f"restart {self.attempt - 1} of {self.attempts - 1} after {self.lost}"
 
 
@@ -195,37 +202,47 @@ class HorovodRunner:
     def np(self) -> int:
         return self.config.np
 
-    def run(self, main, **kwargs):
+    def run(self, main, *args, **kwargs):
         """Run ``main(**kwargs)`` on every rank; return rank 0's value.
 
         Only rank 0's value travels to the driver: the other entries of
         ``self.last_result.values`` are None. ``run_all`` returns every rank's value.
+
+        ``main`` may also be the path of a Python script followed by its command-line arguments:
+        ``run("train.py", "--epochs", "3")`` runs it on every rank as ``python train.py --epochs 3``
+        would (as ``__main__``, its folder first on ``sys.path``; the source is read on the driver and
+        shipped) and returns None. ``sys.exit(0)`` is success; another exit status fails the run.
+        Where the driver has an active MLflow run, the ranks log into it (docs/cli.md).
         """
-        return self._run(main, kwargs, every_value=False).value
+        with shared_run() as env:
+            return self._run(main, kwargs, every_value=False, args=args, env=env).value
 
-    def run_all(self, main, **kwargs) -> RunResult:
-        """Run ``main(**kwargs)`` on every rank; return a RunResult with every rank's value."""
-        return self._run(main, kwargs, every_value=True)
+    def run_all(self, main, *args, **kwargs) -> RunResult:
+        """Run ``main(**kwargs)``, or a script as ``run`` does, on every rank; return a RunResult with every
+        rank's value (None for each rank of a script)."""
+        with shared_run() as env:
+            return self._run(main, kwargs, every_value=True, args=args, env=env)
 
-    def _run(self, main, kwargs: dict, *, every_value: bool) -> RunResult:
+    def _run(self, main, kwargs: dict, *, every_value: bool, args: tuple = (), env: dict | None = None) -> RunResult:
+        main, kwargs = as_payload(main, args, kwargs)  # a script path becomes _script.run_script and its source
         if not callable(main):
-            raise TypeError(f"HorovodRunner.run needs a function to run, got {type(main).__name__}.")
+            raise TypeError(f"HorovodRunner.run needs a function to run, got {type(main).__name__}; pass a function, "
+                            "or the path of a Python script (run('train.py', '--epochs', '3')).")
         cfg = self.config
         np = abs(cfg.np)
         started = time.monotonic()
         payload = _pickle(main, kwargs)
         sc = None
         if cfg.np > 0:
-            from ._spark import check_slots, spark_context
+            from ._spark import preflight, spark_context
 
             sc = spark_context(np)
-            check_slots(sc, np)
+            preflight(sc, np, verbose=cfg.driver_log_verbosity == "all")  # slots, GPUs, the executors' Python
             bind_host = _driver_bind_host(sc)
         else:
             bind_host = "127.0.0.1"
         run_id = secrets.token_hex(4)
-        log_dir = cfg.log_dir or tempfile.mkdtemp(prefix=f"sparkhvd-{run_id}-")
-        os.makedirs(log_dir, exist_ok=True)
+        log_dir = run_log_dir(run_id, cfg.log_dir)  # cfg.log_dir, or a new folder under the log root (_logs.py)
         logs = LogRouter(log_dir, cfg.driver_log_verbosity)
         commits = CommitStore(commit_dir=cfg.commit_dir, run_id=run_id)
         secret = new_secret()
@@ -234,6 +251,7 @@ class HorovodRunner:
         restarts: list[RestartEvent] = []
         n = np
         target = cfg.max_np or np  # what a run shrunk by a restart, or started below max_np, grows back to
+        grew_from = None  # the np before this launch grew the run
         try:
             for launch in itertools.count():
                 launcher = _launcher(sc, n)
@@ -242,53 +260,79 @@ class HorovodRunner:
                           f"{_size(len(payload))}; logs in {log_dir}", flush=True)
                 event = restarts[-1] if restarts else None
                 service = DriverService(np=n, secret=secret, payload=payload, bind_host=bind_host, on_log=logs,
-                                        run_id=run_id, commits=commits,
+                                        run_id=run_id, commits=commits, attempt=launch,
                                         on_restore=None if event is None else functools.partial(
                                             _resumed, event, run_id))
                 cut_off = ()
                 try:
                     launcher.start(TaskSpec(address=service.address, secret=secret, run_id=run_id,
                                             stall_tasks=cfg._stall_tasks, network_interface=cfg.network_interface,
-                                            every_value=every_value, attempt=launch, commit_dir=cfg.commit_dir))
+                                            every_value=every_value, attempt=launch, commit_dir=cfg.commit_dir,
+                                            env=tuple((env or {}).items())))
                     grown = supervise(service, launcher, logs, np=n, start_timeout=cfg.start_timeout, run_id=run_id,
                                       can_grow=None if sc is None or n >= target else functools.partial(
-                                          _has_free_slots, sc, n))
+                                          _has_free_slots, sc))
                     _resumed(event, run_id, None, at=service.placed_at)  # where no rank asked for a commit
                     if not grown:
                         self.last_result = _result(service, logs, n, run_id, payload, started, every_value,
                                                    restarts)
                         return self.last_result
-                    lost, failed_at = None, time.monotonic()
+                    lost, failed_at, counted = None, time.monotonic(), True
                 except HorovodRunError as error:
-                    errors.append(error)
-                    if not error.retryable or len(errors) == attempts:
-                        raise _final(errors, attempts) from error.__cause__
-                    lost, failed_at = error.cause, getattr(error, "failed_at", time.monotonic())
-                    cut_off = _hosts_of(service, getattr(error, "silent_ranks", ()))
+                    if isinstance(error, StartTimeoutError) and grew_from is not None:
+                        # The slots Spark had free went to another job before the larger stage started: go on with
+                        # the ranks the run had, from the commit they left at, and grow no more.
+                        lost, failed_at, counted = (f"the np={n} stage did not start within start_timeout: Spark's free "
+                                                    "task slots were taken", time.monotonic(), False)
+                        target = n_before = grew_from
+                    else:
+                        if isinstance(error, StartTimeoutError) and launch:
+                            error.retryable, error.cause = True, "the relaunched ranks did not start in time"
+                        errors.append(error)
+                        if not error.retryable or len(errors) == attempts:
+                            raise _final(errors, attempts) from error.__cause__
+                        lost, failed_at, counted = error.cause, getattr(error, "failed_at", time.monotonic()), True
+                        cut_off = _hosts_of(service, getattr(error, "silent_ranks", ()))
                 finally:
                     service.close()
                 if sc is not None and cut_off:
                     _replace_executors(sc, cut_off, run_id)
+                grew_from = None
                 try:
-                    if lost is None:  # every rank left at a commit: Spark has slots for more
-                        n = min(target, max(n, _task_slots(sc)))
+                    if lost is None:  # every rank left at a commit: Spark had free slots for more
+                        grew_from, n = n, min(target, max(n, _free_slots(sc)))
+                    elif not counted:
+                        n = n_before
                     else:
-                        n = np if sc is None else _slots_for_restart(sc, np, cfg.min_np, cfg.start_timeout)
+                        n = np if sc is None else _slots_for_restart(sc, np, cfg.min_np, cfg.start_timeout,
+                                                                         verbose=cfg.driver_log_verbosity == "all")
                 except RuntimeError as exc:
                     errors.append(HorovodRunError(f"HorovodRunner run {run_id} failed: {exc}.", log_dir=log_dir,
                                                   run_id=run_id))
                     raise _final(errors, attempts) from None
                 event = RestartEvent(attempt=len(errors) + 1, attempts=attempts, lost=lost, np_before=service.np,
-                                     np_after=n, failed_at=failed_at)
+                                     np_after=n, failed_at=failed_at, counted=counted)
                 restarts.append(event)
                 logs.note(f"----- sparkhvd: {event.what()} -----")
         finally:
             commits.close()
             logs.close()
+            end_run_logs(log_dir, given=cfg.log_dir is not None,  # last_result is set only when this run succeeded
+                         succeeded=self.last_result is not None and self.last_result.run_id == run_id)
 
 
-def _has_free_slots(sc, n: int) -> bool:
-    return _task_slots(sc) > n
+def _has_free_slots(sc) -> bool:
+    return _free_slots(sc) > 0
+
+
+def _free_slots(sc) -> int:
+    """Task slots no running task of this application holds (Spark's slot count includes busy ones)."""
+    tracker = sc.statusTracker()
+    running = 0
+    for stage in tracker.getActiveStageIds():
+        info = tracker.getStageInfo(stage)
+        running += info.numActiveTasks if info is not None else 0
+    return _task_slots(sc) - running
 
 
 def _task_slots(sc) -> int:
@@ -329,10 +373,10 @@ def _replace_executors(sc, hosts: set, run_id: str) -> None:
               f"{', '.join(ids)} on {', '.join(sorted(hosts))}, whose ranks went silent.", flush=True)
 
 
-def _slots_for_restart(sc, np: int, min_np: int | None, timeout: float) -> int:
+def _slots_for_restart(sc, np: int, min_np: int | None, timeout: float, *, verbose: bool) -> int:
     from ._spark import slots_for_restart
 
-    return slots_for_restart(sc, np, min_np, timeout)
+    return slots_for_restart(sc, np, min_np, timeout, verbose=verbose)
 
 
 def _resumed(event: RestartEvent | None, run_id: str, commit: dict | None, *, at: float | None = None) -> None:
@@ -384,7 +428,7 @@ def _pickle(main, kwargs) -> bytes:
     if by_value:  # a script beside the driver: the executors may not be able to import it
         cloudpickle.register_pickle_by_value(module)
     try:
-        payload = cloudpickle.dumps((main, kwargs))
+        payload = _dumps((main, kwargs))
     except Exception as exc:
         raise TypeError(f"HorovodRunner could not pickle {getattr(main, '__name__', main)!r} and its "
                         f"arguments for the ranks: {exc}. Create unpicklable objects (sessions, locks, "
@@ -398,6 +442,33 @@ def _pickle(main, kwargs) -> bytes:
                       "Load large data inside the function (from files or a data set) instead.",
                       UserWarning, stacklevel=4)
     return payload
+
+
+def _dumps(obj) -> bytes:
+    """``cloudpickle.dumps``, keeping the file name of each function sent by value, which cloudpickle 3.1.3 and later
+    replace with ``"<dynamic-code>"``: a rank's traceback then names the user's file and quotes its line."""
+    import collections
+    import io
+    import types
+
+    import cloudpickle
+
+    class Pickler(cloudpickle.Pickler):
+        dispatch_table = collections.ChainMap({types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table)
+
+    with io.BytesIO() as file:
+        Pickler(file).dump(obj)
+        return file.getvalue()
+
+
+def _code_reduce(code):
+    import cloudpickle
+
+    constructor, args = cloudpickle.Pickler.dispatch_table[type(code)](code)
+    if code.co_filename and "<dynamic-code>" in args:
+        at = args.index("<dynamic-code>")
+        args = (*args[:at], code.co_filename, *args[at + 1:])
+    return constructor, args
 
 
 def _is_user_module(module) -> bool:

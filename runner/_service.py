@@ -26,18 +26,20 @@ from typing import Callable
 from ..collective._listener import GuardedListener, Handshake, Refused, RefusalTally
 from ..collective._rendezvous import RendezvousStore, StoreClosed, StoreTimeout
 from ._commits import CommitStore
-from ._protocol import _HEADER, MAGIC, NONCE_BYTES, TAG_BYTES, Channel, Kind, Message, PeerClosed, ProtocolError
+from ._protocol import (_HEADER, MAGIC, NONCE_BYTES, TAG_BYTES, Channel, Kind, Message, PeerClosed, ProtocolError,
+                        check_log_meta)
 from ._topology import Placement, assign_ranks
 
 log = logging.getLogger("sparkhvd.service")
 
-LogSink = Callable[[int, str, list], None]
+LogSink = Callable[[int, str, list, "str | None"], None]  # (rank, stream, lines, progress): runner/_logs.py
 FIRST_FRAME_TIMEOUT_S = 30.0  # a connection's first frame header must be authenticated this long after it connects
 # Authenticated connections at once: each rank holds about five (its task agent with the log pumps,
 # the worker, the abort watch, the rendezvous store, the heartbeat); the rest is headroom for
 # hvd.init() after hvd.shutdown() and for user code that opens its own clients.
 CONNECTIONS_PER_RANK = 32
 CONNECTIONS_EXTRA = 64
+BAD_LOGS_LOGGED = 5  # malformed LOG frames logged per run; the rest are counted in bad_logs
 
 _STORE_KINDS = (Kind.STORE_SET, Kind.STORE_GET, Kind.STORE_ADD, Kind.STORE_CHECK, Kind.STORE_WAIT,
                 Kind.STORE_CAS, Kind.STORE_DELETE, Kind.STORE_NUM_KEYS)
@@ -72,12 +74,13 @@ class DriverService:
 
     def __init__(self, *, np: int, secret: bytes, payload: bytes, bind_host: str = "127.0.0.1",
                  on_log: LogSink | None = None, run_id: str | None = None, commits: CommitStore | None = None,
-                 on_restore: Callable[[dict | None], None] | None = None):
+                 on_restore: Callable[[dict | None], None] | None = None, attempt: int = 0):
         self.np = np
         self.run_id = run_id
         self._secret = secret
         self._payload = payload
-        self._on_log = on_log or (lambda rank, stream, lines: None)
+        self._on_log = on_log or (lambda rank, stream, lines, progress: None)
+        self.bad_logs = 0  # LOG frames refused as malformed (the first few are logged)
         self.cv = threading.Condition()
         self.registrations: dict[int, Registration] = {}
         self.placements: list[Placement] | None = None
@@ -91,6 +94,8 @@ class DriverService:
         self.finished = False
         self.commits = commits if commits is not None else CommitStore(run_id=run_id or "")
         self._on_restore = on_restore  # called once, at rank 0's first RESTORE, with the commit's meta
+        self.attempt = attempt  # which launch of the run this service serves (0, then one more per relaunch)
+        self._restored: set[str] = set()  # states whose commit this attempt has asked for
         self.store = RendezvousStore(self.cv, self._over)  # the ranks' c10d rendezvous, served as STORE_*
         self._conns: set[socket.socket] = set()  # authenticated connections, each served by a thread
         self.max_connections = CONNECTIONS_PER_RANK * np + CONNECTIONS_EXTRA
@@ -270,8 +275,22 @@ class DriverService:
     # ---- logs, results, errors -----------------------------------------------------------
 
     def _log(self, channel: Channel, msg: Message, peer: str) -> None:
-        self._on_log(int(msg.meta.get("rank", -1)), str(msg.meta.get("stream", "stdout")),
-                     [str(line) for line in msg.meta.get("lines", [])])
+        """Lines of a rank's output (one-way, so a malformed frame is logged and dropped, never answered:
+        an answer would be read as the reply to that connection's next request)."""
+        try:
+            rank, stream, lines, progress = check_log_meta(msg.meta, self.np)
+        except ValueError as exc:
+            with self.cv:
+                self.bad_logs += 1
+                count = self.bad_logs
+            if count <= BAD_LOGS_LOGGED:
+                log.warning("sparkhvd driver service: refused a LOG frame from %s because %s; its lines are dropped "
+                            "and the connection stays open. The task that sent it runs another sparkhvd version "
+                            "than the driver: install the same version on the driver and the executors.%s", peer,
+                            exc, " Further malformed LOG frames are counted, not logged." if count == BAD_LOGS_LOGGED
+                            else "")
+            return
+        self._on_log(rank, stream, lines, progress)
 
     def _result(self, channel: Channel, msg: Message, peer: str) -> None:
         with self.cv:
@@ -310,12 +329,29 @@ class DriverService:
                 self.hosts_updated = [time.time(), 2]  # HostUpdateResult.added
 
     def _commit(self, channel: Channel, msg: Message, peer: str) -> None:
-        self.commits.put(msg.meta, msg.blob)
+        key = str(msg.meta["key"])
         with self.cv:
+            if self.finished:  # a frame received as the attempt ended: the next attempt's commits must not meet it
+                return self._refuse(channel, f"commit {msg.meta.get('seq')} of {key} arrived after this attempt had "
+                                             "ended, so it was not kept.")
+            # A restarted attempt's commit made before it loaded the previous one (a commit before hvd.elastic.run)
+            # must not replace it: the next RESTORE would resume from the start.
+            stale = key not in self._restored and self.commits.attempt_of(key) not in (None, self.attempt)
             update = self.hosts_updated
-        channel.send(Kind.OK, {"hosts_updated": update} if update else {})
+        if stale:
+            return channel.send(Kind.OK, {"kept": False})
+        try:
+            kept = self.commits.put(msg.meta, msg.blob, attempt=self.attempt)
+        except OSError as exc:
+            log.warning("sparkhvd driver service: could not keep commit %s of %s: %s", msg.meta.get("seq"), key, exc)
+            return self._refuse(channel, f"the driver could not keep commit {msg.meta.get('seq')} of {key} "
+                                         f"({len(msg.blob)} bytes): {exc}; free space there, or pass "
+                                         "HorovodRunner(commit_dir=URL) to keep commits on shared storage.")
+        channel.send(Kind.OK, {"kept": kept, **({"hosts_updated": update} if update else {})})
 
     def _restore(self, channel: Channel, msg: Message, peer: str) -> None:
+        with self.cv:
+            self._restored.add(str(msg.meta["key"]))
         commit = self.commits.get(str(msg.meta["key"]))
         if msg.meta.get("data", True):
             on_restore, self._on_restore = self._on_restore, None

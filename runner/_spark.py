@@ -66,18 +66,31 @@ def check_barrier_conf(conf) -> None:
             "set spark.dynamicAllocation.enabled=false for this session, or use np<0 to run on the driver.")
 
 
-def check_slots(sc, np: int) -> None:
+def preflight(sc, np: int, *, verbose: bool = True) -> None:
+    """Every check before the barrier stage, each failing in seconds with one sentence: the configuration
+    (dynamic allocation), the task slots, the GPU slots, and the executors' Python (``_preflight``)."""
+    from ._preflight import check_executors
+
+    check_slots(sc, np, verbose=verbose)
+    check_gpus(sc, np)
+    check_executors(sc, np, task_slots(sc))
+
+
+def check_slots(sc, np: int, *, verbose: bool = False) -> None:
     """Fail in seconds, with both numbers and the fix, when np tasks cannot all run at once.
 
     Executors of a cluster still starting register over a few seconds: wait for them until the
     slots suffice, the most the configuration allows is below np, or no executor has joined for
-    ``_SLOT_SETTLE_S`` (bounded by ``_SLOT_WAIT_S``).
+    ``_SLOT_SETTLE_S`` (bounded by ``_SLOT_WAIT_S``). ``verbose``: say once what it waits for.
     """
+    from ._run import WaitNote
+
     check_barrier_conf(sc.getConf())
     bound = max_slots(sc.master, sc.getConf())
     waiting = not sc.master.startswith("local[") and (bound is None or bound >= np)
     deadline = time.monotonic() + (_SLOT_WAIT_S if waiting else 0)
     seen, changed = -1, time.monotonic()
+    note = WaitNote(verbose)
     while True:
         slots = task_slots(sc)
         now = time.monotonic()
@@ -85,6 +98,8 @@ def check_slots(sc, np: int) -> None:
             seen, changed = slots, now
         if slots >= np or now >= deadline or (slots > 0 and now - changed >= _SLOT_SETTLE_S):
             break
+        note.progress(slots, lambda: f"waiting for {np} task slots: Spark has {slots} ({_slots_detail(sc)}); will "
+                                     f"wait up to {_SLOT_WAIT_S:g} s for executors to register")
         time.sleep(0.2)
     if slots < np:
         capped = bound is not None and bound < np
@@ -95,11 +110,69 @@ def check_slots(sc, np: int) -> None:
             "the driver.")
 
 
-def slots_for_restart(sc, want: int, least: int | None, timeout: float) -> int:
+def _slots_detail(sc) -> str:
+    try:
+        cores = f", cores {sum(cores for _, _, cores, _ in executor_resources(sc))}"
+    except Exception:  # noqa: BLE001 - a Spark without this private API
+        cores = ""
+    return f"{sc.master}{cores}, {sc.getConf().get('spark.task.cpus', '1')} per task"
+
+
+def executor_resources(sc) -> list:
+    """``(id, host, cores, gpus)`` of each active executor (in local mode, the driver's)."""
+    found = []
+    it = sc._jsc.sc().statusStore().executorList(True).iterator()
+    while it.hasNext():
+        summary = it.next()
+        gpu = summary.resources().get("gpu")
+        gpus = len(gpu.get().addresses()) if gpu.isDefined() else 0
+        found.append((str(summary.id()), summary.hostPort().rsplit(":", 1)[0], int(summary.totalCores()), gpus))
+    if any(executor_id != "driver" for executor_id, _, _, _ in found):
+        found = [e for e in found if e[0] != "driver"]  # the driver runs no tasks beside executors
+    return found
+
+
+def check_gpus(sc, np: int) -> None:
+    """Where each task asks for a GPU (spark.executor.resource.gpu.amount), fail in seconds when the executors
+    have none, or fewer GPU slots than np: the barrier stage would wait for them forever."""
+    amount = _gpu_amount(sc)
+    if amount <= 0:
+        return
+    task_cpus = max(1, int(sc.getConf().get("spark.task.cpus", "1") or 1))
+    problem = gpu_problem(np, amount, executor_resources(sc), task_cpus, sc.master)
+    if problem is not None:
+        raise RuntimeError(problem)
+
+
+def gpu_problem(np: int, amount: float, executors: list, task_cpus: int, master: str) -> str | None:
+    """The sentence ``check_gpus`` raises for these executors (``(id, host, cores, gpus)``), or None."""
+    if amount <= 0:
+        return None
+    count = len(executors)
+    if not any(gpus for _, _, _, gpus in executors):
+        return (f"np={np} asks each task for one GPU, as spark.executor.resource.gpu.amount={amount:g} says, but none "
+                f"of Spark's {count} executor{'s' if count != 1 else ''} ({master}) has a GPU resource; give the "
+                "executors GPUs (spark.executor.resource.gpu.discoveryScript, and spark.worker.resource.gpu.* on a "
+                "standalone cluster), or unset spark.executor.resource.gpu.amount to run on CPUs.")
+    slots = sum(min(gpus, cores // task_cpus) for _, _, cores, gpus in executors)
+    if slots < np:
+        each = ", ".join(f"executor {i} on {host}: {gpus} GPU{'s' if gpus != 1 else ''}, {cores} cores"
+                         for i, host, cores, gpus in executors)
+        return (f"np={np} needs {np} GPUs, one per task, but Spark's executors can run {slots} GPU task"
+                f"{'s' if slots != 1 else ''} at once ({each}; spark.task.cpus={task_cpus}); use np<={max(slots, 1)}, "
+                "or add executors with GPUs.")
+    return None
+
+
+def slots_for_restart(sc, want: int, least: int | None, timeout: float, *, verbose: bool = True) -> int:
     """How many ranks a restart can have: ``want`` as soon as Spark has that many task slots again
     (a lost executor is replaced within seconds on a standalone cluster); after ``timeout`` seconds,
-    what there is, if at least ``least`` (HorovodRunner's min_np); otherwise RuntimeError."""
+    what there is, if at least ``least`` (HorovodRunner's min_np); otherwise RuntimeError.
+    ``verbose``: say once what it waits for."""
+    from ._run import WaitNote
+
     deadline = time.monotonic() + timeout
+    note = WaitNote(verbose)
     while True:
         slots = task_slots(sc)
         if slots >= want:
@@ -113,6 +186,9 @@ def slots_for_restart(sc, want: int, least: int | None, timeout: float) -> int:
                 + (f" nor min_np={least}" if least is not None else "")
                 + f"; pass min_np=<n> (n <= {max(slots, 1)}) to go on with fewer ranks, raise start_timeout, or add "
                 "executors")
+        note.progress(slots, lambda: f"waiting for {want} task slots for the restart: Spark has {slots} "
+                                     f"({_slots_detail(sc)}); will wait up to {timeout:g} s (start_timeout)"
+                                     + (f", then go on with min_np={least} or more" if least is not None else ""))
         time.sleep(0.5)
 
 
@@ -193,6 +269,22 @@ class SparkLauncher(Launcher):
 
     def failure(self) -> str | None:
         return self._error
+
+    def waiting_for(self) -> str:
+        """Spark's word on the barrier stage while ranks have not registered: submitted, and how many tasks run."""
+        try:
+            tracker, active, total = self.sc.statusTracker(), 0, 0
+            for job in tracker.getJobIdsForGroup(self._group):
+                info = tracker.getJobInfo(job)
+                for stage in (info.stageIds if info is not None else []):
+                    stage_info = tracker.getStageInfo(stage)
+                    if stage_info is not None:
+                        active, total = active + stage_info.numActiveTasks, total + stage_info.numTasks
+        except Exception:  # noqa: BLE001 - the context is going away: say nothing more
+            return ""
+        if not total:
+            return " (Spark has not submitted the barrier stage yet)"
+        return f" (Spark runs {active} of the barrier stage's {total} tasks{'' if active else ': none has started'})"
 
     def join(self, timeout: float) -> bool:
         if self._thread is not None:

@@ -25,6 +25,7 @@ from ..collective._mesh import local_address
 from ._host import address_of, interface_of
 from ._protocol import SECRET_BYTES, Kind
 from ._topology import Placement
+from ._zygote import ENV_WARM, FORKED as WARM_FORKED
 
 ABORTED_EXIT_CODE = 75  # the driver told this rank to stop
 FAILED_EXIT_CODE = 1
@@ -69,10 +70,12 @@ def main() -> int:
             _drain_engine()
             _report_failure(client, placement.rank, exc, quiet=True)
             return FAILED_EXIT_CODE
+        _flush_commits(_FAILED_FLUSH_S)  # a peer lost mid-run: the commit on its way is what a restart resumes from
         _report_failure(client, placement.rank, exc)
         return FAILED_EXIT_CODE
     beat.finishing()
     _drain_engine()
+    _flush_commits(_FINISHED_FLUSH_S)  # should another rank still fail, the restart resumes from the newest commit
     if placement.rank != 0 and os.environ.get(ENV_RETURN) == "0":
         client.request(Kind.RESULT, {"rank": placement.rank})  # run() keeps rank 0's only: nothing to ship
         return 0
@@ -93,6 +96,17 @@ def main() -> int:
         return FAILED_EXIT_CODE
     client.request(Kind.RESULT, {"rank": placement.rank}, blob)
     return 0
+
+
+_FAILED_FLUSH_S = 1.0  # within the driver's grace for the other ranks' reports
+_FINISHED_FLUSH_S = 10.0
+
+
+def _flush_commits(timeout: float) -> None:
+    """Let rank 0's elastic commits on their way reach the driver (nothing where none was made)."""
+    commits = sys.modules.get(__name__.rsplit(".", 1)[0] + "._commits")
+    if commits is not None:
+        commits.flush(timeout)
 
 
 def _drain_engine() -> None:
@@ -195,7 +209,13 @@ def _leave(rank: int, reason: str) -> None:
 
 
 def _die_with_parent() -> None:
-    """Ask Linux to kill this process when its task agent dies (a killed Spark task)."""
+    """Ask Linux to kill this process when its task agent dies (a killed Spark task).
+
+    A rank forked by the zygote has its parent-death signal toward the zygote already, and the
+    zygote kills it when its agent's connection closes (runner/_zygote.py).
+    """
+    if os.environ.get(ENV_WARM) == WARM_FORKED:
+        return
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -208,7 +228,10 @@ def _die_with_parent() -> None:
 
 _finished = threading.Event()
 
-if __name__ == "__main__":
+
+def run() -> int:
+    """The rank process up to interpreter exit (``python -m`` and a rank forked by the zygote, runner/_zygote.py);
+    returns the exit code."""
     code = main()
     _finished.set()
     sys.stdout.flush()
@@ -217,4 +240,8 @@ if __name__ == "__main__":
     timer = threading.Timer(_EXIT_GRACE_S, os._exit, (code,))
     timer.daemon = True
     timer.start()
-    sys.exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -24,7 +24,41 @@ os.environ.setdefault("PYSPARK_SUBMIT_ARGS", f"--driver-java-options {_JVM_TMP} 
 
 
 def pytest_unconfigure(config):
+    stop_session_zygotes()
     shutil.rmtree(_SESSION_TMP, ignore_errors=True)
+
+
+def session_zygotes() -> list:
+    """The pids of the warm zygotes (runner/_zygote.py) this test session started: they run detached,
+    with this session's TMPDIR in their environment."""
+    found = []
+    if not os.path.isdir("/proc"):
+        return found
+    mark = f"TMPDIR={_SESSION_TMP}".encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if b"sparkhvd.runner._zygote" not in f.read():
+                    continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    found.append(int(name))
+        except OSError:  # gone, or not ours to read
+            pass
+    return found
+
+
+def stop_session_zygotes() -> None:
+    """End this session's zygotes (their running ranks die with them), so no process is left behind."""
+    import signal
+
+    for pid in session_zygotes():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +80,13 @@ def _live_rank_processes() -> list:
     import psutil
 
     found = []
-    for p in psutil.Process().children(recursive=True):
+    processes = psutil.Process().children(recursive=True)
+    for zygote in session_zygotes():  # ranks forked by a warm zygote are its children, not ours
+        try:
+            processes += psutil.Process(zygote).children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+    for p in processes:
         try:
             if p.status() != psutil.STATUS_ZOMBIE and "sparkhvd.runner._worker" in " ".join(p.cmdline()):
                 found.append(p)

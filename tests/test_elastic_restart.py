@@ -201,6 +201,43 @@ def test_a_users_exception_after_a_restart_names_the_earlier_failure_too(tmp_pat
     assert isinstance(info.value.__cause__, KeyError)
 
 
+def _two_states(marks):
+    """Two states committed in turn, each with a commit before its ``hvd.elastic.run``; rank 1 is killed once."""
+    import sparkhvd.collective.torch as hvd
+    from sparkhvd.runner import _commits
+
+    hvd.init()
+    restarted = os.path.exists(os.path.join(marks, "killed"))
+    a = hvd.elastic.TorchState(n=0, pad=bytes(2 << 20))  # slow to send: commits queue up behind it
+    b = hvd.elastic.TorchState(n=0)
+    a.commit()  # made before run, e.g. after loading a checkpoint; in a restart it must not hide the newest commit
+    b.commit()
+    hvd.elastic.run(lambda state: None)(b)  # b resumes here, a in the run below
+
+    @hvd.elastic.run
+    def loop(a):
+        seen = (a.n, b.n)
+        while a.n < 30:
+            a.n += 1
+            a.commit()
+            b.n += 1
+            b.commit()
+        _commits.flush(60)
+        hvd.barrier()
+        if hvd.rank() == 1 and not restarted:
+            open(os.path.join(marks, "killed"), "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return seen
+
+    return loop(a)
+
+
+def test_each_states_newest_commit_is_resumed_even_with_a_commit_before_run(tmp_path):
+    runner = HorovodRunner(np=-2, max_restarts=1)
+    assert runner.run(_two_states, marks=str(tmp_path)) == (30, 30)  # the restart began where both had ended
+    assert len(runner.last_result.restarts) == 1
+
+
 def test_a_run_grows_to_max_np_at_a_commit_when_spark_has_free_slots(spark, tmp_path, capsys):
     runner = HorovodRunner(np=1, max_np=2)  # local[2]: a slot is free from the start
     weights, seen, resets = runner.run(_train, marks=str(tmp_path), commit_every=1, reset_log=True, pause=0.1)

@@ -13,6 +13,7 @@ loads the newest commit on rank 0 before its first sync (``_resume``).
 
 from __future__ import annotations
 
+import copy
 import enum
 import functools
 import itertools
@@ -60,6 +61,7 @@ class State:
         self._key = f"{type(self).__name__}-{next(_keys)}"  # which commit off the ranks is this state's
         self._seq = 0  # commits made, in every attempt of the run
         self._resumed = False
+        self._deferred = (0, 0)  # (timestamp, update) of a relaunch heard outside a commit: it waits for the next
 
     def register_reset_callbacks(self, callbacks) -> None:
         """Functions to call after a reset (ranks added or removed), e.g. to rescale the learning rate."""
@@ -82,14 +84,15 @@ class State:
         """
         self.save()
         self._publish()
-        self.check_host_updates()
+        self._check_host_updates(at_commit=True)
 
     def _publish(self) -> None:
         """Inside a HorovodRunner run, send rank 0's commit off the ranks (``runner/_commits.py``)."""
         self._seq += 1
-        if self._rank() != 0:
+        from ...runner import _commits, _context
+
+        if _context.current() is None or self._rank() != 0:
             return
-        from ...runner import _commits
 
         _commits.publish({"key": self._key, "seq": self._seq, "size": size(), "fields": self._fields()},
                          self._snapshot(), self.on_hosts_updated)
@@ -109,10 +112,18 @@ class State:
     def check_host_updates(self) -> None:
         """Raise ``HostsUpdatedInterrupt`` on every rank if rank 0 has heard that hosts changed since the last check.
 
-        A collective: every rank calls it at the same point (``commit`` does).
+        A collective: every rank calls it at the same point (``commit`` does). When the HorovodRunner
+        driver is growing the run, every rank leaves for new processes that resume from the last
+        commit, so that interrupt waits for the next ``commit()``: leaving here would lose the work
+        done since it.
         """
-        last = previous = self._last_updated_timestamp
-        update = HostUpdateResult.no_update
+        self._check_host_updates(at_commit=False)
+
+    def _check_host_updates(self, *, at_commit: bool) -> None:
+        last, update = self._deferred
+        previous = self._last_updated_timestamp
+        last = max(last, previous)
+        update = HostUpdateResult(update)
         while not self._host_messages.empty():
             timestamp, change = self._host_messages.get()
             if timestamp > last:
@@ -120,11 +131,15 @@ class State:
                 update |= change
         from ...runner import _commits
 
-        previous, self._last_updated_timestamp, update, relaunch = self._bcast_object(
-            (previous, last, update, _commits.growing))
-        if self._last_updated_timestamp > previous:
-            # only removed: the remaining ranks are in sync already; added ones must sync
-            raise HostsUpdatedInterrupt(skip_sync=update == HostUpdateResult.removed, relaunch=relaunch)
+        previous, last, update, relaunch = self._bcast_object((previous, last, update, _commits.growing))
+        if last <= previous:
+            return
+        if relaunch and not at_commit:
+            self._deferred = (last, update)  # the same on every rank: rank 0's values
+            return
+        self._last_updated_timestamp, self._deferred = last, (0, 0)
+        # only removed: the remaining ranks are in sync already; added ones must sync
+        raise HostsUpdatedInterrupt(skip_sync=update == HostUpdateResult.removed, relaunch=relaunch)
 
     def save(self) -> None:
         """Keep a copy of the state (the commit)."""
@@ -158,7 +173,11 @@ class ObjectState(State):
         return {k: v for k, v in self._saved_state.items() if isinstance(v, _FIELD_TYPES) and len(str(v)) <= 40}
 
     def _snapshot(self) -> dict:
-        return {"values": dict(self._saved_state)}
+        # A copy: rank 0's Publisher pickles it on its own thread while training changes a list or dict in the state.
+        try:
+            return {"values": copy.deepcopy(self._saved_state)}
+        except Exception:  # noqa: BLE001 - not copyable, so not picklable either: the Publisher says so
+            return {"values": dict(self._saved_state)}
 
     def _load(self, snapshot: dict) -> None:
         self._saved_state = dict(snapshot["values"])
@@ -208,11 +227,12 @@ _RESIZE_FLUSH_S = 300.0  # the commit the relaunched ranks resume from must reac
 def _resume(state: State) -> None:
     """In a restarted HorovodRunner run: rank 0 loads the newest commit made off the ranks, before the first sync.
 
-    Once per state and process, and only before it commits: a second ``run`` of the same state goes on
-    from where the first left it. Where the commit was made with another number of ranks, every rank
+    Once per state and process: a second ``run`` of the same state goes on from where the first left it;
+    a commit made before the first ``run`` does not stop it (the driver keeps the previous attempt's
+    commit until this RESTORE). Where the commit was made with another number of ranks, every rank
     runs the reset callbacks (to rescale the learning rate, as after Horovod's reset).
     """
-    if state._resumed or state._seq:
+    if state._resumed:
         return
     state._resumed = True
     from ...runner import _commits
@@ -221,7 +241,7 @@ def _resume(state: State) -> None:
     if found is None:
         return
     meta, snapshot = found
-    state._seq = int(meta["seq"])
+    state._seq = max(state._seq, int(meta["seq"]))
     if snapshot is not None:
         state._load(snapshot)
     if int(meta.get("size", size())) != size():

@@ -1,0 +1,156 @@
+"""``sparkhvd run``: run a training script on np ranks from the shell (scheduled jobs, spark-submit).
+
+    sparkhvd run --np 4 [--master URL] [--conf k=v ...] [--log-dir DIR] [--max-restarts N] train.py [args...]
+
+Everything after the script path goes to the script. Exit status: 0 when every rank succeeded, 1 when
+the run failed (the error on stderr), 2 for bad usage, 130 / 143 when stopped by SIGINT / SIGTERM (every
+rank is stopped and the Spark job cancelled first). Also ``python -m sparkhvd run ...``, and under
+spark-submit as a file: ``spark-submit --master URL <path of this file> run --np 2 train.py`` (docs/cli.md).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__" and not __package__:
+    # Run as a file (spark-submit): its folder, first on sys.path, must not shadow other modules.
+    _HERE = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import argparse  # noqa: E402
+import signal  # noqa: E402
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2  # argparse's own
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sparkhvd", description="Run Horovod-style training on Apache Spark.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser(
+        "run", help="run a Python script on np ranks",
+        description="Run a Python script on np ranks, as HorovodRunner(np).run('train.py', *args) does.",
+        epilog="Options go before the script path; everything after it is the script's own arguments. "
+               "Exit status: 0 success, 1 the run failed, 2 bad usage, 130/143 stopped by SIGINT/SIGTERM.")
+    run.add_argument("--np", type=int, required=True,
+                     help="ranks: N>0 for N Spark barrier tasks, -N for N processes on this machine without Spark")
+    run.add_argument("--master", help="Spark master URL (default: an embedded local[np] session, or spark-submit's)")
+    run.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                     help="a Spark setting for the session; repeat for more")
+    run.add_argument("--log-dir", help="where each rank's log (rank-<r>.log) goes (default: a new temp folder)")
+    run.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                     help="relaunch every rank up to N times after an infrastructure failure (docs/elastic.md)")
+    run.add_argument("--start-timeout", type=float, default=None, metavar="SECONDS",
+                     help="how long ranks have to start (default 120, or $SPARKHVD_START_TIMEOUT)")
+    run.add_argument("script", help="the Python script every rank runs as __main__")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    parser.set_defaults(usage=run)  # errors after parsing show `sparkhvd run`'s usage
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``sparkhvd`` console script; returns the exit status."""
+    parser = _parser()
+    ns = parser.parse_args(argv)
+    parser = ns.usage
+    confs = [_conf(parser, item) for item in ns.conf]
+    if ns.np < 0 and (ns.master or confs):
+        parser.error(f"--master and --conf configure the Spark session that --np N>0 runs on; --np {ns.np} runs "
+                     f"{-ns.np} process{'es' if ns.np < -1 else ''} on this machine without Spark: drop them, or use "
+                     f"--np {-ns.np}.")
+    from sparkhvd.runner._errors import HorovodRunError
+    from sparkhvd.runner._runner import HorovodRunner
+    from sparkhvd.runner._script import read_script
+
+    try:
+        read_script(ns.script)
+        runner = HorovodRunner(ns.np, log_dir=ns.log_dir, max_restarts=ns.max_restarts,
+                               start_timeout=ns.start_timeout)
+    except ValueError as exc:
+        parser.error(str(exc))
+    stopping = _StopOnSignal()
+    try:
+        if ns.np > 0 and (ns.master or confs or _under_spark_submit()):
+            _session(ns.master, confs, ns.np)
+        runner.run(ns.script, *ns.args)
+        return 0
+    except KeyboardInterrupt:
+        name = signal.Signals(stopping.signum or signal.SIGINT).name
+        print(f"sparkhvd run: stopped by {name}; every rank was stopped.", file=sys.stderr, flush=True)
+        return 128 + (stopping.signum or signal.SIGINT)
+    except HorovodRunError as exc:
+        print(exc, file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    except (RuntimeError, OSError, ValueError) as exc:  # np above the cluster's slots, no Java, a bad --conf value
+        print(f"sparkhvd run: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    finally:
+        stopping.restore()
+        _stop_spark()
+
+
+class _StopOnSignal:
+    """SIGTERM does what Ctrl-C does: KeyboardInterrupt in the main thread, which HorovodRunner answers by
+    stopping every rank and cancelling the Spark job. Signals after the first are ignored, so the clean-up
+    they started is not cut short."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum, _frame):
+        if self.signum is None:
+            self.signum = signum
+            raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def _conf(parser: argparse.ArgumentParser, item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        parser.error(f"--conf {item!r} is not KEY=VALUE; write e.g. --conf spark.executor.memory=4g.")
+    return key.strip(), value
+
+
+def _under_spark_submit() -> bool:
+    """Started by spark-submit, whose JVM (and its --master, --conf) is already up."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def _session(master: str | None, confs: list, np: int) -> None:
+    """Start the SparkSession that HorovodRunner then finds active (runner/_spark.py: spark_context)."""
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder
+    if not _under_spark_submit():
+        from sparkhvd.runner._java import check_java
+
+        check_java()
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors run this interpreter
+        builder = builder.appName("sparkhvd").master(master or f"local[{max(np, 2)}]")
+    elif master:
+        builder = builder.master(master)
+    for key, value in confs:
+        builder = builder.config(key, value)
+    builder.getOrCreate()
+
+
+def _stop_spark() -> None:
+    if "pyspark" not in sys.modules:
+        return
+    from pyspark import SparkContext
+
+    sc = SparkContext._active_spark_context
+    if sc is not None:
+        try:
+            sc.stop()
+        except Exception:  # noqa: BLE001 - a JVM already gone: nothing left to stop
+            pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

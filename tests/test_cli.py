@@ -1,0 +1,195 @@
+"""The ``sparkhvd run`` console script, ``python -m sparkhvd`` and spark-submit: real processes, real Spark."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from sparkhvd.runner._cli import main
+
+BIN = os.path.dirname(sys.executable)
+SPARKHVD = os.path.join(BIN, "sparkhvd")  # the console script pip installed beside this interpreter
+
+ECHO = """
+    import json, os, sys
+    rank = json.loads(os.environ["SPARKHVD_PLACEMENT"])["rank"]
+    print("ARGV", rank, json.dumps(sys.argv[1:]), flush=True)
+"""
+
+
+def _script(tmp_path, body, name="train.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def _run(args, tmp_path, timeout=120, **kw):
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
+    return subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=timeout, **kw)
+
+
+def test_console_script_runs_a_script_on_local_ranks_and_passes_its_arguments(tmp_path):
+    _script(tmp_path, ECHO)
+    out = _run([SPARKHVD, "run", "--np", "-2", "train.py", "--np", "7", "--epochs", "3", "x y"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    for rank in (0, 1):  # options after the script path are the script's, even one named like ours
+        assert f'[{rank}] ARGV {rank} ["--np", "7", "--epochs", "3", "x y"]' in out.stdout
+
+
+def test_python_dash_m_sparkhvd(tmp_path):
+    _script(tmp_path, ECHO)
+    out = _run([sys.executable, "-m", "sparkhvd", "run", "--np", "-1", "--log-dir", str(tmp_path / "logs"),
+                "train.py", "a"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert '[0] ARGV 0 ["a"]' in out.stdout
+    assert 'ARGV 0 ["a"]' in (tmp_path / "logs" / "rank-0.log").read_text()
+
+
+def test_a_failed_run_exits_1_with_the_error_on_stderr(tmp_path):
+    _script(tmp_path, "raise FileNotFoundError('no such table: events')\n")
+    out = _run([SPARKHVD, "run", "--np", "-2", "train.py"], tmp_path)
+    assert out.returncode == 1
+    assert out.stderr.startswith("HorovodRunner run ")
+    assert "FileNotFoundError: no such table: events" in out.stderr
+
+
+def test_sys_exit_status_of_the_script_fails_the_run(tmp_path):
+    _script(tmp_path, "import sys\nsys.exit(4)\n")
+    out = _run([SPARKHVD, "run", "--np", "-1", "--max-restarts", "2", "train.py"], tmp_path)
+    assert out.returncode == 1
+    assert "ScriptExit: the script train.py exited with status 4 (sys.exit(4))" in out.stderr
+    assert "restart" not in out.stdout  # a user's failure is never retried
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--np", "-1", "nope.py"], "the script 'nope.py' does not exist"),
+    (["run", "--np", "0", "train.py"], "np=0 runs nothing; use np>0"),
+    (["run", "--np", "-2", "--master", "local[2]", "train.py"],
+     "--master and --conf configure the Spark session that --np N>0 runs on; --np -2 runs 2 processes on this "
+     "machine without Spark: drop them, or use --np 2."),
+    (["run", "--np", "2", "--conf", "spark.ui.enabled", "train.py"],
+     "--conf 'spark.ui.enabled' is not KEY=VALUE; write e.g. --conf spark.executor.memory=4g."),
+    (["run", "--np", "-1", "--max-restarts", "-1", "train.py"], "max_restarts=-1 must be a whole number >= 0"),
+    (["run", "train.py"], "the following arguments are required: --np"),
+    (["run", "--np", "two", "train.py"], "argument --np: invalid int value: 'two'"),
+    ([], "the following arguments are required: COMMAND"),
+])
+def test_bad_usage_exits_2_with_the_reason(tmp_path, monkeypatch, capsys, argv, message):
+    _script(tmp_path, "pass\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"sparkhvd{' run' if argv else ''}: error: {message}" in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_spark_run_with_master_and_conf(tmp_path):
+    _script(tmp_path, ECHO)
+    out = _run([SPARKHVD, "run", "--np", "2", "--master", "local[2]", "--conf", "spark.ui.enabled=false",
+                "train.py", "--lr", "0.1"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "on a Spark barrier stage on local[2]" in out.stdout
+    for rank in (0, 1):
+        assert f'ARGV {rank} ["--lr", "0.1"]' in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_np_above_the_clusters_slots_exits_1_with_the_fix(tmp_path):
+    _script(tmp_path, "pass\n")
+    out = _run([SPARKHVD, "run", "--np", "3", "--master", "local[2]", "train.py"], tmp_path)
+    assert out.returncode == 1
+    assert "sparkhvd run: RuntimeError: np=3 needs 3 task slots but the cluster has 2 (local[2]); use np<=2" in \
+        out.stderr
+
+
+SLEEP = """
+    import time
+    print("rank is up", flush=True)
+    while True:
+        time.sleep(1)
+"""
+
+
+def _rank_pids(pid: int) -> list:
+    import psutil
+
+    ranks = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "sparkhvd.runner._worker" in " ".join(p.cmdline()):
+                ranks.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return ranks
+
+
+@pytest.mark.parametrize("np, signum, status", [
+    (-2, signal.SIGTERM, 143),
+    (-2, signal.SIGINT, 130),
+    pytest.param(2, signal.SIGTERM, 143, marks=pytest.mark.slow),
+])
+@pytest.mark.timeout(120)
+def test_a_signal_stops_every_rank_and_exits_128_plus_its_number(tmp_path, np, signum, status):
+    import psutil
+
+    _script(tmp_path, SLEEP)
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
+    proc = subprocess.Popen([SPARKHVD, "run", "--np", str(np), "train.py"], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        for line in proc.stdout:  # wait until a rank has printed: every rank process exists by then
+            if "rank is up" in line:
+                break
+        ranks = _rank_pids(proc.pid)
+        assert len(ranks) == abs(np)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == status, err[-3000:]
+    assert f"sparkhvd run: stopped by {signal.Signals(signum).name}; every rank was stopped." in err
+    _, alive = psutil.wait_procs(ranks, timeout=30)  # generous: they are gone long before
+    assert alive == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_spark_submit_runs_the_cli_on_spark_submits_master(tmp_path):
+    import pyspark
+
+    _script(tmp_path, ECHO)
+    submit = os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-submit")
+    cli = subprocess.run([sys.executable, "-c", "import sparkhvd.runner._cli as c; print(c.__file__)"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    out = _run([submit, "--master", "local[3]", "--conf", "spark.ui.enabled=false", cli,
+                "run", "--np", "2", "train.py", "--epochs", "3"], tmp_path, timeout=150)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "on a Spark barrier stage on local[3]" in out.stdout  # spark-submit's master, not an embedded one
+    for rank in (0, 1):
+        assert f'ARGV {rank} ["--epochs", "3"]' in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_spark_submit_of_a_failing_script_exits_1_with_the_error(tmp_path):
+    import pyspark
+
+    _script(tmp_path, "raise FileNotFoundError('no such table: events')\n")
+    submit = os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-submit")
+    cli = os.path.join(os.path.dirname(os.path.abspath(main.__code__.co_filename)), "_cli.py")
+    out = _run([submit, "--master", "local[2]", "--conf", "spark.ui.enabled=false", cli, "run", "--np", "2",
+                "train.py"], tmp_path, timeout=150)
+    assert out.returncode == 1
+    # spark-submit hands the Python driver's stderr to its own stdout
+    assert "FileNotFoundError: no such table: events" in out.stdout + out.stderr
+    assert "HorovodRunner run " in out.stdout + out.stderr

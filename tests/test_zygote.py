@@ -1,0 +1,227 @@
+"""The warm zygote (runner/_zygote.py): ranks forked from a process that has torch imported."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+from sparkhvd import HorovodRunner
+from sparkhvd.runner import _zygote
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the zygote is Linux only")
+
+WAIT_S = 60.0  # how long a test waits for a zygote to come up or go away (not a timed assertion)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+def _ping(key: str) -> dict | None:
+    try:
+        sock = _zygote.connect(key, timeout=5.0)
+    except OSError:
+        return None
+    try:
+        return _zygote.request(sock, {"ping": True})
+    except (OSError, ValueError):
+        return None
+    finally:
+        sock.close()
+
+
+def _wait_ready(key: str) -> dict:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        reply = _ping(key)
+        if reply is not None:
+            return reply
+        time.sleep(0.2)
+    raise AssertionError(f"no zygote answered for key {key} within {WAIT_S:.0f} s")
+
+
+@pytest.fixture
+def zygote(monkeypatch):
+    """A zygote of this test's own (a key no agent computes), stopped at the end."""
+    key = "test-" + uuid.uuid4().hex[:12]
+
+    def start(idle_s: float | None = None) -> dict:
+        env = dict(os.environ)
+        if idle_s is not None:
+            env[_zygote.ENV_IDLE] = str(idle_s)
+        _zygote.start_server(key, env)
+        return _wait_ready(key)
+
+    start.key = key
+    yield start
+    _zygote.stop(key)
+
+
+def _parent_and_env():
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    return {"ppid": os.getppid(), "pid": os.getpid(), "rank": hvd.rank(), "size": hvd.size(),
+            "placement": json.loads(os.environ["SPARKHVD_PLACEMENT"])["rank"],
+            "var": os.environ.get("SPARKHVD_TEST_ZYGOTE_VAR"), "warm": os.environ.get("SPARKHVD_WARM"),
+            "torch_preloaded": "torch" in sys.modules}
+
+
+def test_second_run_forks_ranks_from_the_zygote_with_their_own_env(monkeypatch):
+    monkeypatch.setenv("SPARKHVD_TEST_ZYGOTE_VAR", "first")
+    monkeypatch.delenv("SPARKHVD_WARM", raising=False)
+    first = HorovodRunner(np=-2).run_all(_parent_and_env).values  # starts this key's zygote, if none serves
+    assert [v["rank"] for v in first] == [0, 1]
+    _wait_ready(_zygote.zygote_key())
+    monkeypatch.setenv("SPARKHVD_TEST_ZYGOTE_VAR", "second")
+    values = HorovodRunner(np=-2).run_all(_parent_and_env).values
+    assert [(v["rank"], v["size"], v["placement"]) for v in values] == [(0, 2, 0), (1, 2, 1)]
+    assert [v["var"] for v in values] == ["second", "second"]  # the agent's env, not the zygote's
+    assert [v["warm"] for v in values] == ["forked", "forked"]
+    assert len({v["pid"] for v in values}) == 2
+    for v in values:
+        assert v["ppid"] != os.getpid()
+        assert "sparkhvd.runner._zygote" in _cmdline(v["ppid"])
+
+
+def test_warm_off_uses_fresh_processes(monkeypatch):
+    monkeypatch.setenv("SPARKHVD_WARM", "0")
+    values = HorovodRunner(np=-2).run_all(_parent_and_env).values
+    assert [v["ppid"] for v in values] == [os.getpid(), os.getpid()]  # Popen'd by the agent threads here
+    assert [v["warm"] for v in values] == ["0", "0"]
+
+
+def test_a_forked_process_gets_its_env_cwd_stdio_and_exit_code(zygote, tmp_path):
+    zygote()
+    code = ("import os, sys, torch; print(os.environ['ZYG_VAR'], os.getcwd(), torch.get_num_threads(), "
+            "sys.stdin.read()); print('to stderr', file=sys.stderr); sys.exit(3)")
+    env = {"PATH": os.environ.get("PATH", ""), "ZYG_VAR": "mine", "OMP_NUM_THREADS": "1"}
+    here = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        proc = _zygote.spawn(env, key=zygote.key, argv=["-c", code])
+    finally:
+        os.chdir(here)
+    proc.stdin.write(b"from stdin")
+    proc.stdin.close()
+    out, err = proc.stdout.read(), proc.stderr.read()
+    assert proc.wait() == 3
+    assert proc.poll() == 3
+    assert out.decode() == f"mine {tmp_path} 1 from stdin\n"
+    assert err.decode() == "to stderr\n"
+
+
+def test_killing_the_agent_kills_its_rank(zygote, tmp_path):
+    zygote()
+    script = tmp_path / "agent.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        from sparkhvd.runner import _zygote
+        proc = _zygote.spawn(dict(os.environ), key=sys.argv[1], argv=["-c", "import time; time.sleep(600)"])
+        print(proc.pid, flush=True)
+        proc.wait()
+    """))
+    agent = subprocess.Popen([sys.executable, str(script), zygote.key], stdout=subprocess.PIPE, text=True)
+    try:
+        rank = int(agent.stdout.readline())
+        assert _alive(rank)
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        deadline = time.monotonic() + WAIT_S
+        while _alive(rank) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(rank), f"rank process {rank} outlived its killed agent by {WAIT_S:.0f} s"
+    finally:
+        agent.kill()
+        agent.wait()
+        agent.stdout.close()
+
+
+def test_same_uid_connects_and_bad_requests_are_refused(zygote):
+    reply = zygote()
+    assert reply["key"] == zygote.key and _alive(reply["pid"])
+    assert "sparkhvd.runner._zygote" in _cmdline(reply["pid"])
+    for raw in (b"{not json", b"[1, 2]", json.dumps({"env": {}, "cwd": "/", "argv": ["-c", "pass"]}).encode(),
+                json.dumps({"env": {"A": 1}, "cwd": "/", "argv": ["-c", "pass"]}).encode(),
+                json.dumps({"env": {}, "cwd": "/", "argv": ["python", "x.py"]}).encode()):
+        sock = _zygote.connect(zygote.key)
+        try:
+            sock.sendall(raw)
+            answer = json.loads(sock.recv(65536))
+        finally:
+            sock.close()
+        assert answer["error"].startswith("bad request: "), (raw, answer)
+    assert _ping(zygote.key)["pid"] == reply["pid"]  # still serving
+
+
+def test_zygote_exits_after_its_idle_time(zygote):
+    pid = zygote(idle_s=1)["pid"]
+    deadline = time.monotonic() + WAIT_S
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(pid), f"the zygote {pid} with {_zygote.ENV_IDLE}=1 was still running after {WAIT_S:.0f} s"
+    assert _ping(zygote.key) is None
+
+
+def test_key_changes_when_sparkhvd_or_the_environment_changes(tmp_path):
+    package = tmp_path / "sparkhvd"
+    shutil.copytree(os.path.dirname(_zygote.__file__), package / "runner")
+    (package / "__init__.py").write_text("")
+    (package / "tests").mkdir()
+    (package / "tests" / "__init__.py").write_text("")
+    torch_files = [str(tmp_path / "torch_version.py")]
+    (tmp_path / "torch_version.py").write_text("__version__ = '1'\n")
+    env = {"PYTHONPATH": "/a"}
+
+    def key(**changes):
+        return _zygote.zygote_key(str(package), torch_files, {**env, **changes})
+
+    before = key()
+    assert key() == before
+    assert key(SOME_OTHER_VAR="x", OMP_NUM_THREADS="3") == before  # applied by the fork, not a new zygote
+    assert key(PYTHONPATH="/b") != before
+    (package / "tests" / "__init__.py").write_text("# tests are not part of the package\n")
+    assert key() == before
+    worker = package / "runner" / "_worker.py"
+    worker.write_text(worker.read_text() + "\n# edited\n")
+    edited = key()
+    assert edited != before
+    (tmp_path / "torch_version.py").write_text("__version__ = '2'\n")
+    assert key() != edited
+    assert _zygote.address(before) == "\0sparkhvd-zygote-" + before  # abstract: no file in the temp dir
+
+
+def test_killing_a_forked_rank_group_reports_minus_nine(zygote):
+    zygote()
+    proc = _zygote.spawn({"PATH": os.environ.get("PATH", "")}, key=zygote.key,
+                         argv=["-c", "import time; time.sleep(600)"])
+    proc.stdin.close()
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(0.1)
+    assert proc.poll() is None
+    assert "sparkhvd.runner._zygote" not in _cmdline(proc.pid)  # ps shows the rank as `python -c`
+    from sparkhvd.runner._agent import _kill_group
+
+    _kill_group(proc)  # what the agent and LocalLauncher.stop do
+    assert proc.wait() == -9
+    proc.stdout.close()
+    proc.stderr.close()
