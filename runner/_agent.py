@@ -88,7 +88,7 @@ def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[s
         _report(client, Kind.EXIT, {"rank": rank, "code": 1})
         client.close()
         return {"task": task, "rank": rank, "exit": 1, "note": str(exc)}
-    proc = _spawn(spec.python, env)
+    proc = _spawn(spec.python, env, rank)
     if on_spawn is not None:
         on_spawn(proc)
     proc.stdin.write(spec.secret)
@@ -296,19 +296,22 @@ def _pump(client: ServiceClient, rank: int, stream: str, pipe) -> None:
         send(None)
 
 
-def _spawn(python: str | None, env: dict):
+def _spawn(python: str | None, env: dict, rank: int):
     """Start the rank's process: forked from this executor's warm zygote (runner/_zygote.py) when
-    there is one, else a fresh ``python -m sparkhvd.runner._worker``. Either has Popen's surface."""
+    there is one, else a fresh ``python -m sparkhvd.runner._worker rank=<rank>`` (the argument only
+    names the rank in ps: /proc/<pid>/environ of a forked rank is the zygote's). Either has Popen's
+    surface."""
     from . import _zygote
 
+    argv = ("-m", "sparkhvd.runner._worker", f"rank={rank}")
     if _zygote.enabled(python):
         try:
-            return _zygote.spawn(env)
+            return _zygote.spawn(env, argv=argv)
         except Exception as exc:  # noqa: BLE001 - any failure of the warm path: a fresh process
             if os.environ.get(_zygote.ENV_DEBUG) == "1":
                 sys.stderr.write(f"sparkhvd: the warm zygote did not start this rank ({type(exc).__name__}: {exc}); "
                                  "starting a fresh process.\n")
-    return subprocess.Popen([python or sys.executable, "-m", "sparkhvd.runner._worker"],
+    return subprocess.Popen([python or sys.executable, *argv],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=env, start_new_session=True)
 

@@ -17,6 +17,7 @@ from ._commits import CommitStore
 from ._errors import HorovodRunError, StartTimeoutError
 from ._launcher import LocalLauncher
 from ._logs import VERBOSITIES, LogRouter, end_run_logs, run_log_dir
+from . import _payload
 from ._mlflow import shared_run
 from ._protocol import new_secret
 from ._run import supervise
@@ -428,7 +429,7 @@ def _pickle(main, kwargs) -> bytes:
     if by_value:  # a script beside the driver: the executors may not be able to import it
         cloudpickle.register_pickle_by_value(module)
     try:
-        payload = _dumps((main, kwargs))
+        payload = _payload.dumps((main, kwargs))
     except Exception as exc:
         raise TypeError(f"HorovodRunner could not pickle {getattr(main, '__name__', main)!r} and its "
                         f"arguments for the ranks: {exc}. Create unpicklable objects (sessions, locks, "
@@ -442,33 +443,6 @@ def _pickle(main, kwargs) -> bytes:
                       "Load large data inside the function (from files or a data set) instead.",
                       UserWarning, stacklevel=4)
     return payload
-
-
-def _dumps(obj) -> bytes:
-    """``cloudpickle.dumps``, keeping the file name of each function sent by value, which cloudpickle 3.1.3 and later
-    replace with ``"<dynamic-code>"``: a rank's traceback then names the user's file and quotes its line."""
-    import collections
-    import io
-    import types
-
-    import cloudpickle
-
-    class Pickler(cloudpickle.Pickler):
-        dispatch_table = collections.ChainMap({types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table)
-
-    with io.BytesIO() as file:
-        Pickler(file).dump(obj)
-        return file.getvalue()
-
-
-def _code_reduce(code):
-    import cloudpickle
-
-    constructor, args = cloudpickle.Pickler.dispatch_table[type(code)](code)
-    if code.co_filename and "<dynamic-code>" in args:
-        at = args.index("<dynamic-code>")
-        args = (*args[:at], code.co_filename, *args[at + 1:])
-    return constructor, args
 
 
 def _is_user_module(module) -> bool:

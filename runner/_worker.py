@@ -17,7 +17,7 @@ import threading
 import traceback
 
 from . import _context
-from . import _protocol
+from . import _payload, _protocol
 from ._agent import ENV_DRIVER, ENV_NETWORK_INTERFACE, ENV_PARENT, ENV_PLACEMENT, ENV_RETURN, ENV_RUN_ID
 from ._client import RunAborted, ServiceClient
 from ._heartbeat import Heartbeat
@@ -47,7 +47,7 @@ def main() -> int:
     import cloudpickle
 
     try:
-        fn, kwargs = cloudpickle.loads(client.request(Kind.FETCH).blob)  # verified frame
+        fn, kwargs = _payload.loads(client.request(Kind.FETCH).blob)  # verified frame
     except ModuleNotFoundError as exc:
         _report_failure(client, placement.rank, ModuleNotFoundError(
             f"rank {placement.rank} cannot import module {exc.name!r}, which the training function "

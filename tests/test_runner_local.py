@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import linecache
 import os
 import signal
 import subprocess
@@ -98,6 +99,30 @@ def test_failing_rank_names_rank_type_message_and_source_line(rank_processes):
     assert os.path.exists(os.path.join(info.value.log_dir, "rank-1.log"))
     assert time.monotonic() - started < 50  # rank 0's 60 s sleep was cut short
     assert rank_processes() == []
+
+
+def test_a_notebook_cells_code_shows_its_lines_on_the_ranks(monkeypatch):
+    # What IPython does with a cell: compile it under a file name that exists only in the driver's linecache.
+    cell = '/tmp/ipykernel_0/no-such-cell.py'
+    source = ("def helper():\n"
+              "    return 'helper body'\n"
+              "\n"
+              "def train():\n"
+              "    import inspect\n"
+              "    if inspect.getsource(helper) != 'def helper():\\n    return \\'helper body\\'\\n':\n"
+              "        raise AssertionError(inspect.getsource(helper))  # what AutoGraph reads, found on the rank\n"
+              "    raise ValueError('bad label')  # the cell's line, quoted from the rank\n")
+    lines = source.splitlines(keepends=True)
+    monkeypatch.setitem(linecache.cache, cell, (len(source), None, lines, cell))
+    namespace = {"__name__": "__main__"}
+    exec(compile(source, cell, "exec"), namespace)
+    assert not os.path.exists(cell)
+    with pytest.raises(HorovodRunError) as info:
+        HorovodRunner(np=-1).run(namespace["train"])
+    text = str(info.value)
+    assert "rank 0: ValueError: bad label" in text, text
+    assert f'File "{cell}", line 8, in train' in text
+    assert "raise ValueError('bad label')  # the cell's line, quoted from the rank" in text
 
 
 def test_same_failure_on_every_rank_is_grouped():

@@ -6,7 +6,6 @@ to call when nothing was done.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -16,17 +15,14 @@ from ._netns import Host, TestbedError, sh
 
 
 def rank_processes(cluster: Cluster) -> dict[int, tuple[Host, int]]:
-    """The live rank processes on every host: ``{rank: (host, pid)}`` (read from their environment)."""
+    """The live rank processes on every host: ``{rank: (host, pid)}``, read from their command line
+    (``python -m sparkhvd.runner._worker rank=<r>``, forked from the warm zygote or not)."""
     found = {}
     for host in cluster.hosts:
-        for pid in cluster.rank_pids(host):
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-                placement = json.loads(env[b"SPARKHVD_PLACEMENT"])
-            except (OSError, KeyError, ValueError):
-                continue
-            found[placement["rank"]] = (host, pid)
+        for pid, cmd in cluster.processes(host, "sparkhvd.runner._worker"):
+            rank = next((arg[5:] for arg in cmd.split() if arg.startswith("rank=")), "")
+            if rank.isdigit():
+                found[int(rank)] = (host, pid)
     return found
 
 

@@ -1,0 +1,207 @@
+"""The example notebooks (notebooks/*.ipynb) run top to bottom in a real Jupyter kernel.
+
+Each test executes a copy of one notebook with nbclient in an ipykernel kernel that runs this
+interpreter, with a temporary folder as its working directory, and checks what the cells
+printed. The kernel's messages are recorded in the order they arrive, so that the quickstart's
+test can show that the ranks' lines reached the cell while it was still running, not in one
+burst when the run returned.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+kernelspec = pytest.importorskip("ipykernel.kernelspec")
+
+NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
+CHECK_INTERPRETER = "import sys; print(sys.executable)"
+
+
+class RecordingClient(nbclient.NotebookClient):
+    """A NotebookClient that keeps every message the kernel sent for each cell, in arrival order."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.messages: dict[int, list[dict]] = {}
+        self.on_cell_executed = self._keep_reply
+
+    def process_message(self, msg, cell, cell_index):
+        self.messages.setdefault(cell_index, []).append(msg)
+        return super().process_message(msg, cell, cell_index)
+
+    def _keep_reply(self, cell, cell_index, execute_reply):
+        self.messages.setdefault(cell_index, []).append(execute_reply)
+
+
+@pytest.fixture(scope="module")
+def jupyter_env():
+    """A kernel spec named python3 that runs this interpreter, and Jupyter's folders, all in one temp dir."""
+    root = tempfile.mkdtemp(prefix="sparkhvd-notebooks-")
+    # argv: [sys.executable, "-m", "ipykernel_launcher", ...]; found first, through JUPYTER_PATH
+    kernelspec.write_kernel_spec(os.path.join(root, "share", "jupyter", "kernels", "python3"))
+    env = {"JUPYTER_PATH": os.path.join(root, "share", "jupyter"),
+           "JUPYTER_RUNTIME_DIR": os.path.join(root, "runtime"),  # connection files
+           "JUPYTER_DATA_DIR": os.path.join(root, "data"),
+           "IPYTHONDIR": os.path.join(root, "ipython"),  # the kernel's profile folder
+           "PYSPARK_PYTHON": sys.executable}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)  # read here (kernel spec lookup) and inherited by the kernel
+    yield root
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def execute(name: str, jupyter_env: str):
+    """Run a copy of notebooks/<name> in a fresh kernel; return the executed copy and the client."""
+    nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell(CHECK_INTERPRETER))
+    cwd = tempfile.mkdtemp(prefix="nb-cwd-", dir=jupyter_env)
+    before = set(os.listdir(tempfile.gettempdir()))
+    client = RecordingClient(nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": cwd}})
+    client.execute()
+    assert os.listdir(cwd) == [], f"{name} left files in its working directory: {os.listdir(cwd)}"
+    left = {entry for entry in set(os.listdir(tempfile.gettempdir())) - before
+            if not entry.startswith(("sparkhvd-", "spark-", "blockmgr-", "liblz4", "libzstd", "snappy", "torchinductor_"))}
+    assert not left, f"{name} left its own temporary folders behind: {sorted(left)}"
+    assert texts(nb.cells[-1]).strip() == sys.executable  # the kernel ran this interpreter
+    return nb, client
+
+
+def texts(cell) -> str:
+    """Everything a cell printed (stdout and stderr), in order."""
+    return "".join(out.get("text", "") for out in cell.get("outputs", []) if out.output_type == "stream")
+
+
+def cell_with(nb, source_part: str) -> int:
+    """The index of the one code cell whose source contains ``source_part``."""
+    found = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code" and source_part in cell.source]
+    assert len(found) == 1, (source_part, found)
+    return found[0]
+
+
+def losses(text: str, pattern: str) -> list[float]:
+    return [float(x) for x in re.findall(pattern, text, re.M)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_quickstart_torch(jupyter_env):
+    nb, client = execute("01_quickstart_torch.ipynb", jupyter_env)
+
+    debug = texts(nb.cells[cell_with(nb, "HorovodRunner(np=-1)")])
+    assert len(losses(debug, r"^\[0\] epoch \d loss (\S+)$")) == 2
+    assert "returned 4 tensors: ['0.weight', '0.bias', '2.weight', '2.bias']" in debug
+
+    index = cell_with(nb, "HorovodRunner(np=2).run(train,")
+    out = texts(nb.cells[index])
+    epoch_losses = losses(out, r"^\[0\] epoch \d loss (\S+)$")
+    assert len(epoch_losses) == 5 and epoch_losses[-1] < epoch_losses[0] and epoch_losses[-1] < 0.05, out
+    assert "[1] epoch" not in out  # rank 0 alone prints
+    assert "checkpoints: ['checkpoint-0.pt', 'checkpoint-1.pt', 'checkpoint-2.pt', 'checkpoint-3.pt', " \
+           "'checkpoint-4.pt']" in out
+
+    # Live: the epoch lines came in separate stream messages, the first of them well before the
+    # cell's execute_reply. Had the driver printed them all when the run returned, they would have
+    # arrived in one message (two where a 0.2 s flush happened to fall between two prints).
+    messages = client.messages[index]
+    kinds = [m["msg_type"] for m in messages]
+    carrying = [i for i, m in enumerate(messages)
+                if m["msg_type"] == "stream" and re.search(r"^\[0\] epoch", m["content"]["text"], re.M)]
+    reply = kinds.index("execute_reply")
+    assert len(carrying) >= 3, [m["content"].get("text") for m in messages if m["msg_type"] == "stream"]
+    first = messages[carrying[0]]
+    assert "[0] epoch 0 loss" in first["content"]["text"] and "[0] epoch 4" not in first["content"]["text"]
+    assert carrying[0] < carrying[-1] < reply
+    assert first["header"]["date"] < messages[carrying[-1]]["header"]["date"] < messages[reply]["header"]["date"]
+    last_output = max(i for i, kind in enumerate(kinds) if kind == "stream")
+    assert "checkpoints:" in messages[last_output]["content"]["text"] and carrying[0] < last_output
+
+    evaluation = texts(nb.cells[cell_with(nb, "model.load_state_dict(state)")])
+    test_mse, baseline = map(float, re.search(r"test MSE (\S+) \(predicting the mean: (\S+)\)", evaluation).groups())
+    assert test_mse < 0.05 and test_mse < baseline / 10, evaluation
+
+    failure = texts(nb.cells[cell_with(nb, "except HorovodRunError as error")])
+    assert re.search(r"failed: rank 1: ValueError: rank 1's part of the data has no rows", failure), failure
+    # The cell's line is quoted: its source travels with the function (runner/_payload.py).
+    assert re.search(r"Traceback of rank 1 \(the first to fail\):\n.*\n  File .*, line \d+, in train_with_bad_data\n"
+                     r"    raise ValueError\(\"rank 1's part of the data has no rows\"\)\nValueError: ", failure), failure
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_keras(jupyter_env):
+    pytest.importorskip("tensorflow")
+    nb, _ = execute("02_keras.ipynb", jupyter_env)
+    fit = texts(nb.cells[cell_with(nb, "HorovodRunner(np=2).run(train)")])
+    assert len(re.findall(r"^\[0\] Epoch \d/4$", fit, re.M)) == 4, fit  # Keras's progress, from rank 0
+    assert not re.search(r"^\[1\] Epoch", fit, re.M)
+
+    result = texts(nb.cells[cell_with(nb, "enumerate(zip(history")])
+    epoch_losses = losses(result, r"^epoch \d: loss (\S+)")
+    assert len(epoch_losses) == 4 and epoch_losses[-1] < epoch_losses[0] / 5, result
+    learning_rates = losses(result, r"lr (\S+)$")
+    assert learning_rates[0] < learning_rates[1] == pytest.approx(0.04) == learning_rates[-1], result  # warm-up
+    test_mse = float(re.search(r"test MSE (\S+)", result).group(1))
+    assert test_mse < 0.2, result  # predicting the mean: about 15
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_dataframe_to_training(jupyter_env):
+    pytest.importorskip("tensorflow")
+    nb, _ = execute("03_dataframe_to_training.ipynb", jupyter_env)
+    rows = int(re.search(r"(\d+) training rows written", texts(nb.cells[cell_with(nb, "make_spark_converter(")])).group(1))
+    assert 8_500 < rows < 9_500  # 90% of 10,000
+
+    torch_out = texts(nb.cells[cell_with(nb, "HorovodRunner(np=2).run(train_torch)")])
+    batches = {int(n) for n in re.findall(r"^\[0\] epoch \d: (\d+) batches per rank", torch_out, re.M)}
+    assert batches == {-(-rows // 2 // 64)} or batches == {rows // 2 // 64}, torch_out  # each rank read half
+    keras_out = texts(nb.cells[cell_with(nb, "HorovodRunner(np=2).run(train_keras)")])
+    assert len(re.findall(r"^\[0\] Epoch \d/3$", keras_out, re.M)) == 3, keras_out
+
+    scores = texts(nb.cells[cell_with(nb, "def mse(kernel, bias)")])
+    for framework in ("torch", "keras"):
+        test_mse = float(re.search(rf"^{framework}: weights .* test MSE (\S+)$", scores, re.M).group(1))
+        assert test_mse < 0.01, scores  # the label's noise alone: 0.0025
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_elastic(jupyter_env):
+    nb, _ = execute("04_elastic.ipynb", jupyter_env)
+    run = texts(nb.cells[cell_with(nb, "HorovodRunner(np=2, max_restarts=1)")])
+    assert "[1] killing myself with SIGKILL" in run
+    assert re.search(r"^\[sparkhvd\] run \w+: restart 1 of 1 after rank 1's process .*killed by signal 9.*"
+                     r"training resumed .* from the last commit \(epoch=1 batch=[12]0\)\.$", run, re.M), run
+    assert len(re.findall(r"^\[0\] epoch \d done", run, re.M)) == 4, run
+
+    result = texts(nb.cells[cell_with(nb, "runner.last_result.restarts")])
+    assert re.search(r"^restart 1: rank 1's process .*killed by signal 9", result, re.M), result
+    assert re.search(r"resumed from \{'epoch': 1, 'batch': [12]0\}, np 2 -> 2", result), result
+    weights = [float(w) for w in re.search(r"weights: \[(.*)\]", result).group(1).split(",")]
+    assert len(weights) == 8 and all(0.5 < w < 1.5 for w in weights), result
+
+
+@pytest.mark.parametrize("name", ["01_quickstart_torch.ipynb", "02_keras.ipynb", "03_dataframe_to_training.ipynb",
+                                  "04_elastic.ipynb"])
+def test_committed_notebook_carries_a_whole_run(name):
+    """The committed file is valid and shows one top-to-bottom run (re-execute it after editing a cell)."""
+    nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
+    nbformat.validate(nb)
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert [cell.execution_count for cell in code] == list(range(1, len(code) + 1)), name
+    assert any(cell.outputs for cell in code)
+    assert not [out for cell in code for out in cell.outputs if out.output_type == "error"]
+    assert all("execution" not in cell.metadata for cell in code)  # no timing metadata
