@@ -177,7 +177,19 @@ def _build(reader_or_url, batch_size: int | None, list_lengths: Mapping[str, int
         first, again = url_passes(reader_or_url, batch_size, reader_kwargs)
     signature = output_signature(first.schema, list_lengths)
     source = _Source(first, again, signature)
-    return tf.data.Dataset.from_generator(source, output_signature=signature), source
+    dataset = tf.data.Dataset.from_generator(source, output_signature=signature)
+    count = _batches_per_iteration(first)
+    if count is not None:  # Keras then knows an epoch's steps, instead of running out of data in the first one
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(count))
+    return dataset, source
+
+
+def _batches_per_iteration(reader: Reader) -> int | None:
+    """The batches every iteration yields, where the plan fixes it: finite epochs of equal steps (the same count on
+    every shard and for every seed), not resumed mid-way (the first iteration would be shorter); else None."""
+    if reader.num_epochs is None or not reader.equal_steps or reader.resume_from is not None:
+        return None
+    return sum(reader.plan(epoch).num_batches for epoch in range(reader.num_epochs))
 
 
 def make_tf_dataset(reader_or_url, batch_size: int | None = None, *, list_lengths: Mapping[str, int] | None = None, **reader_kwargs) -> tf.data.Dataset:
@@ -191,6 +203,9 @@ def make_tf_dataset(reader_or_url, batch_size: int | None = None, *, list_length
     batches. Every shard yields the same number of batches per epoch (``equal_steps``).
     ``resume_from=(epoch, batch)`` (a URL only) resumes mid-epoch as in make_torch_loader:
     ``epoch`` counts the dataset's epochs over its iterations (Keras iterates once per epoch).
+
+    The dataset's cardinality is its batch count where the plan fixes it (finite ``num_epochs``,
+    ``equal_steps``, no ``resume_from``), so Keras knows an epoch's steps; otherwise it is unknown.
 
     ``list_lengths``: ``{column: L}`` for list columns whose rows all have length L, giving
     them static shape ``(None, L)``. Errors in the data (ragged lists, nulls, float columns'

@@ -99,6 +99,7 @@ def supervise(service: DriverService, launcher: Launcher, logs: LogRouter, *, np
             launch_failure = launcher.failure()
             dead = {r: c for r, c in exits.items() if r not in results and r not in {f.rank for f in failures}}
             if len(results) == np and len(exits) == np:
+                stalls.over()  # a stall it reported ended with the run, before its next check
                 launcher.join(STOP_WAIT_S)
                 return False
             if failures and service.hosts_updated is not None and not dead and not launch_failure \

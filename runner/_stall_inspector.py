@@ -114,10 +114,7 @@ class StallInspector:
             return None
         stalled_for = self._stalled_for(view, now)
         if stalled_for is None or stalled_for < self.settings.check_time:
-            if self._reported:
-                self._print(f"[sparkhvd] run {self.run_id}: the stall is over after {_s(now - self._stall_began)}; "
-                            "the ranks make progress again.")
-            self._next_report, self._reported = None, False
+            self.over(now)
             return None
         view = StallView(view.np, view.ranks, stalled_for)
         if self._next_report is None:
@@ -225,6 +222,14 @@ class StallInspector:
             if problem not in self._warned:
                 self._warned.add(problem)
                 warnings.warn(problem, RuntimeWarning, stacklevel=2)
+
+    def over(self, now: float | None = None) -> None:
+        """Say that a reported stall is over (the ranks progress again, or the run finished before the next check)."""
+        if self._reported:
+            now = self._clock() if now is None else now
+            self._print(f"[sparkhvd] run {self.run_id}: the stall is over after {_s(now - self._stall_began)}; "
+                        "the ranks make progress again.")
+        self._next_report, self._reported = None, False
 
     def _print(self, text: str) -> None:
         out = self._out or sys.stderr

@@ -85,6 +85,26 @@ def test_each_iteration_of_a_url_dataset_reads_afresh_in_a_new_order(url):
     assert sorted(first) == sorted(second) == list(range(100)) and first != second
 
 
+@pytest.mark.parametrize("kwargs, count", [
+    (dict(batch_size=8, cur_shard=1, shard_count=2, num_epochs=3), 21),  # 50 rows a shard: 7 batches an epoch
+    (dict(batch_size=None, cur_shard=0, shard_count=2, num_epochs=1), None),  # plan sizes: counted all the same
+    (dict(batch_size=8, num_epochs=None), tf.data.INFINITE_CARDINALITY),
+    (dict(batch_size=8, num_epochs=2, equal_steps=False), tf.data.UNKNOWN_CARDINALITY),
+    (dict(batch_size=8, num_epochs=2, resume_from=(0, 3)), tf.data.UNKNOWN_CARDINALITY),
+])
+def test_the_batch_count_is_the_datasets_cardinality_where_the_plan_fixes_it(url, kwargs, count):
+    dataset = make_tf_dataset(url, **kwargs)
+    if count == tf.data.INFINITE_CARDINALITY:  # read forever: nothing to count, tf.data says unknown
+        assert int(dataset.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+        return
+    if count == tf.data.UNKNOWN_CARDINALITY:
+        assert int(dataset.cardinality()) == count
+        return
+    batches = len(_read(dataset))
+    assert int(dataset.cardinality()) == batches == (count or batches)
+    assert len(_read(dataset)) == batches  # the second iteration (another seed) has as many: Keras' next epoch
+
+
 def test_a_reader_dataset_is_read_once(url):
     dataset = make_tf_dataset(make_batch_reader(url, batch_size=10), batch_size=None)
     assert sorted(_ids(_read(dataset))) == list(range(100))
