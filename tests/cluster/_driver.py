@@ -14,6 +14,7 @@ import json
 import os
 import pickle
 import sys
+import tempfile
 import time
 import traceback
 
@@ -37,7 +38,9 @@ def session(config: dict):
                # One executor per host holding both of its GPUs, one GPU per task: 2 task slots per host.
                .config("spark.executor.resource.gpu.amount", "2")
                .config("spark.task.resource.gpu.amount", "1")
-               .config("spark.executor.extraJavaOptions", "-XX:+UseSerialGC -XX:TieredStopAtLevel=1")
+               # java.io.tmpdir: the session's temp dir (TMPDIR, removed at its end), where Spark extracts liblz4-java
+               .config("spark.executor.extraJavaOptions", "-XX:+UseSerialGC -XX:TieredStopAtLevel=1 "
+                                                          f"-Djava.io.tmpdir={tempfile.gettempdir()}")
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.dynamicAllocation.enabled", "false")
