@@ -375,16 +375,12 @@ def main() -> int:
 
 def stop_zygotes() -> None:
     """End the warm zygotes this benchmark's tasks started (they would otherwise idle out)."""
-    mark = f"SPARKHVD_BENCH_LAUNCH={os.getpid()}".encode()
-    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+    from sparkhvd.runner._zygote import marked
+
+    for pid in marked(f"SPARKHVD_BENCH_LAUNCH={os.getpid()}"):
         try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                if b"sparkhvd.runner._zygote" not in f.read():
-                    continue
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if mark in f.read().split(b"\0"):
-                    os.kill(int(name), 9)
-        except (OSError, ValueError):
+            os.kill(pid, 9)
+        except OSError:
             pass
 
 

@@ -181,11 +181,9 @@ def _python_exec(sc) -> str | None:
 
 def _executor_ids(sc) -> frozenset | None:
     """The ids of the executors Spark has now; None where this Spark does not say (no caching then)."""
+    from ._spark import executor_resources
+
     try:
-        it = sc._jsc.sc().statusStore().executorList(True).iterator()
-        ids = []
-        while it.hasNext():
-            ids.append(str(it.next().id()))
-        return frozenset(ids)
+        return frozenset(executor_id for executor_id, _, _, _ in executor_resources(sc))
     except Exception:  # noqa: BLE001 - a Spark without this private API
         return None

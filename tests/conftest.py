@@ -31,23 +31,9 @@ def pytest_unconfigure(config):
 def session_zygotes() -> list:
     """The pids of the warm zygotes (runner/_zygote.py) this test session started: they run detached,
     with this session's TMPDIR in their environment."""
-    found = []
-    if not os.path.isdir("/proc"):
-        return found
-    mark = f"TMPDIR={_SESSION_TMP}".encode()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                if b"sparkhvd.runner._zygote" not in f.read():
-                    continue
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if mark in f.read().split(b"\0"):
-                    found.append(int(name))
-        except OSError:  # gone, or not ours to read
-            pass
-    return found
+    from sparkhvd.runner._zygote import marked
+
+    return marked(f"TMPDIR={_SESSION_TMP}")
 
 
 def stop_session_zygotes() -> None:
