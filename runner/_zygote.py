@@ -96,7 +96,7 @@ def _package_files(root: str) -> list:
         for entry in entries:
             if entry.name.endswith(".py") and entry.is_file():
                 found.append(entry.path)
-            elif (entry.is_dir() and not entry.name.startswith((".", "_")) and entry.name not in _SKIP_DIRS
+            elif (entry.is_dir() and not entry.name.startswith(".") and entry.name not in _SKIP_DIRS
                   and os.path.exists(os.path.join(entry.path, "__init__.py"))):
                 stack.append(entry.path)
     return found

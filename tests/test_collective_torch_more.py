@@ -43,10 +43,17 @@ def _ops():
     hvd.grouped_allreduce_(gi)
     out["grouped_"] = gi
     out["grouped_async"] = hvd.synchronize(hvd.grouped_allreduce_async(g, op=hvd.Max))
+    narrow = [torch.tensor([1 + r, 2], dtype=dtype) for dtype in (torch.int16, torch.int8, torch.uint8)]
+    out["grouped_narrow"] = hvd.grouped_allreduce(narrow + [torch.tensor([r == 0, False])], op=hvd.Sum)
+    try:
+        hvd.grouped_allreduce([torch.ones(1), torch.ones(1, device="meta")])
+    except RuntimeError as exc:
+        out["grouped_devices"] = str(exc)
     out["minmaxprod"] = [hvd.allreduce(torch.tensor([r + 1.0]), op=op) for op in (hvd.Min, hvd.Max, hvd.Product)]
     out["alltoall_even"] = hvd.alltoall(torch.arange(2 * n) + 100 * r)
     splits = [k + 1 for k in range(n)]  # rank r sends k+1 rows to rank k
     out["alltoall_splits"] = hvd.alltoall(torch.full((sum(splits), 2), r), splits=splits)
+    out["alltoall_split_tensor"] = hvd.alltoall(torch.full((sum(splits),), r), splits=torch.tensor(splits))[1]
     rows = 2 * n + 1  # uneven: rank 0 gets the extra row
     out["reducescatter_sum"] = hvd.reducescatter(torch.arange(rows * 2.0).reshape(rows, 2) + r, op=hvd.Sum)
     out["reducescatter_avg"] = hvd.reducescatter(torch.ones(rows) * (r + 1))
@@ -204,6 +211,11 @@ def test_grouped_allreduce_variants(ranks):
         a, b, c = v["grouped_"]
         assert torch.equal(a, torch.tensor([(n + s) / n, 2.0])) and torch.equal(b, torch.tensor([(10 * n + s) // n]))
         assert torch.equal(v["grouped_async"][2], torch.ones(2, 2) * (n - 1))
+        narrow = [torch.tensor([n + s, 2 * n], dtype=dtype) for dtype in (torch.int16, torch.int8, torch.uint8)]
+        assert all(torch.equal(a, b) for a, b in zip(v["grouped_narrow"], narrow + [torch.tensor([True, False])]))
+        assert v["grouped_devices"] == ("grouped_allreduce takes tensors on one device, got tensors on cpu, meta; "
+                                        "move them to one device, or reduce each device's tensors in a group of "
+                                        "their own.")
         mn, mx, prod = v["minmaxprod"]
         assert (mn.item(), mx.item(), prod.item()) == (1.0, float(n), float(torch.arange(1, n + 1).prod()))
 
@@ -216,6 +228,7 @@ def test_alltoall(ranks):
         out, received = v["alltoall_splits"]
         assert torch.equal(received, torch.full((n,), r + 1, dtype=torch.int32))
         assert torch.equal(out, torch.cat([torch.full((r + 1, 2), k) for k in range(n)]))
+        assert torch.equal(v["alltoall_split_tensor"], torch.full((n,), r + 1))  # the splits' own dtype, as Horovod
 
 
 def test_reducescatter(ranks):

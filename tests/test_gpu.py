@@ -1,6 +1,12 @@
-"""CUDA tensors over NCCL. Needs a GPU: skipped cleanly without one (CI has none)."""
+"""CUDA tensors over NCCL, on one GPU (NCCL refuses two ranks on one device, so np=1).
+
+Needs a GPU: skipped cleanly without one (CI has none). Each rank function tries every case and
+records its result or its error, so that one run on a lent GPU shows every failure at once.
+"""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -10,36 +16,227 @@ from sparkhvd import HorovodRunner
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
+# NCCL's own types, and the ones gloo widens on CPU (int16, bool): CUDA must take them too.
+DTYPES = ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool")
+OPS = ("Sum", "Average", "Min", "Max", "Product")
 
-def _cuda_ops():
+
+def _failures(out: dict) -> list:
+    return [f"{k}: {v}" for k, v in out.items() if isinstance(v, str) and v.startswith("ERROR")]
+
+
+def _every_op_and_dtype(dtypes, ops, device="cuda"):
     import torch
 
     import sparkhvd.collective.torch as hvd
 
     hvd.init()
-    out = {"device": torch.cuda.current_device(), "visible": torch.cuda.device_count()}
-    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64):
-        x = (torch.arange(6, device="cuda") + 1 + hvd.rank()).to(dtype)
-        out[("sum", str(dtype))] = hvd.allreduce(x, op=hvd.Sum).cpu()
-        out[("avg", str(dtype))] = hvd.allreduce(x).cpu()
-        out[("bcast", str(dtype))] = hvd.broadcast(x, root_rank=0).cpu()
-        out[("gather", str(dtype))] = hvd.allgather(x[: hvd.rank() + 1]).cpu()
-    model = torch.nn.Linear(4, 1).cuda()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    model(torch.ones(2, 4, device="cuda")).sum().backward()
-    opt.step()
-    out["weight"] = model.weight.detach().cpu()
+    out = {"nccl": hvd.nccl_built()}
+
+    def case(key, fn):
+        try:
+            value = fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            out[key] = value.cpu() if isinstance(value, torch.Tensor) else [v.cpu() for v in value]
+        except Exception as e:  # noqa: BLE001 - every case's error is the test's report
+            out[key] = f"ERROR {type(e).__name__}: {e}"
+
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        x = (torch.arange(6, device=device) % 2 + 1).to(dtype)
+        big = (torch.arange(1 << 18, device=device) % 3).to(dtype)  # past any small-op path
+        for op in ops:
+            case(("allreduce", name, op), lambda: hvd.allreduce(x, op=getattr(hvd, op), name=f"ar.{name}.{op}"))
+            case(("allreduce_", name, op), lambda: hvd.allreduce_(x.clone(), op=getattr(hvd, op)))
+        case(("allreduce_big", name), lambda: hvd.allreduce(big, op=hvd.Sum))
+        case(("async", name), lambda: hvd.synchronize(hvd.allreduce_async(x, op=hvd.Sum)))
+        case(("grouped", name), lambda: hvd.grouped_allreduce([x, x[:3], big], op=hvd.Sum))
+        case(("bcast", name), lambda: hvd.broadcast(x, root_rank=0))
+        case(("bcast_", name), lambda: hvd.broadcast_(x.clone(), root_rank=0))
+        case(("gather", name), lambda: hvd.allgather(x.view(3, 2)))
+        case(("grouped_gather", name), lambda: hvd.grouped_allgather([x, x[:2]]))
+        case(("alltoall", name), lambda: hvd.alltoall(x))
+        case(("alltoall_splits", name), lambda: hvd.alltoall(x, splits=torch.tensor([6]))[0])
+        case(("reducescatter", name), lambda: hvd.reducescatter(x, op=hvd.Sum))
+        case(("grouped_reducescatter", name), lambda: hvd.grouped_reducescatter([x, x[:4]], op=hvd.Sum))
+    case(("prescale",), lambda: hvd.allreduce(torch.ones(4, device=device), op=hvd.Sum, prescale_factor=3.0,
+                                              postscale_factor=0.5))
+    case(("prescale_half",), lambda: hvd.allreduce(torch.full((4,), 3.0, device=device, dtype=torch.float16),
+                                                   op=hvd.Sum, prescale_factor=0.1))
+    case(("received_splits",), lambda: hvd.alltoall(torch.ones(2, device=device),
+                                                    splits=torch.tensor([2], device=device))[1])
+    out["received_splits_device"] = hvd.alltoall(torch.ones(2, device=device),
+                                                 splits=torch.tensor([2], device=device))[1].device.type
+    case(("fp16",), lambda: hvd.allreduce(torch.ones(4, device=device), compression=hvd.Compression.fp16))
+    out["poll"] = hvd.poll(h := hvd.allreduce_async(torch.ones(1 << 20, device=device))) in (True, False)
+    hvd.synchronize(h)
+    out["join"] = hvd.join()
+    hvd.barrier()
+    out["object"] = hvd.broadcast_object({"t": torch.ones(2, device=device)}, root_rank=0)["t"].device.type
+    out["objects"] = len(hvd.allgather_object({"rank": hvd.rank()}))
     return out
 
 
-def test_nccl_ops_and_optimizer_on_one_gpu():
-    v = HorovodRunner(np=-1).run(_cuda_ops)
-    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64):
-        x = (torch.arange(6) + 1).to(dtype)
-        assert torch.equal(v[("sum", str(dtype))], x)
-        assert torch.equal(v[("avg", str(dtype))], x)
-        assert torch.equal(v[("bcast", str(dtype))], x)
-        assert torch.equal(v[("gather", str(dtype))], x[:1])
-    assert v["weight"].shape == (1, 4)
+def test_nccl_every_op_and_dtype_on_one_gpu():
+    out = HorovodRunner(np=-1).run(_every_op_and_dtype, dtypes=DTYPES, ops=OPS)
+    assert out["nccl"] > 0, "nccl_built() must give NCCL's version where CUDA tensors travel over it"
+    assert not _failures(out), "\n".join(_failures(out))
+    for name in DTYPES:
+        dtype = getattr(torch, name)
+        x = (torch.arange(6) % 2 + 1).to(dtype)
+        big = (torch.arange(1 << 18) % 3).to(dtype)
+        for op in OPS:
+            assert torch.equal(out[("allreduce", name, op)], x), (name, op)
+            assert torch.equal(out[("allreduce_", name, op)], x), (name, op)
+        assert torch.equal(out[("allreduce_big", name)], big), name
+        assert torch.equal(out[("async", name)], x), name
+        assert all(torch.equal(a, b) for a, b in zip(out[("grouped", name)], [x, x[:3], big])), name
+        assert torch.equal(out[("bcast", name)], x) and torch.equal(out[("bcast_", name)], x), name
+        assert torch.equal(out[("gather", name)], x.view(3, 2)), name
+        assert all(torch.equal(a, b) for a, b in zip(out[("grouped_gather", name)], [x, x[:2]])), name
+        assert torch.equal(out[("alltoall", name)], x) and torch.equal(out[("alltoall_splits", name)], x), name
+        assert torch.equal(out[("reducescatter", name)], x), name
+        assert all(torch.equal(a, b) for a, b in zip(out[("grouped_reducescatter", name)], [x, x[:4]])), name
+    assert torch.equal(out[("prescale",)], torch.full((4,), 1.5))
+    # Horovod's CUDA kernels scale half precision by the factor rounded to half (its test_horovod_allreduce_prescale)
+    assert torch.equal(out[("prescale_half",)], torch.full((4,), 3.0, dtype=torch.float16) *
+                       torch.tensor(0.1, dtype=torch.float16))
+    assert torch.equal(out[("received_splits",)], torch.tensor([2])) and out["received_splits_device"] == "cuda"
+    assert torch.equal(out[("fp16",)], torch.ones(4))
+    assert out["poll"] and out["join"] == 0 and out["object"] == "cuda" and out["objects"] == 1
+
+
+def _training_on_cuda(device="cuda"):
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(0)
+    out = {}
+    for label, kwargs in (("sgd", {}), ("fp16", {"compression": hvd.Compression.fp16}),
+                          ("accumulate", {"backward_passes_per_step": 2})):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 1)).to(device)
+        reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                        torch.nn.Linear(16, 1)).to(device)
+        reference.load_state_dict(model.state_dict())
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                       named_parameters=model.named_parameters(), **kwargs)
+        plain = torch.optim.Adam(reference.parameters(), lr=0.01)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        passes = kwargs.get("backward_passes_per_step", 1)
+        for step in range(4):
+            x = torch.randn(32, 8, device=device)
+            for m, o in ((model, opt), (reference, plain)):
+                for _ in range(passes):
+                    m(x).pow(2).mean().backward()
+                o.step()
+                o.zero_grad()
+        out[label] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+    bn = hvd.SyncBatchNorm(4).to(device)
+    x = torch.randn(8, 4, device=device, requires_grad=True)
+    y = bn(x)
+    y.sum().backward()
+    plain_bn = torch.nn.BatchNorm1d(4).to(device)
+    out["sync_bn"] = (y - plain_bn(x)).abs().max().item()
+    out["sync_bn_grad"] = x.grad.abs().sum().item() >= 0
+    return out
+
+
+def test_distributed_optimizer_and_sync_batch_norm_on_cuda_match_plain_torch():
+    out = HorovodRunner(np=-1).run(_training_on_cuda)
+    assert out["sgd"] < 1e-5 and out["accumulate"] < 1e-5, out  # a job of one: what plain torch does
+    assert out["fp16"] < 1e-2, out  # fp16 compression rounds the gradients
+    assert out["sync_bn"] < 1e-5 and out["sync_bn_grad"], out
+
+
+def _device_view():
+    import json
+    import os
+
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    before = torch.cuda.is_initialized()
+    hvd.init()
+    torch.cuda.set_device(hvd.local_rank())  # Horovod's idiom
+    t = torch.ones(3, device="cuda")
+    return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "count": torch.cuda.device_count(),
+            "current": torch.cuda.current_device(), "tensor_device": t.device.index, "local_rank": hvd.local_rank(),
+            "cuda_before_init": before, "warm": os.environ.get("SPARKHVD_WARM"),
+            "placement": json.loads(os.environ["SPARKHVD_PLACEMENT"])["local_rank"],
+            "sum": hvd.allreduce(t, op=hvd.Sum).sum().item()}
+
+
+def test_horovods_device_idiom_and_a_forked_rank_from_the_warm_process_use_the_gpu(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
+    monkeypatch.delenv("SPARKHVD_WARM", raising=False)
+    first = HorovodRunner(np=-1).run(_device_view)
+    from sparkhvd.runner import _zygote
+
+    key = _zygote.zygote_key()
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the first run starts the warm process in the background
+        try:
+            _zygote.connect(key, timeout=5.0).close()
+            break
+        except OSError:
+            time.sleep(0.2)
+    second = HorovodRunner(np=-1).run(_device_view)
+    for v in (first, second):
+        assert v["local_rank"] == 0 and v["current"] == 0 and v["tensor_device"] == 0, v
+        assert v["visible"] == os.environ["CUDA_VISIBLE_DEVICES"], v
+        assert v["cuda_before_init"] is False, v  # the warm process never initialises CUDA
+        assert v["sum"] == 3.0, v
+    assert second["warm"] == "forked", second
+
+
+def _elastic_on_cuda(marks):
+    import signal
+
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+    from sparkhvd.runner import _commits
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1).cuda()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+
+    @hvd.elastic.run
+    def loop(state):
+        while state.step < 6:
+            if state.step == 3 and not os.path.exists(os.path.join(marks, "killed")):
+                _commits.flush(60)
+                open(os.path.join(marks, "killed"), "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+            g = torch.Generator(device="cuda").manual_seed(state.step)
+            x = torch.randn(16, 4, device="cuda", generator=g)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            state.step += 1
+            state.commit()
+        return {k: v.cpu() for k, v in model.state_dict().items()}
+
+    return loop(state)
+
+
+def test_a_restart_resumes_cuda_state_from_its_commit(tmp_path):
+    once = tmp_path / "once"
+    once.mkdir()
+    open(once / "killed", "w").close()  # the reference run is never killed
+    reference = HorovodRunner(np=-1).run(_elastic_on_cuda, marks=str(once))
+    runner = HorovodRunner(np=-1, max_restarts=1)
+    weights = runner.run(_elastic_on_cuda, marks=str(tmp_path))
+    assert len(runner.last_result.restarts) == 1
+    assert all(torch.equal(weights[k], reference[k]) for k in reference)

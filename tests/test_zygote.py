@@ -188,6 +188,11 @@ def test_key_changes_when_sparkhvd_or_the_environment_changes(tmp_path):
     (package / "__init__.py").write_text("")
     (package / "tests").mkdir()
     (package / "tests" / "__init__.py").write_text("")
+    private = package / "collective" / "_core"  # a private sub-package is as much the package as a public one
+    private.mkdir(parents=True)
+    for folder in (package / "collective", private):
+        (folder / "__init__.py").write_text("")
+    (private / "_ops.py").write_text("A = 1\n")
     torch_files = [str(tmp_path / "torch_version.py")]
     (tmp_path / "torch_version.py").write_text("__version__ = '1'\n")
     env = {"PYTHONPATH": "/a"}
@@ -205,6 +210,9 @@ def test_key_changes_when_sparkhvd_or_the_environment_changes(tmp_path):
     worker.write_text(worker.read_text() + "\n# edited\n")
     edited = key()
     assert edited != before
+    (private / "_ops.py").write_text("A = 2\n")
+    assert key() != edited
+    edited = key()
     (tmp_path / "torch_version.py").write_text("__version__ = '2'\n")
     assert key() != edited
     assert _zygote.address(before) == "\0sparkhvd-zygote-" + before  # abstract: no file in the temp dir

@@ -96,13 +96,13 @@ def now(start, *args, **kwargs):
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
-    """What gloo moves for ``tensor``: itself when contiguous and of a type gloo carries, else a contiguous byte
-    view (gloo moves bytes: bool, int8 and int16 travel as uint8)."""
+    """What the backend moves for ``tensor``: itself when contiguous and of a type the backend carries, else a
+    contiguous byte view (``moved_as_bytes``)."""
     t = tensor if tensor.is_contiguous() else tensor.contiguous()
-    if t.dtype in _BYTE_VIEWED and t.device.type == "cpu" and t.numel() == 0:
+    if moved_as_bytes(t) and t.numel() == 0:
         return t.new_empty(tuple(t.shape[:-1]) + (t.shape[-1] * t.element_size(),) if t.dim() else (0,),
                            dtype=torch.uint8)
-    if t.dtype in _BYTE_VIEWED and t.device.type == "cpu":
+    if moved_as_bytes(t):
         return t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
     return t
 
@@ -116,8 +116,24 @@ def _unwire(wire: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
     return wire.view(dtype).view(shape)
 
 
-_BYTE_VIEWED = {torch.bool, torch.int8, torch.int16, torch.uint16, torch.uint32, torch.uint64,
-                torch.complex64, torch.complex128}
+# The dtypes each backend cannot move as themselves: their bytes travel instead (gloo on CPU, NCCL on CUDA).
+_BYTE_VIEWED = {
+    "cpu": {torch.bool, torch.int8, torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.complex64,
+            torch.complex128},
+    "cuda": {torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.complex64, torch.complex128},
+}
+# The dtypes each backend cannot reduce: they are reduced as int32 (gloo has no 8/16-bit reduction, NCCL no int16).
+_REDUCED_VIA_INT32 = {"cpu": {torch.int16, torch.int8, torch.uint8, torch.bool}, "cuda": {torch.int16}}
+
+
+def moved_as_bytes(t: torch.Tensor) -> bool:
+    """Whether ``t``'s backend moves it as bytes (broadcast, allgather, alltoall)."""
+    return t.dtype in _BYTE_VIEWED.get(t.device.type, ())
+
+
+def reduced_via_int32(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a reduction of ``dtype`` on ``device`` runs widened to int32."""
+    return dtype in _REDUCED_VIA_INT32.get(device.type, ())
 
 
 def _zeros_spec(t: torch.Tensor, kind: str) -> dict:
@@ -126,8 +142,6 @@ def _zeros_spec(t: torch.Tensor, kind: str) -> dict:
 
 
 # ---- allreduce ----------------------------------------------------------------------------
-
-_REDUCED_VIA_INT32 = {torch.int16, torch.int8, torch.uint8, torch.bool}  # gloo has no 8/16-bit reduction
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -153,7 +167,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
             target.copy_(_inline.read(result, inline.dtype).view_as(target))
             return [], finish
         wire = target if target.is_contiguous() else target.contiguous()  # c10d reduces strided ones wrong
-        widened = wire.to(torch.int32) if wire.dtype in _REDUCED_VIA_INT32 and not wire.is_cuda else None
+        widened = wire.to(torch.int32) if reduced_via_int32(wire.dtype, wire.device) else None
         reduced = wire if widened is None else widened
         scale_(reduced, prescale_factor)
         work = dist.all_reduce(reduced, op=_C10D_OPS[op], group=process_set.group, async_op=True)
@@ -180,7 +194,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
         _scale_after(target, op, size, postscale_factor)
         return tensor
 
-    fusable = _fusable and inline is None and tensor.dtype not in _REDUCED_VIA_INT32
+    fusable = _fusable and inline is None and not reduced_via_int32(tensor.dtype, tensor.device)
     return _submit(process_set, Op(
         kind="allreduce", name=name, signature=f"{op.name}|{desc}|{prescale_factor}|{postscale_factor}",
         description=f"{_what}(op={op.name}: {desc})", joinable=op in (Sum, Average),
@@ -260,6 +274,10 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     tensors = list(tensors)
     for t in tensors:
         _check_tensor(t, "grouped_allreduce")
+    devices = sorted({str(t.device) for t in tensors})
+    if len(devices) > 1:  # as Horovod: one group, one device
+        raise RuntimeError(f"grouped_allreduce takes tensors on one device, got tensors on {', '.join(devices)}; "
+                           "move them to one device, or reduce each device's tensors in a group of their own.")
     op = _resolve_op(op, average)
     require_member(process_set, "grouped_allreduce")
     size = process_set.size()
@@ -279,6 +297,8 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
         with torch.no_grad():
             for members in buckets:
                 flat = scaled(_fused(members, pooled), prescale_factor)  # not in place: may view the only member
+                if reduced_via_int32(flat.dtype, flat.device):
+                    flat = flat.to(torch.int32)  # copied back into the members' own dtype in finish()
                 works.append(dist.all_reduce(flat, op=_C10D_OPS[op], group=process_set.group, async_op=True))
                 flats.append((flat, members))
         return works, finish
@@ -452,6 +472,8 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
             problem = (f"alltoall without splits needs the first dimension ({rows}) to be divisible by the "
                        f"number of ranks ({n}); pass splits= to send uneven parts.")
         splits = [rows // n] * n
+    # Horovod returns the received splits like the splits given: a tensor's dtype and device, else int32 on CPU
+    like = splits if isinstance(splits, torch.Tensor) else torch.empty(0, dtype=torch.int32)
     splits = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
     if problem is None and (len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows):
         problem = (f"alltoall splits {splits} must be {n} non-negative counts (one per rank) that add up "
@@ -460,7 +482,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     out: dict = {}
 
     trailing = tuple(tensor.shape[1:])
-    as_bytes = tensor.dtype in _BYTE_VIEWED and tensor.device.type == "cpu"
+    as_bytes = moved_as_bytes(tensor)
 
     def launch(item, result):
         me = process_set.rank()
@@ -480,11 +502,15 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         output = out["output"]
         if as_bytes:
             output = _unwire(output, tensor.dtype, (sum(out["received"]),) + trailing)
-        return output, torch.tensor(out["received"], dtype=torch.int32)
+        return output, torch.tensor(out["received"], dtype=like.dtype, device=like.device)
 
     return _submit(process_set, Op(
         kind="alltoall", name=name, signature=desc, description=f"alltoall({desc})", fact=splits, problem=problem,
         launch=launch, nbytes=_nbytes(tensor)))
+
+
+# torch 2.13 renamed reduce_scatter_tensor (which now warns on every call) to reduce_scatter_single
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def reducescatter_rows(rows: int, size: int) -> list:
@@ -524,12 +550,12 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
                     start += c
                 src = padded
             src = scaled(src, prescale_factor)
-            widened = src.dtype in _REDUCED_VIA_INT32
+            widened = reduced_via_int32(src.dtype, src.device)
             if widened:
                 src = src.to(torch.int32)
             result_ = src.new_empty((longest,) + trailing)
-            work = dist.reduce_scatter_tensor(result_, src.contiguous(), op=dist.ReduceOp.SUM,
-                                              group=process_set.group, async_op=True)
+            work = _reduce_scatter(result_, src.contiguous(), op=dist.ReduceOp.SUM, group=process_set.group,
+                                   async_op=True)
         out["result"], out["count"] = result_, counts[me]
         return [work], finish
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._ops import _REDUCED_VIA_INT32
+from ._ops import reduced_via_int32
 
 
 def mirror(item: dict, group) -> list:
@@ -19,15 +19,18 @@ def mirror(item: dict, group) -> list:
         return []
     device = torch.device("cuda", torch.cuda.current_device()) if spec["cuda"] else torch.device("cpu")
     if kind == "all_reduce_buckets":  # grouped_allreduce: one reduction per fused bucket, in order
-        return [dist.all_reduce(torch.zeros(n, dtype=getattr(torch, dtype), device=device), group=group,
-                                async_op=True) for dtype, n in spec["buckets"]]
+        return [dist.all_reduce(torch.zeros(n, dtype=_reduced_as(getattr(torch, dtype), device), device=device),
+                                group=group, async_op=True) for dtype, n in spec["buckets"]]
     dtype = getattr(torch, spec["dtype"])
     if kind == "all_reduce":
-        if dtype in _REDUCED_VIA_INT32 and device.type == "cpu":
-            dtype = torch.int32  # as the working ranks widen it
-        return [dist.all_reduce(torch.zeros(_numel(spec["shape"]), dtype=dtype, device=device), group=group,
-                                async_op=True)]
+        return [dist.all_reduce(torch.zeros(_numel(spec["shape"]), dtype=_reduced_as(dtype, device), device=device),
+                                group=group, async_op=True)]
     raise RuntimeError(f"sparkhvd cannot stand in for a joined rank in {kind!r}; this is a bug in sparkhvd.")
+
+
+def _reduced_as(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the working ranks reduce ``dtype`` as (they widen what the backend cannot reduce)."""
+    return torch.int32 if reduced_via_int32(dtype, device) else dtype
 
 
 def _numel(shape: list) -> int:
