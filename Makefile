@@ -23,8 +23,8 @@ check-python:
 check-java:
 	@$(PYTHON) runner/_java.py
 
-# Reinstalled only when the package's requirements or the pins change.
-$(STAMP): pyproject.toml constraints.txt | check-python check-java
+# Reinstalled only when the package's requirements, its build (setup.py) or the pins change.
+$(STAMP): pyproject.toml setup.py constraints.txt | check-python check-java
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
 	@touch $(STAMP)
