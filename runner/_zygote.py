@@ -41,6 +41,14 @@ _KEY_ENV = ("PYTHONPATH", "PYTHONHOME", "LD_LIBRARY_PATH", "LD_PRELOAD", "VIRTUA
 # the zygote has the zygote's, so they are part of the key. OMP_NUM_THREADS is not: the fork applies it.
 _KEY_ENV_PREFIXES = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_")
 _KEY_ENV_SKIP = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS")
+# CPython's own variables are PYTHON<NAME> (PYTHONPATH, PYTHONHASHSEED, ...) and these PYTHON_<NAME>s. Other
+# PYTHON_ names are other programs': Spark gives its Python workers PYTHON_WORKER_FACTORY_SECRET (and, by
+# its settings, PYTHON_WORKER_FACTORY_PORT, PYTHON_FAULTHANDLER_DIR, ...), new for every application, so
+# keying on them would start a zygote per application and serve none twice. A rank gets them all the
+# same: its whole environment is the agent's (_child).
+_CPYTHON_UNDERSCORED = ("PYTHON_CPU_COUNT", "PYTHON_FROZEN_MODULES", "PYTHON_GIL", "PYTHON_JIT",
+                        "PYTHON_PERF_JIT_SUPPORT", "PYTHON_PRESITE", "PYTHON_TLBC", "PYTHON_CONTEXT_AWARE_WARNINGS",
+                        "PYTHON_THREAD_INHERIT_CONTEXT", "PYTHON_DISABLE_REMOTE_DEBUG")
 _SKIP_DIRS = ("tests", "bench", "notebooks")
 _BLAS_SET_THREADS = ("openblas_set_num_threads", "openblas_set_num_threads64_",
                      "scipy_openblas_set_num_threads", "scipy_openblas_set_num_threads64_")
@@ -56,9 +64,10 @@ class WarmUnavailable(Exception):
 
 def zygote_key(package_dir: str | None = None, torch_files: list | None = None, env: dict | None = None) -> str:
     """A short hash of what decides the zygote's preloaded modules: the interpreter, the environment
-    Python and the native libraries read when they start, the user, the working directory, and
-    (name, mtime, size) of every ``.py`` file of sparkhvd and of torch's ``__init__.py`` /
-    ``version.py`` (stat only: torch is not imported).
+    Python and the native libraries read when they start (``_keyed``; not what Spark sets per
+    application, so one zygote serves every application on an executor), the user, the working
+    directory, and (name, mtime, size) of every ``.py`` file of sparkhvd and of torch's
+    ``__init__.py`` / ``version.py`` (stat only: torch is not imported).
 
     Not this process's ``sys.path``: a rank's, forked or fresh, comes from its own interpreter's
     start-up with this environment and directory, whatever the agent (a notebook) appended to its own.
@@ -72,7 +81,7 @@ def zygote_key(package_dir: str | None = None, torch_files: list | None = None, 
     for part in (sys.executable, sys.version, str(os.getuid()), os.getcwd()):
         h.update(part.encode("utf-8", "surrogateescape") + b"\0")
     for name in sorted(env):
-        if name in _KEY_ENV or (name.startswith(_KEY_ENV_PREFIXES) and name not in _KEY_ENV_SKIP):
+        if _keyed(name):
             h.update(f"{name}={env[name]}\0".encode("utf-8", "surrogateescape"))
     for path in sorted(_package_files(package_dir)) + list(torch_files):
         try:
@@ -81,6 +90,16 @@ def zygote_key(package_dir: str | None = None, torch_files: list | None = None, 
         except OSError:
             h.update(f"{path}:missing\0".encode("utf-8", "surrogateescape"))
     return h.hexdigest()[:16]
+
+
+def _keyed(name: str) -> bool:
+    """Whether the environment variable ``name`` is part of the key: read by Python or a native library
+    when it starts, never what a program sets per run (Spark's PYTHON_WORKER_FACTORY_SECRET)."""
+    if name in _KEY_ENV:
+        return True
+    if name in _KEY_ENV_SKIP or not name.startswith(_KEY_ENV_PREFIXES):
+        return False
+    return not name.startswith("PYTHON_") or name in _CPYTHON_UNDERSCORED
 
 
 def _package_files(root: str) -> list:

@@ -103,6 +103,43 @@ def test_second_run_forks_ranks_from_the_zygote_with_their_own_env(monkeypatch):
         assert "sparkhvd.runner._zygote" in _cmdline(v["ppid"])
 
 
+WARM_REPORT = """
+import json, os
+rank = json.loads(os.environ["SPARKHVD_PLACEMENT"])["rank"]
+print("WARM", rank, os.environ.get("SPARKHVD_WARM"), os.getppid(), flush=True)
+"""
+
+
+def _cli_run(tmp_path, env) -> dict:
+    """``python -m sparkhvd run --np 2 --master local[2]``: one Spark application; rank -> (warm, ppid)."""
+    out = subprocess.run([sys.executable, "-m", "sparkhvd", "run", "--np", "2", "--master", "local[2]", "--conf",
+                          "spark.ui.enabled=false", "report.py"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split()[1:] for line in out.stdout.splitlines() if " WARM " in line]  # "[0] WARM 0 forked 123"
+    return {int(rank): (warm, int(ppid)) for _, rank, warm, ppid in rows}
+
+
+def test_consecutive_spark_applications_fork_from_one_zygote(tmp_path):
+    (tmp_path / "report.py").write_text(WARM_REPORT)
+    mark = uuid.uuid4().hex  # in the zygote's environment: how this test finds it (it runs detached)
+    env = {k: v for k, v in os.environ.items() if k != _zygote.ENV_WARM}
+    env.update(PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable, SPARKHVD_TEST_ZYGOTE_MARK=mark)
+    mark = f"SPARKHVD_TEST_ZYGOTE_MARK={mark}"
+    try:
+        first = _cli_run(tmp_path, env)  # no zygote for this key (the cwd is new): fresh ranks, one started
+        assert sorted(first) == [0, 1] and all(warm != "forked" for warm, _ in first.values()), first
+        keys = {_cmdline(pid).split()[-1] for pid in _zygote.marked(mark)}  # python -m sparkhvd.runner._zygote KEY
+        assert len(keys) == 1, keys
+        zygote = _wait_ready(keys.pop())["pid"]
+        second = _cli_run(tmp_path, env)  # another application: another PYTHON_WORKER_FACTORY_SECRET
+        assert second == {0: ("forked", zygote), 1: ("forked", zygote)}
+        assert _zygote.marked(mark) == [zygote]  # and no second zygote
+    finally:
+        for pid in _zygote.marked(mark):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_warm_off_uses_fresh_processes(monkeypatch):
     monkeypatch.setenv("SPARKHVD_WARM", "0")
     values = HorovodRunner(np=-2).run_all(_parent_and_env).values
@@ -204,6 +241,16 @@ def test_key_changes_when_sparkhvd_or_the_environment_changes(tmp_path):
     assert key() == before
     assert key(SOME_OTHER_VAR="x", OMP_NUM_THREADS="3") == before  # applied by the fork, not a new zygote
     assert key(PYTHONPATH="/b") != before
+    assert key(PYTHONHASHSEED="0") != before  # a forked rank hashes strings with the zygote's seed
+    assert key(PYTHON_GIL="0") != before  # CPython's own PYTHON_ names count too
+    spark_per_application = {  # what one Spark application's Python workers see and the next one's do not
+        "PYTHON_WORKER_FACTORY_SECRET": "1436191ff3fbe5ff", "PYTHON_WORKER_FACTORY_PORT": "40123",
+        "PYTHON_WORKER_FACTORY_SOCK_DIR": "/tmp/spark-1/sock", "PYTHON_FAULTHANDLER_DIR": "/tmp/spark-1/fault",
+        "PYTHON_UDF_BATCH_SIZE": "100", "PYTHON_DAEMON_KILL_WORKER_ON_FLUSH_FAILURE": "1",
+        "SPARK_LOCAL_DIRS": "/tmp/blockmgr-1", "SPARK_EXECUTOR_DIRS": "/tmp/spark-1/executor-1",
+        "SPARK_LOG_URL_STDERR": "http://h:8081/logPage/?appId=app-1", "_PYSPARK_DRIVER_CONN_INFO_PATH": "/tmp/c"}
+    assert key(**spark_per_application) == before
+    assert key(**{**spark_per_application, "PYTHON_WORKER_FACTORY_SECRET": "260616f2e31e09db"}) == before
     (package / "tests" / "__init__.py").write_text("# tests are not part of the package\n")
     assert key() == before
     worker = package / "runner" / "_worker.py"
