@@ -1,8 +1,9 @@
 """The task agent: what runs in each Spark barrier task (or launcher thread) for one rank.
 
-It registers with the driver, receives its rank, starts the rank's own Python process with
-the GPU pinning in its environment (a fresh process, so the pinning holds before any CUDA
-work even when Spark reuses its Python workers), forwards that process's stdout and stderr
+It registers with the driver (with its GPUs, mapped through its executor's own
+``CUDA_VISIBLE_DEVICES``), receives its rank and this job's GPUs on its host, starts the rank's
+own Python process with those GPUs in its environment (a fresh process, so the list holds before
+any CUDA work even when Spark reuses its Python workers), forwards that process's stdout and stderr
 to the driver in batches of lines, and reports its exit code. The secret reaches the rank process on
 its stdin, never on a command line or in the environment.
 """
@@ -73,16 +74,25 @@ def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[s
             pass
         client.close()
         return {"task": task, "rank": None, "exit": None, "note": "stalled on purpose"}
+    host = host or socket.gethostname()
+    try:  # mapped here, through this executor's own list: another executor on the host may have another
+        devices, unusable = visible_gpus(list(gpus or []), os.environ.get("CUDA_VISIBLE_DEVICES")), None
+    except ValueError as exc:
+        devices, unusable = [], exc
     try:
-        placement = client.request(Kind.REGISTER, {
-            "task": task, "host": host or socket.gethostname(), "host_id": host_id(), "pid": os.getpid(),
-            "gpus": list(gpus or [])}).meta
+        answer = client.request(Kind.REGISTER, {
+            "task": task, "host": host, "host_id": host_id(), "pid": os.getpid(),
+            "gpus": list(gpus or []), "devices": devices}).meta
     except (RunAborted, ServiceError) as exc:
         client.close()
         return {"task": task, "rank": None, "exit": None, "note": str(exc)}
+    host_gpus = [str(d) for d in answer.pop("host_gpus", None) or []]
+    placement = answer  # exactly a Placement's fields: the rank process reads it back as one
     rank = placement["rank"]
     try:
-        env = _rank_env(spec, placement, gpus)
+        if unusable is not None:
+            raise unusable
+        env = _rank_env(spec, placement, host_gpus, host)
     except ValueError as exc:  # the executor's GPU settings: the rank's error, not a Spark task failure
         _report(client, Kind.ERROR, {"rank": rank, "type": "ValueError", "message": str(exc), "traceback": ""})
         _report(client, Kind.EXIT, {"rank": rank, "code": 1})
@@ -117,7 +127,9 @@ def _report(client: ServiceClient, kind: Kind, meta: dict) -> None:
         pass  # the driver has gone or has finished; nothing left to tell it
 
 
-def _rank_env(spec: TaskSpec, placement: dict, gpus: list[str] | None) -> dict:
+def _rank_env(spec: TaskSpec, placement: dict, host_gpus: list[str], host: str) -> dict:
+    """The rank process's environment. ``host_gpus``: this job's GPUs on the host, in local-rank order
+    (``runner/_topology.py: host_gpus``), its ``CUDA_VISIBLE_DEVICES``; empty: the executor's is kept."""
     import json
 
     env = dict(os.environ)
@@ -140,8 +152,8 @@ def _rank_env(spec: TaskSpec, placement: dict, gpus: list[str] | None) -> dict:
         # thread per core, whose spinning then starves the other ranks (measured: a Keras step at np=2
         # on 2 cores went from 20 ms to 7 ms).
         env["OMP_NUM_THREADS"] = str(omp_threads(placement["local_size"]))
-    if gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")))
+    if host_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(host_gpus)
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     # Horovod and torchrun variables that would make hvd.init() join a different job.
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -150,9 +162,10 @@ def _rank_env(spec: TaskSpec, placement: dict, gpus: list[str] | None) -> dict:
 
 
 def visible_gpus(addresses: list, visible: str | None) -> list:
-    """The devices a rank sees: Spark's GPU addresses, mapped through an executor's own
+    """A task's GPUs as its host names them: Spark's GPU addresses, mapped through an executor's own
     ``CUDA_VISIBLE_DEVICES`` when it has one (Spark's addresses then index that list), as
-    pyspark's TorchDistributor does."""
+    pyspark's TorchDistributor does. Each task maps its own, before it registers: executors on one
+    host may have different lists."""
     addresses = [str(a) for a in addresses]
     if not visible:
         return addresses

@@ -28,7 +28,7 @@ from ..collective._rendezvous import RendezvousStore, StoreClosed, StoreTimeout
 from ._commits import CommitStore
 from ._protocol import (_HEADER, MAGIC, NONCE_BYTES, TAG_BYTES, Channel, Kind, Message, PeerClosed, ProtocolError,
                         check_log_meta)
-from ._topology import Placement, assign_ranks
+from ._topology import Placement, assign_ranks, host_gpus
 
 log = logging.getLogger("sparkhvd.service")
 
@@ -52,9 +52,10 @@ class Registration:
     task: int
     host: str  # the hostname, for messages
     pid: int
-    gpus: list
+    gpus: list  # Spark's GPU addresses for the task
     peer: str  # the address the driver saw the task's connection come from
     host_id: str = ""  # what groups ranks by host (runner/_host.py); the hostname where absent
+    devices: list = field(default_factory=list)  # its GPUs as the host names them: ``gpus`` mapped by the agent
 
 
 @dataclass
@@ -84,6 +85,7 @@ class DriverService:
         self.cv = threading.Condition()
         self.registrations: dict[int, Registration] = {}
         self.placements: list[Placement] | None = None
+        self.gpu_lists: list[list[str]] = []  # task -> its CUDA_VISIBLE_DEVICES (runner/_topology.py: host_gpus)
         self.placed_at: float | None = None  # when every task had registered and the ranks were assigned
         self.results: dict[int, bytes] = {}
         self.failures: list[Failure] = []
@@ -248,16 +250,20 @@ class DriverService:
             return self._refuse(channel, refusal)  # never send while holding cv
         if not self._wait(lambda: self.placements is not None, None):
             return self._abort_reply(channel)
-        channel.send(Kind.ASSIGN, self.placements[task].as_dict())
+        # The placement (what the rank process reads back as a Placement) and the task's GPU list beside it.
+        channel.send(Kind.ASSIGN, {**self.placements[task].as_dict(), "host_gpus": self.gpu_lists[task]})
 
     def _add_registration(self, task: int, msg: Message, peer: str) -> None:
         """Record a task (cv held); once all have registered, assign the ranks."""
         self.registrations[task] = Registration(
             task=task, host=str(msg.meta.get("host")), pid=int(msg.meta.get("pid", 0)),
             gpus=list(msg.meta.get("gpus") or []), peer=peer,
-            host_id=str(msg.meta.get("host_id") or msg.meta.get("host")))
+            host_id=str(msg.meta.get("host_id") or msg.meta.get("host")),
+            devices=[str(d) for d in msg.meta.get("devices") or []])
         if len(self.registrations) == self.np:
-            self.placements = assign_ranks([self.registrations[t].host_id for t in range(self.np)])
+            hosts = [self.registrations[t].host_id for t in range(self.np)]
+            self.placements, self.gpu_lists = host_gpus(assign_ranks(hosts), hosts,
+                                                        [self.registrations[t].devices for t in range(self.np)])
             self.placed_at = time.monotonic()
         self.cv.notify_all()
 

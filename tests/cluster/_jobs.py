@@ -16,10 +16,12 @@ def _model():
 def whoami():
     """Where this rank runs, as the rank itself and Horovod's API see it."""
     import sparkhvd.collective.torch as hvd
+    from sparkhvd.collective import _engine
 
     hvd.init()
     return {"hostname": socket.gethostname(), "pid": os.getpid(), "netns": os.readlink("/proc/self/ns/net"),
             "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "own": list(_engine.topology().cuda_devices),  # the entries of "cuda" that are this rank's own GPUs
             "hvd": {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
                     "local_size": hvd.local_size(), "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size()}}
 

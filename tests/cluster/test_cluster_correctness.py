@@ -24,7 +24,27 @@ def _assert_ok(outcome):
     assert outcome.ok, f"the run failed: {outcome.error_type}: {outcome.error}\n--- driver output ---\n{outcome.output}"
 
 
-def test_ranks_are_grouped_by_host_and_pinned_to_distinct_gpus(cluster, no_leftover_ranks):
+def _device(cluster, host: str, address: str) -> str:
+    """What Spark's GPU ``address`` on ``host`` is called in CUDA_VISIBLE_DEVICES: host B's executors have a list of
+    their own, which Spark's addresses index; host A's name the GPUs themselves."""
+    from .conftest import HOST_B_VISIBLE_DEVICES
+
+    return HOST_B_VISIBLE_DEVICES.split(",")[int(address)] if host == cluster.hosts[1].hostname else address
+
+
+def _check_gpu_lists(cluster, outcome) -> None:
+    """Each rank lists this job's GPUs on its host, in local-rank order, and nothing else; its own is entry
+    ``local_rank`` (Horovod's ``torch.cuda.set_device(hvd.local_rank())``)."""
+    for r, value in enumerate(outcome.values):
+        local_rank, host = value["hvd"]["local_rank"], outcome.hosts[r]
+        peers = sorted((v["hvd"]["local_rank"], outcome.gpus[q]) for q, v in enumerate(outcome.values)
+                       if outcome.hosts[q] == host)  # this job's ranks on the host and Spark's addresses for them
+        assert value["cuda"].split(",") == [_device(cluster, host, g[0]) for _, g in peers], (r, value, outcome.gpus)
+        assert value["own"] == [local_rank] and list(outcome.placements[r]["cuda_devices"]) == [local_rank]
+        assert value["cuda"].split(",")[local_rank] == _device(cluster, host, outcome.gpus[r][0])
+
+
+def test_ranks_are_grouped_by_host_and_see_their_hosts_gpus_in_local_rank_order(cluster, no_leftover_ranks):
     outcome = cluster.driver.run("whoami", NP)
     _print_seconds("whoami np=4", outcome)
     _assert_ok(outcome)
@@ -39,15 +59,23 @@ def test_ranks_are_grouped_by_host_and_pinned_to_distinct_gpus(cluster, no_lefto
                 for r in range(NP)]
     assert [v["hvd"] for v in values] == expected
     assert [{k: p[k] for k in expected[0]} for p in outcome.placements] == expected
-    # Each rank sees one GPU; the two ranks on a host see different ones.
-    assert all(len(g) == 1 for g in outcome.gpus) and all(v["cuda"] and "," not in v["cuda"] for v in values)
+    # Spark gives each task one GPU, the two tasks on a host different ones; each rank lists both, in local-rank
+    # order, so entry local_rank is its own.
+    assert all(len(g) == 1 for g in outcome.gpus)
     for first in (0, 2):
-        assert values[first]["cuda"] != values[first + 1]["cuda"], values
         assert sorted(outcome.gpus[first] + outcome.gpus[first + 1]) == ["0", "1"], outcome.gpus
-    # Where the executor has no CUDA_VISIBLE_DEVICES of its own (host A), it is Spark's address itself.
-    for r in range(NP):
-        if outcome.hosts[r] == cluster.hosts[0].hostname:
-            assert values[r]["cuda"] == outcome.gpus[r][0]
+        assert values[first]["cuda"] == values[first + 1]["cuda"], values
+    _check_gpu_lists(cluster, outcome)
+    on_a = [r for r in range(NP) if hosts[r] == cluster.hosts[0].hostname]  # no list of its own: Spark's addresses
+    assert [values[r]["cuda"].split(",")[values[r]["hvd"]["local_rank"]] for r in on_a] == \
+        [outcome.gpus[r][0] for r in on_a]
+    # A job with fewer ranks than the hosts have GPUs lists only its own GPUs: never one Spark may give another job.
+    outcome = cluster.driver.run("whoami", 2)
+    _print_seconds("whoami np=2", outcome)
+    _assert_ok(outcome)
+    _check_gpu_lists(cluster, outcome)
+    for r, value in enumerate(outcome.values):
+        assert len(value["cuda"].split(",")) == value["hvd"]["local_size"], outcome
 
 
 def test_an_executors_own_cuda_visible_devices_is_respected(cluster, no_leftover_ranks):
@@ -57,11 +85,16 @@ def test_an_executors_own_cuda_visible_devices_is_respected(cluster, no_leftover
     _print_seconds("whoami np=4 (host B's executor has CUDA_VISIBLE_DEVICES)", outcome)
     _assert_ok(outcome)
     visible = HOST_B_VISIBLE_DEVICES.split(",")
-    on_b = [r for r in range(NP) if outcome.hosts[r] == cluster.hosts[1].hostname]
-    assert len(on_b) == 2
-    # Spark's addresses index the executor's own list, as pyspark's TorchDistributor maps them.
-    assert [outcome.values[r]["cuda"] for r in on_b] == [visible[int(outcome.gpus[r][0])] for r in on_b]
-    assert sorted(outcome.values[r]["cuda"] for r in on_b) == sorted(visible)
+    on_b = sorted((r for r in range(NP) if outcome.hosts[r] == cluster.hosts[1].hostname),
+                  key=lambda r: outcome.values[r]["hvd"]["local_rank"])
+    assert [outcome.values[r]["hvd"]["local_rank"] for r in on_b] == [0, 1]
+    # Spark's addresses index the executor's own list, as pyspark's TorchDistributor maps them; both ranks list
+    # both of the host's GPUs (6 and 7 by the executor's list), in local-rank order.
+    mine = [visible[int(outcome.gpus[r][0])] for r in on_b]
+    assert sorted(mine) == sorted(visible)
+    assert [outcome.values[r]["cuda"] for r in on_b] == [",".join(mine)] * 2
+    assert [outcome.values[r]["cuda"].split(",")[outcome.values[r]["own"][0]] for r in on_b] == mine
+    _check_gpu_lists(cluster, outcome)
 
 
 def test_collectives_are_exact_across_hosts(cluster, no_leftover_ranks):

@@ -49,6 +49,14 @@ def main(fault):
     spark = (SparkSession.builder.master(master).config("spark.ui.enabled", "false")
              .config("spark.ui.showConsoleProgress", "false").getOrCreate())
     spark.sparkContext.setLogLevel("OFF")
+    app_id = spark.sparkContext.applicationId
+    try:
+        _faulted_run(spark, fault)
+    finally:
+        remove_app_work_dir(app_id)
+
+
+def _faulted_run(spark, fault):
     faulted = []
 
     def inject():
@@ -89,4 +97,6 @@ def main(fault):
 
 
 if __name__ == "__main__":
+    from _spark_work import remove_app_work_dir
+
     main(sys.argv[1])

@@ -1,9 +1,10 @@
-"""Run on local-cluster[2,1,1024] whose workers each discover one fake GPU; print each rank's view."""
+"""Run on local-cluster[2,1,1024] whose workers (on this one host) each discover one fake GPU; print each rank's view."""
 
 import json
 import os
 import sys
 
+from _spark_work import remove_app_work_dir
 from pyspark.sql import SparkSession
 
 from sparkhvd import HorovodRunner
@@ -21,7 +22,9 @@ spark = (SparkSession.builder.master("local-cluster[2,1,1024]").appName("gpu-pin
 def train():
     from sparkhvd.runner import _context
 
-    return {"rank": _context.current().placement.rank, "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    placement = _context.current().placement
+    return {"rank": placement.rank, "local_rank": placement.local_rank, "own": list(placement.cuda_devices),
+            "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
 runs = []
@@ -29,4 +32,6 @@ for _ in range(2):  # the second run reuses Spark's Python workers
     result = HorovodRunner(np=2).run_all(train)
     runs.append({"values": result.values, "gpus": result.gpus})
 print("RESULT " + json.dumps(runs), flush=True)
+app_id = spark.sparkContext.applicationId
 spark.stop()
+remove_app_work_dir(app_id)
