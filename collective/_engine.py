@@ -1,7 +1,8 @@
 """The communicator: one c10d process group (gloo for CPU tensors, NCCL for CUDA tensors).
 
 ``init()`` builds it from whichever launcher started this process: HorovodRunner (the driver
-service serves ``collective``'s rendezvous store, ``_rendezvous.py``), torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or
+service serves ``collective``'s rendezvous store, ``_rendezvous.py``), torchrun (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), mpirun (``_mpi.py``: through mpi4py, or MASTER_ADDR/MASTER_PORT), or
 nothing (a group of one).
 """
 
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from ..runner import _context
 from ..runner._topology import Placement
-from . import _progress
+from . import _mpi, _progress
 from ._mesh import Endpoint, local_address
 
 _TIMEOUT = datetime.timedelta(minutes=30)
@@ -27,7 +28,7 @@ _INIT_LINK = -2  # the stall report's number for init()'s rendezvous (process se
 
 @dataclass(frozen=True)
 class Topology(Placement):
-    """This process's Placement plus where it came from ("sparkhvd", "torchrun" or "single")."""
+    """This process's Placement plus where it came from ("sparkhvd", "torchrun", "mpi" or "single")."""
 
     source: str = "single"
 
@@ -39,6 +40,8 @@ _generation = 0  # init() count in this process: keeps each init's store keys ap
 # keep it alive once it is wrapped (new_group wraps the default store), so we do.
 _store = None
 _endpoint: Endpoint | None = None  # the control links between ranks (``_mesh.py``)
+_master_addr: str | None = None  # where an mpirun job's store listens (the control links listen toward it)
+_mpi_exit_registered = False  # whether shutdown() runs at exit (registered by the first mpirun join)
 _background_engine = None  # the process's negotiating engine (``_background.py``), in jobs of more than one
 
 
@@ -46,9 +49,9 @@ class NotInitializedError(ValueError):
     """A collective was called before ``init()``."""
 
 
-def init() -> Topology:
-    """Join the job this process belongs to (idempotent)."""
-    global _topology, _owns_group, _generation, _store, _endpoint
+def init(mpi_comm=None) -> Topology:
+    """Join the job this process belongs to (idempotent); ``mpi_comm``: an mpi4py communicator to join through."""
+    global _topology, _owns_group, _generation, _store, _endpoint, _master_addr, _mpi_exit_registered
     if _topology is not None:
         return _topology
     ctx = _context.current()
@@ -59,8 +62,9 @@ def init() -> Topology:
         p = ctx.placement
         store = _store = DriverStore(ctx.new_client(), prefix=f"sparkhvd/{_generation}/")
         store.set_timeout(_TIMEOUT)  # init_process_group leaves a given store at its 5-minute default
-        if torch.cuda.is_available():  # a pinned task sees one GPU; on the driver, share by local_rank
-            torch.cuda.set_device(p.local_rank % torch.cuda.device_count())
+        if torch.cuda.is_available():  # the runner's list puts a rank's own GPU at cuda_devices[0] (local_rank where
+            # each rank has one); where it pinned none (np<0, on the driver), the ranks share the GPUs by local_rank
+            torch.cuda.set_device(p.cuda_devices[0] if p.cuda_devices else p.local_rank % torch.cuda.device_count())
         topology = Topology(**p.as_dict(), source="sparkhvd")
         waiting = _progress.begin_check("hvd.init", None, None, _INIT_LINK)  # the stall report sees who is late
         try:
@@ -71,7 +75,20 @@ def init() -> Topology:
     elif dist.is_initialized():  # the user built the default group (e.g. under torchrun)
         topology = _from_torchrun(dist.get_rank(), dist.get_world_size())
         _owns_group = False
-    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+    elif mpi_comm is not None or (_mpi.launched() is not None and not _torchrun_env()):  # torchrun under
+        # mpirun (one per node) sees both: its own variables describe this process
+        joined = _mpi.join(mpi_comm, _TIMEOUT)
+        store, _master_addr, p = joined.store, joined.master_addr, joined.placement
+        if torch.cuda.is_available():  # the GPU Horovod's scripts then select, torch.cuda.set_device(hvd.local_rank())
+            torch.cuda.set_device(p.local_rank % torch.cuda.device_count())
+        topology = Topology(**p.as_dict(), source="mpi")
+        dist.init_process_group(backend, store=store, rank=p.rank, world_size=p.size, timeout=_TIMEOUT)
+        _store, _owns_group = store, True
+        if not _mpi_exit_registered:  # as Horovod's: gloo's threads stop before the interpreter (and MPI)
+            # does; a script that just ends otherwise races them, and mpirun reports the abort
+            atexit.register(shutdown)
+            _mpi_exit_registered = True
+    elif _torchrun_env():
         topology = _from_torchrun(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
         dist.init_process_group(backend, init_method="env://", rank=topology.rank,
                                 world_size=topology.size, timeout=_TIMEOUT)
@@ -99,7 +116,7 @@ def _control_endpoint(rank: int, ctx) -> Endpoint:
         if rank == 0:
             store.set(prefix + "key", secrets.token_hex(32))
         key = store.get(prefix + "key")
-        host = local_address(os.environ.get("MASTER_ADDR"))
+        host = local_address(_master_addr or os.environ.get("MASTER_ADDR"))
     return Endpoint(rank=rank, host=host, key=key, store=store, prefix=prefix, timeout=_TIMEOUT.total_seconds())
 
 
@@ -191,6 +208,10 @@ def endpoint() -> Endpoint:
     return _endpoint
 
 
+def _torchrun_env() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
 def _from_torchrun(rank: int, size: int) -> Topology:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -214,7 +235,7 @@ atexit.register(drain)  # a script under torchrun may exit without hvd.shutdown(
 
 def shutdown() -> None:
     """Leave the job; ``init()`` may be called again afterwards."""
-    global _topology, _owns_group, _store, _endpoint, _background_engine
+    global _topology, _owns_group, _store, _endpoint, _background_engine, _master_addr
     if _topology is None:
         return
     if _background_engine is not None:
@@ -229,6 +250,8 @@ def shutdown() -> None:
     _store = None
     _topology = None
     _owns_group = False
+    _master_addr = None
+    _mpi.forget()
 
 
 def is_initialized() -> bool:

@@ -8,28 +8,38 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import _engine
+from .. import _engine, _mpi
 from . import _process_sets
 from ._handles import synchronize
 from ._process_sets import add_process_set, global_process_set
 
 
-def init(comm=None, process_sets=None) -> None:
-    """Join this process's job: HorovodRunner's, torchrun's, or a job of one.
+_JOINED_THROUGH = {"sparkhvd": "HorovodRunner", "torchrun": "torchrun", "mpi": "MASTER_ADDR/MASTER_PORT",
+                   "single": "no launcher (a job of one)"}
 
-    ``comm``: None, or the list of every rank (Horovod's MPI communicator argument; a subset
-    of ranks is a process set here). ``process_sets``: ProcessSets (or lists of ranks) to
-    register on every rank, or ``"dynamic"`` (sets are always dynamic here: ``add_process_set``
-    works at any time).
+
+def init(comm=None, process_sets=None) -> None:
+    """Join this process's job: HorovodRunner's, torchrun's, mpirun's, or a job of one.
+
+    ``comm``: None; the list of every rank (a subset of ranks is a process set here); or, as
+    Horovod's, an mpi4py intracommunicator (``MPI.COMM_WORLD``, or one made by its ``Split``)
+    whose ranks form the job, each with its rank in it. ``process_sets``: ProcessSets (or lists
+    of ranks) to register on every rank, or ``"dynamic"`` (sets are always dynamic here:
+    ``add_process_set`` works at any time).
     """
     if isinstance(process_sets, str):
         if process_sets.lower() != "dynamic":
             raise ValueError(f"init(process_sets={process_sets!r}): pass a list of ProcessSets or \"dynamic\".")
         process_sets = None
-    _engine.init()
-    if comm is not None:
+    mpi_comm = None if comm is None or isinstance(comm, (list, tuple, range)) else _mpi.communicator(comm)
+    _engine.init(mpi_comm)
+    if mpi_comm is not None and not _mpi.same_communicator(mpi_comm):
+        how = "another communicator" if _mpi.enabled() else _JOINED_THROUGH.get(_engine.topology().source)
+        raise ValueError(f"init(comm={comm!r}): this process already joined a job of {size()} ranks through {how}; "
+                         "call hvd.shutdown() before hvd.init(comm=...).")
+    if mpi_comm is None and comm is not None:
         everyone = list(range(_engine.topology().size))
-        if not isinstance(comm, (list, tuple, range)) or sorted(comm) != everyone:
+        if sorted(comm) != everyone:
             raise ValueError(f"init(comm={comm!r}): sparkhvd always runs on every rank of the job ({everyone}); "
                              "pass comm=None, and put a subset of ranks in a process set (hvd.add_process_set).")
     global_process_set.ranks = list(range(_engine.topology().size))
@@ -119,19 +129,26 @@ def gloo_built() -> bool:
 
 
 def mpi_built() -> bool:
-    """False: sparkhvd never uses MPI (gloo and NCCL carry every collective)."""
-    return False
+    """Whether a job that ``mpirun`` starts can join through MPI here: mpi4py is installed.
+
+    MPI only makes the rendezvous; gloo and NCCL carry every collective.
+    """
+    return _mpi.built()
 
 
 def mpi_enabled() -> bool:
-    """False: sparkhvd never uses MPI."""
-    return False
+    """Whether this process joined its job through MPI (started by ``mpirun``, with mpi4py)."""
+    return _engine.is_initialized() and _mpi.enabled()
 
 
 def mpi_threads_supported() -> bool:
-    """Raises, as Horovod does when MPI is not enabled: sparkhvd never uses MPI."""
-    raise ValueError("MPI is not enabled: sparkhvd never uses MPI (gloo and NCCL carry every collective), so "
-                     "there is no MPI threading to ask about; call hvd.mpi_enabled() first.")
+    """Whether MPI runs with ``MPI_THREAD_MULTIPLE`` (so the script may use mpi4py too); raises, as
+    Horovod's, where MPI is not enabled."""
+    if not mpi_enabled():
+        raise ValueError("MPI is not enabled: this process did not join its job through MPI (that needs mpirun "
+                         "and mpi4py: pip install \"sparkhvd[mpi]\"), so there is no MPI threading to ask about; "
+                         "call hvd.mpi_enabled() first.")
+    return _mpi.threads_supported()
 
 
 def gloo_enabled() -> bool:
