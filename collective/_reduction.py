@@ -32,9 +32,6 @@ def resolve_op(op, average) -> ReduceOp:
     try:
         op = ReduceOp(op)
     except ValueError:
-        raise ValueError(f"op={op!r} is not a reduction; use hvd.Average, hvd.Sum, hvd.Min, hvd.Max "
+        raise ValueError(f"op={op!r} is not a reduction; use hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max "
                          "or hvd.Product.") from None
-    if op == Adasum:
-        raise NotImplementedError("op=hvd.Adasum is not implemented by sparkhvd; use op=hvd.Average "
-                                  "(the default), which gives the same result for equal learning rates.")
     return op

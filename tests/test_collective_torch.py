@@ -65,7 +65,6 @@ def _all_ops():
         "root": lambda: hvd.broadcast(torch.ones(1), root_rank=n),
         "op": lambda: hvd.allreduce(torch.ones(1), op=17),
         "both": lambda: hvd.allreduce(torch.ones(1), op=hvd.Sum, average=True),
-        "adasum": lambda: hvd.allreduce(torch.ones(1), op=hvd.Adasum),
         "not_tensor": lambda: hvd.allreduce([1, 2]),
         "params": lambda: hvd.broadcast_parameters(42),
         "params_value": lambda: hvd.broadcast_parameters({"w": 3}),
@@ -138,7 +137,6 @@ def test_errors_name_the_values_and_the_fix(two_ranks):
     assert errors["root"] == "ValueError: root_rank=2 is outside the ranks 0..1 of this job."
     assert errors["op"].startswith("ValueError: op=17 is not a reduction; use hvd.Average")
     assert "pass only op=hvd.Average or op=hvd.Sum" in errors["both"]
-    assert errors["adasum"].startswith("NotImplementedError: op=hvd.Adasum is not implemented")
     assert errors["not_tensor"] == "TypeError: allreduce takes a torch.Tensor, got list."
     assert "broadcast_parameters takes a state_dict" in errors["params"]
     assert "'w' is a int, not a tensor; broadcast non-tensor values with hvd.broadcast_object" in errors["params_value"]
@@ -226,7 +224,7 @@ def test_distributed_optimizer_errors():
     assert errors[0] == "DistributedOptimizer wraps a torch.optim.Optimizer, got str."
     assert "2 of the optimizer's 2 parameters are not in it" in errors[1]
     assert "named_parameters has duplicate names ['a']" in errors[2]
-    assert "op=hvd.Average or hvd.Sum, got Max" in errors[3]
+    assert "op=hvd.Average, hvd.Sum or hvd.Adasum, got Max" in errors[3]
     assert (name, is_sgd) == ("SGD", True)
 
 

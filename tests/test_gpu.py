@@ -153,6 +153,47 @@ def test_distributed_optimizer_and_sync_batch_norm_on_cuda_match_plain_torch():
     assert out["sync_bn"] < 1e-5 and out["sync_bn_grad"], out
 
 
+def _adasum_on_cuda():
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+    from sparkhvd.collective._core import _adasum
+
+    hvd.init()
+    out = {}
+    for name in ("float16", "float32", "float64"):  # a job of one: Adasum of one tensor is itself (times the scales)
+        x = torch.arange(1.0, 7.0, device="cuda").to(getattr(torch, name))
+        out[("allreduce", name)] = hvd.allreduce(x, op=hvd.Adasum).cpu()
+        out[("scaled", name)] = hvd.allreduce(x, op=hvd.Adasum, prescale_factor=2.0, postscale_factor=0.5).cpu()
+        out[("grouped", name)] = [t.cpu() for t in hvd.grouped_allreduce([x, x[:2]], op=hvd.Adasum)]
+        out[("async", name)] = hvd.synchronize(hvd.allreduce_async(x, op=hvd.Adasum)).cpu()
+    g = torch.Generator().manual_seed(0)  # the math itself on the GPU against the CPU, over 8 synthetic ranks
+    vectors = [torch.randn(1000, generator=g, dtype=torch.float64) for _ in range(8)]
+    counts = [1, 499, 0, 500]
+    cuda = [v.cuda() for v in vectors]
+    out["tree_diff"] = (_adasum.tree(cuda, counts).cpu() - _adasum.tree(vectors, counts)).abs().max().item()
+    out["tree_same_bits"] = torch.equal(_adasum.tree(cuda, counts), _adasum.tree(cuda, counts))
+    out["hier_diff"] = (_adasum.hierarchical(cuda, counts, 2).cpu() -
+                        _adasum.hierarchical(vectors, counts, 2)).abs().max().item()
+    half = [v.half() for v in cuda]
+    out["half_diff"] = (_adasum.tree(half, counts).cpu().double() - _adasum.tree([h.cpu() for h in half], counts)
+                        .double()).abs().max().item()
+    return out
+
+
+def test_adasum_on_cuda():
+    out = HorovodRunner(np=-1).run(_adasum_on_cuda)
+    for name in ("float16", "float32", "float64"):
+        x = torch.arange(1.0, 7.0).to(getattr(torch, name))
+        assert torch.equal(out[("allreduce", name)], x) and torch.equal(out[("async", name)], x), name
+        assert torch.equal(out[("scaled", name)], x), name
+        assert all(torch.equal(a, b) for a, b in zip(out[("grouped", name)], [x, x[:2]])), name
+    # float64 sums added in another order (tests/test_adasum.py's bound: 3 levels * 4 * 500 * eps * 8 |v| ~ 1e-10)
+    assert out["tree_diff"] < 1e-10 and out["hier_diff"] < 1e-10, out
+    assert out["tree_same_bits"], out  # no atomics: every rank works out the same bits
+    assert out["half_diff"] <= 2 ** -8 * 8, out  # float16: at most an ulp or so of values of about 8
+
+
 def _device_view():
     import json
     import os

@@ -20,7 +20,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import _background, _engine
 from .._background import Handle, Op
-from .._reduction import Average, Max, Min, Product, ReduceOp, Sum, resolve_op
+from .._reduction import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
 from . import _buffers, _inline
 from ._handles import GroupHandle, synchronize
 from ._scale import scale_, scaled
@@ -154,6 +154,10 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     """
     _check_tensor(tensor, "allreduce")
     op = _resolve_op(op, average)
+    if op == Adasum:  # not element-wise: its own data op (``_adasum.py``)
+        from . import _adasum
+
+        return _adasum.allreduce_async_(tensor, name, prescale_factor, postscale_factor, process_set, _what, _fusable)
     require_member(process_set, _what)
     size = process_set.size()
     desc = describe(tensor)
@@ -279,6 +283,10 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
         raise RuntimeError(f"grouped_allreduce takes tensors on one device, got tensors on {', '.join(devices)}; "
                            "move them to one device, or reduce each device's tensors in a group of their own.")
     op = _resolve_op(op, average)
+    if op == Adasum:  # not element-wise: its own data op (``_adasum.py``)
+        from . import _adasum
+
+        return _adasum.grouped_allreduce_async_(tensors, name, prescale_factor, postscale_factor, process_set)
     require_member(process_set, "grouped_allreduce")
     size = process_set.size()
     desc = ", ".join(describe(t) for t in tensors)
@@ -528,6 +536,9 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     """
     _check_tensor(tensor, "reducescatter")
     op = _resolve_op(op, None)
+    if op == Adasum:  # NotImplementedError (a RuntimeError), as Horovod's test_horovod_reducescatter_adasum expects
+        raise NotImplementedError("reducescatter does not support op=hvd.Adasum (nor does Horovod); use op=hvd.Average "
+                                  "or hvd.Sum, or allreduce with op=hvd.Adasum.")
     if op not in (Average, Sum):
         raise ValueError(f"reducescatter supports op=hvd.Average or hvd.Sum, got {op.name}.")
     require_member(process_set, "reducescatter")

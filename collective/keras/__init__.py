@@ -9,7 +9,7 @@ state and average metrics. The topology and tensor functions are those of
 
 from __future__ import annotations
 
-from ..tensorflow import (Average, Compression, Max, Min, Product, Sum, allgather, allgather_object, allreduce,
+from ..tensorflow import (Adasum, Average, Compression, Max, Min, Product, Sum, allgather, allgather_object, allreduce,
                           broadcast, broadcast_object, broadcast_variables, ccl_built, cross_rank, cross_size,
                           cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_initialized, local_rank,
                           local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
@@ -26,5 +26,5 @@ __all__ = [
     "allreduce", "allgather", "broadcast", "broadcast_variables", "broadcast_object", "allgather_object",
     "DistributedOptimizer", "load_model", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
     "LearningRateWarmupCallback", "LearningRateScheduleCallback", "BestModelCheckpoint", "Compression",
-    "Average", "Sum", "Min", "Max", "Product", "callbacks", "elastic", "start_timeline", "stop_timeline",
+    "Average", "Sum", "Adasum", "Min", "Max", "Product", "callbacks", "elastic", "start_timeline", "stop_timeline",
 ]

@@ -7,7 +7,7 @@ import warnings
 import tensorflow as tf
 
 from .. import _engine
-from ..tensorflow import Average, Compression, Sum, grouped_allreduce
+from ..tensorflow import Adasum, Average, Compression, Sum, grouped_allreduce
 from .._reduction import resolve_op
 
 
@@ -59,7 +59,9 @@ def DistributedOptimizer(optimizer, name=None, compression=Compression.none, bac
                          average_aggregated_gradients=False, op=Average, **_unused):
     """Wrap a Keras 3 optimizer so that every update uses gradients averaged across the ranks.
 
-    Returns ``optimizer`` itself, its class turned into a subclass of its own class. For gradient
+    ``op=Adasum`` combines each gradient by Adasum instead of averaging it, as Horovod's Keras
+    optimizer does (its delta optimizer is TF1's only). Returns ``optimizer`` itself, its class
+    turned into a subclass of its own class. For gradient
     accumulation use the optimizer's own ``gradient_accumulation_steps`` (each micro-batch's
     gradients are averaged across ranks, then accumulated).
     """
@@ -70,8 +72,9 @@ def DistributedOptimizer(optimizer, name=None, compression=Compression.none, bac
     if isinstance(optimizer, _DistributedKerasMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the original optimizer once.")
     op = resolve_op(op, None)
-    if op not in (Average, Sum):
-        raise ValueError(f"DistributedOptimizer reduces gradients with op=hvd.Average or hvd.Sum, got {op.name}.")
+    if op not in (Average, Sum, Adasum):
+        raise ValueError(f"DistributedOptimizer reduces gradients with op=hvd.Average, hvd.Sum or hvd.Adasum, got "
+                         f"{op.name}.")
     if backward_passes_per_step != 1:
         raise NotImplementedError(
             f"backward_passes_per_step={backward_passes_per_step} is not implemented for Keras; create the optimizer "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from .._core import Average, Sum, global_process_set
+from .._core import Adasum, Average, Sum, global_process_set
 from .._reduction import resolve_op
 from ._compression import Compression
 from ._ops import grouped_allreduce
@@ -20,7 +20,8 @@ def _key(source):
 class DistributedGradientTape:
     """Wraps a ``tf.GradientTape``: ``gradient()`` returns gradients averaged across the ranks.
 
-    ``op``: Average (default) or Sum; ``compression``: Compression.none or fp16;
+    ``op``: Average (default), Sum, or Adasum (each gradient combined by Adasum, as Horovod's
+    tape does; a power-of-2 number of ranks); ``compression``: Compression.none or fp16;
     ``sparse_as_dense``: IndexedSlices become dense tensors first (otherwise they are
     allgathered, as Horovod does); ``gradient_predivide_factor`` splits the averaging before and
     after the sum, as in Horovod; ``process_set``: reduce over these ranks only (a rank outside
@@ -34,8 +35,9 @@ class DistributedGradientTape:
                  sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                  process_set=global_process_set, scale_local_gradients=True):
         op = resolve_op(op, None)
-        if op not in (Average, Sum):
-            raise ValueError(f"DistributedGradientTape reduces with op=hvd.Average or hvd.Sum, got {op.name}.")
+        if op not in (Average, Sum, Adasum):
+            raise ValueError(f"DistributedGradientTape reduces with op=hvd.Average, hvd.Sum or hvd.Adasum, got "
+                             f"{op.name}.")
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} splits an average, but op is "
                              f"{op.name}; use op=hvd.Average, or leave gradient_predivide_factor at 1.0.")

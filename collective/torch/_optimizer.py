@@ -14,10 +14,14 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ._compression import Compression
+from .._core._adasum import hosts_per_reduction
+from .._core._basics import size as _job_size
 from .._core._buffers import fusion_threshold
-from .._core._ops import Average, ReduceOp, Sum, _resolve_op, allreduce_async_, check, now, sparse_allreduce_async
+from .._core._ops import (Adasum, Average, ReduceOp, Sum, _resolve_op, allreduce_async_, check, now,
+                          sparse_allreduce_async)
 from .._core._process_sets import ProcessSet, global_process_set
 from .._core._scale import scale_
+from ._adasum_optimizer import _AdasumMixin
 from ._fusion import GradientBuckets, finish_allreduce, launch_allreduce, write_back
 
 
@@ -180,7 +184,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          backward_passes_per_step: int = 1, op=Average, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups=None, sparse_as_dense: bool = False,
                          process_set=global_process_set):
-    """Wrap ``optimizer`` so that ``step()`` first averages gradients across ranks.
+    """Wrap ``optimizer`` so that ``step()`` first averages gradients across ranks (``op=Sum``: sums them).
 
     Gradients are reduced while backward runs: hooks fill buckets of up to
     ``$HOROVOD_FUSION_THRESHOLD`` bytes (64 MB), launched in a fixed order on every rank.
@@ -191,17 +195,21 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     gradient, so call ``step()`` after every N backward passes.
     ``compression`` casts the fused buffers for the wire; ``num_groups``/``groups`` are
     accepted for compatibility (buckets are per dtype and device).
+
+    ``op=Adasum`` (with more than one rank): Horovod's Adasum optimizer, which reduces each
+    parameter's change after a local step instead of the gradients (``_adasum_optimizer.py``).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}.")
     compression = compression or Compression.none
     op = _resolve_op(op, None)
-    if op not in (Average, Sum):
-        raise ValueError(f"DistributedOptimizer reduces gradients with op=hvd.Average or hvd.Sum, got {op.name}.")
+    if op not in (Average, Sum, Adasum):
+        raise ValueError(f"DistributedOptimizer reduces gradients with op=hvd.Average, hvd.Sum or hvd.Adasum, got "
+                         f"{op.name}.")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor only applies with op=hvd.Average.")
     backward_passes_per_step = _check_passes(backward_passes_per_step)
-    if isinstance(optimizer, _DistributedMixin):
+    if isinstance(optimizer, (_DistributedMixin, _AdasumMixin)):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the original optimizer once.")
     names = _parameter_names(optimizer, named_parameters)
     patched = optimizer.__dict__.get("step")
@@ -209,11 +217,21 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         raise ValueError(f"this {type(optimizer).__name__} has its own step attribute ({patched!r}), which would "
                          "bypass gradient averaging; wrap the optimizer with DistributedOptimizer before patching it.")
     base = type(optimizer)
-    cls = type(base.__name__, (_DistributedMixin, base), {})
+    # op=Adasum: Horovod's Adasum optimizer with more than one rank (alone, as in Horovod, the plain one); what
+    # Horovod refuses is refused before the optimizer changes class
+    adasum = op == Adasum and (_job_size() > 1 or process_set is not global_process_set)
+    if adasum:
+        hosts_per_reduction([p for group in optimizer.param_groups for p in group["params"] if p.requires_grad],
+                            process_set, "DistributedOptimizer")
+    cls = type(base.__name__, (_AdasumMixin if adasum else _DistributedMixin, base), {})
     optimizer.__class__ = cls  # one object: schedulers, load_state_dict and references all see it
     _repoint_scheduler_step(optimizer, cls)
-    optimizer._hvd_setup(names, op, gradient_predivide_factor, backward_passes_per_step,
-                         compression, sparse_as_dense, process_set)
+    if adasum:
+        optimizer._hvd_adasum_setup(names, compression, backward_passes_per_step, process_set,
+                                    next(_serials[process_set.link_id]))
+    else:
+        optimizer._hvd_setup(names, op, gradient_predivide_factor, backward_passes_per_step,
+                             compression, sparse_as_dense, process_set)
     return optimizer
 
 
