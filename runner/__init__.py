@@ -14,6 +14,7 @@ __all__ = [
     "RunResult",
     "StartTimeoutError",
     "assign_ranks",
+    "horovod_spark_run",
     "log_to_driver",
 ]
 
@@ -26,14 +27,17 @@ _WHERE = {
     "JavaNotFoundError": "._java",
     "Placement": "._topology",
     "assign_ranks": "._topology",
+    "horovod_spark_run": "._horovod_spark",  # Horovod's horovod.spark.run, on HorovodRunner
 }
+
+_RENAMED = {"horovod_spark_run": "run"}
 
 
 def __getattr__(name):
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'sparkhvd.runner' has no attribute {name!r}")
-    return getattr(importlib.import_module(module, __name__), name)
+    return getattr(importlib.import_module(module, __name__), _RENAMED.get(name, name))
 
 
 def __dir__():

@@ -269,7 +269,7 @@ class HorovodRunner:
                     launcher.start(TaskSpec(address=service.address, secret=secret, run_id=run_id,
                                             stall_tasks=cfg._stall_tasks, network_interface=cfg.network_interface,
                                             every_value=every_value, attempt=launch, commit_dir=cfg.commit_dir,
-                                            env=tuple((env or {}).items())))
+                                            env=tuple({**_forwarded_settings(), **(env or {})}.items())))
                     grown = supervise(service, launcher, logs, np=n, start_timeout=cfg.start_timeout, run_id=run_id,
                                       can_grow=None if sc is None or n >= target else functools.partial(
                                           _has_free_slots, sc))
@@ -483,6 +483,14 @@ def _captured_sizes(main, kwargs) -> str:
             continue
     sizes.sort(reverse=True)
     return ", ".join(f"{name} ({_size(n)})" for n, name in sizes[:3]) or "none found by name"
+
+
+def _forwarded_settings() -> dict:
+    """The driver's settings that the ranks must share wherever they run (executors do not inherit the driver's
+    environment): ``SPARKHVD_HOROVOD_ALIASES`` (runner/_aliases.py)."""
+    from ._aliases import ENV_ALIASES
+
+    return {ENV_ALIASES: os.environ[ENV_ALIASES]} if ENV_ALIASES in os.environ else {}
 
 
 def _size(n: int) -> str:
