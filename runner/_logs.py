@@ -3,9 +3,11 @@ runs' log folders are kept.
 
 A run without ``log_dir=`` writes into a folder of its own under the log root
 (``$SPARKHVD_LOG_ROOT``, default ``<tempdir>/sparkhvd-logs-<user>``, made with mode 0o700).
-At the end of each run the folders of failed runs are kept, and of the successful ones the
-newest ``$SPARKHVD_KEEP_LOGS`` (default 5; 0 keeps none); older successful ones are removed.
-A folder given as ``log_dir=`` is never touched.
+At the end of each run its folder is marked successful or failed; of the successful runs' folders
+the newest ``$SPARKHVD_KEEP_LOGS`` (default 5) are kept, of the failed runs' the newest
+``$SPARKHVD_KEEP_FAILED_LOGS`` (default 20), and older ones are removed (0 keeps none). Folders of
+runs still going (or whose driver died) carry no mark and are kept. A folder given as
+``log_dir=`` is never touched.
 """
 
 from __future__ import annotations
@@ -19,11 +21,17 @@ import tempfile
 import threading
 import time
 
+from ._notices import notice
+from ._protocol import FILE_ONLY
+
 VERBOSITIES = ("all", "log_callback_only")
 ENV_LOG_ROOT = "SPARKHVD_LOG_ROOT"
 ENV_KEEP_LOGS = "SPARKHVD_KEEP_LOGS"
 DEFAULT_KEEP_LOGS = 5
-SUCCEEDED = ".succeeded"  # marks a finished, successful run's folder: only these are ever removed
+ENV_KEEP_FAILED_LOGS = "SPARKHVD_KEEP_FAILED_LOGS"
+DEFAULT_KEEP_FAILED_LOGS = 20
+SUCCEEDED = ".succeeded"  # marks a finished, successful run's folder
+FAILED = ".failed"  # marks a finished, failed run's folder; only folders with one of these marks are ever removed
 
 log = logging.getLogger("sparkhvd.logs")
 
@@ -54,6 +62,7 @@ class LogRouter:
         self._width = 0  # how many characters of that line's text are shown
         self._lock = threading.Lock()
         self._closed = False
+        self._notices_shown: set = set()  # the start-up notices already shown in this run
 
     def path(self, rank: int) -> str:
         return os.path.join(self.log_dir, f"rank-{rank}.log")
@@ -70,20 +79,26 @@ class LogRouter:
             if f is None:
                 f = self._files[rank] = open(self.path(rank), "a", encoding="utf-8")
                 self._tails[rank] = collections.deque(maxlen=self._tail_lines)
+            if stream == FILE_ONLY:
+                if lines:
+                    f.write("\n".join(lines) + "\n")
+                    f.flush()
+                return
             if lines:
                 self._bars.pop(key, None)  # the first line is the bar's final state
                 f.write("\n".join(lines) + "\n")
                 f.flush()
                 self._tails[rank].extend(lines[-self._tail_lines:])
                 if shown:
-                    first = 0
-                    if self._open == key:  # rewrite the bar in place with its final state
+                    rewrite = self._open == key  # the first line is the final state of the bar on screen
+                    visible = [line for line in lines[1 if rewrite else 0:] if self._shows(stream, line)]
+                    if rewrite:  # rewrite the bar in place with its final state
                         parts.append(f"\r[{rank}] {_padded(lines[0], self._width)}\n")
-                        first = 1
-                    elif self._open is not None:
+                        self._open = None
+                    elif visible and self._open is not None:
                         parts.append("\n")
-                    self._open = None
-                    parts.extend(f"[{rank}] {line}\n" for line in lines[first:])
+                        self._open = None
+                    parts.extend(f"[{rank}] {line}\n" for line in visible)
             if progress:
                 self._bars[key] = progress
                 if shown:
@@ -95,6 +110,18 @@ class LogRouter:
             if parts:
                 out.write("".join(parts))
                 out.flush()
+
+    def _shows(self, stream: str, line: str) -> bool:
+        """Whether ``line`` goes on screen: not a start-up notice (runner/_notices.py) already shown in this run."""
+        if stream != "stderr":
+            return True
+        name = notice(line)
+        if name is None:
+            return True
+        if name in self._notices_shown:
+            return False
+        self._notices_shown.add(name)
+        return True
 
     def note(self, line: str) -> None:
         """Write ``line`` into every rank's log file (where one run's restarts begin)."""
@@ -138,15 +165,24 @@ def _padded(text: str, width: int) -> str:
 
 def keep_logs() -> int:
     """How many successful runs' log folders are kept: ``$SPARKHVD_KEEP_LOGS``, default 5."""
-    raw = os.environ.get(ENV_KEEP_LOGS, str(DEFAULT_KEEP_LOGS))
+    return _count(ENV_KEEP_LOGS, DEFAULT_KEEP_LOGS, "successful")
+
+
+def keep_failed_logs() -> int:
+    """How many failed runs' log folders are kept: ``$SPARKHVD_KEEP_FAILED_LOGS``, default 20."""
+    return _count(ENV_KEEP_FAILED_LOGS, DEFAULT_KEEP_FAILED_LOGS, "failed")
+
+
+def _count(name: str, default: int, which: str) -> int:
+    raw = os.environ.get(name, str(default))
     try:
         keep = int(raw)
     except ValueError:
         keep = -1
     if keep < 0:
-        raise ValueError(f"{ENV_KEEP_LOGS}={raw!r} is not a whole number >= 0; set it to how many successful runs' "
-                         f"log folders to keep (default {DEFAULT_KEEP_LOGS}; 0 keeps none), or pass log_dir= to keep "
-                         "a run's logs where you choose.")
+        raise ValueError(f"{name}={raw!r} is not a whole number >= 0; set it to how many {which} runs' log folders "
+                         f"to keep (default {default}; 0 keeps none), or pass log_dir= to keep a run's logs where you "
+                         "choose.")
     return keep
 
 
@@ -180,33 +216,34 @@ def run_log_dir(run_id: str, log_dir: str | None = None) -> str:
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
         return log_dir
-    keep_logs()  # a bad setting fails the run before it starts, not at its end
+    keep_logs(), keep_failed_logs()  # a bad setting fails the run before it starts, not at its end
     return tempfile.mkdtemp(prefix=f"{time.strftime('%Y%m%d-%H%M%S')}-{run_id}-", dir=log_root())
 
 
 def end_run_logs(log_dir: str, *, succeeded: bool, given: bool) -> list:
-    """At a run's end: mark its folder successful (unless ``given`` by the user), then remove all
-    but the newest ``keep_logs()`` successful folders under the log root. Folders of failed runs,
-    runs still going and anything else there are kept. Returns the folders removed; never raises
-    (a run's outcome matters more than its old logs)."""
-    if given or not succeeded:
+    """At a run's end: mark its folder successful or failed (unless ``given`` by the user), then remove all but
+    the newest ``keep_logs()`` successful and the newest ``keep_failed_logs()`` failed folders under the log root.
+    Folders of runs still going and anything else there are kept. Returns the folders removed; never raises (a
+    run's outcome matters more than its old logs)."""
+    if given:
         return []
     try:
         root = os.path.dirname(os.path.abspath(log_dir))
-        with open(os.path.join(log_dir, SUCCEEDED), "w") as f:
+        with open(os.path.join(log_dir, SUCCEEDED if succeeded else FAILED), "w") as f:
             f.write(f"{time.time()}\n")
-        done = []
-        for name in os.listdir(root):
-            try:
-                done.append((os.stat(os.path.join(root, name, SUCCEEDED)).st_mtime_ns, name))
-            except OSError:
-                continue  # not a successful run's folder
-        done.sort(reverse=True)
         removed = []
-        for _, name in done[keep_logs():]:
-            path = os.path.join(root, name)
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+        for mark, keep in ((SUCCEEDED, keep_logs()), (FAILED, keep_failed_logs())):
+            ended = []
+            for name in os.listdir(root):
+                try:
+                    ended.append((os.stat(os.path.join(root, name, mark)).st_mtime_ns, name))
+                except OSError:
+                    continue  # not a folder of a run that ended this way
+            ended.sort(reverse=True)
+            for _, name in ended[keep:]:
+                path = os.path.join(root, name)
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
         return removed
     except (OSError, ValueError) as exc:
         log.warning("sparkhvd: could not clean up old log folders next to %s (%s: %s); remove them by hand, or set "

@@ -69,8 +69,10 @@ class Kind(enum.IntEnum):
 #: A LOG frame's meta: ``{"rank": r, "stream": s, "lines": [str, ...], "progress": str}``. ``lines`` are
 #: complete lines in order (a line rewritten with ``\r`` arrives once, as its final state); the
 #: optional ``progress`` is the stream's unfinished ``\r``-rewritten line (a tqdm bar) as it stands
-#: after those lines, to show in place; the next line of that stream is its final state.
-LOG_STREAMS = ("stdout", "stderr", "driver")
+#: after those lines, to show in place; the next line of that stream is its final state. Stream
+#: ``FILE_ONLY``'s lines go to the rank's log file and are never shown (a failed rank's whole traceback).
+FILE_ONLY = "file"
+LOG_STREAMS = ("stdout", "stderr", "driver", FILE_ONLY)
 MAX_PROGRESS_CHARS = 4096  # longer progress states are cut to this for display
 
 

@@ -15,6 +15,8 @@ import signal
 import time
 import warnings
 
+from . import _collateral
+from ._collateral import RESIZE
 from ._errors import HorovodRunError, StartTimeoutError
 from ._launcher import Launcher
 from ._logs import LogRouter
@@ -69,8 +71,6 @@ class WaitNote:
             print(f"[sparkhvd] {text()}", flush=True)
 
 
-#: The type every rank reports when it leaves at a commit for the driver to relaunch more ranks (_core/_elastic.py).
-RESIZE = "RanksChanged"
 RESIZE_WAIT_S = 300.0  # how long the first rank to leave for a resize waits for the others (rank 0 sends its commit)
 GROW_CHECK_S = 2.0  # how often to ask Spark whether a run that can grow has free task slots
 
@@ -238,23 +238,10 @@ def _ranks(ranks) -> str:
     return ",".join(str(r) for r in ranks)
 
 
-#: Errors a rank gets because a peer went away: never the root cause while another one is known.
-#: By type (ours and torch.distributed's), or gloo's RuntimeError by its text; a user's own OSError
-#: (a database that refuses connections) is a cause, whatever its text.
-_COLLATERAL_TYPES = {"MeshError", "DistBackendError", "DistNetworkError", "RunAborted", RESIZE}
-_GLOO_TEXT = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "GLHF", "pair.cc")
-
-
-#: TensorFlow's types for an error raised inside an op's Python function; its message keeps the original's type name.
-_TF_WRAPPERS = {"UnknownError", "InternalError"}
-
-
 def is_collateral(failure: Failure) -> bool:
-    """Whether a rank's error is what a lost peer causes (a closed control link, gloo's read error), also where
-    TensorFlow wrapped it (``UnknownError: ... MeshError: ...`` from a collective inside ``model.fit``)."""
-    return failure.type in _COLLATERAL_TYPES or (
-        failure.type == "RuntimeError" and any(text in failure.message for text in _GLOO_TEXT)) or (
-        failure.type in _TF_WRAPPERS and any(f"{kind}: " in failure.message for kind in _COLLATERAL_TYPES))
+    """Whether a rank's reported error is what another rank's failure caused (runner/_collateral.py, the rule
+    its worker applied too)."""
+    return _collateral.is_collateral(failure.type, failure.message)
 
 
 def explained(failures: list[Failure], dead: dict, launch_failure, lost) -> bool:
@@ -289,7 +276,7 @@ def _failure_error(service, logs, failures: list[Failure], dead: dict, launch_fa
                      "process, executor or host was lost (look in the Spark executor logs of that host)")
     if collateral:
         lead = "then, as a consequence, " if lines else ""
-        lines.append(lead + _grouped(collateral))
+        lines.append(lead + _grouped(collateral, one_line=True))
     lines[0] = f"HorovodRunner run {run_id} failed: {lines[0]}"
     first = (causes or collateral or [None])[0]
     if first is not None:
@@ -315,11 +302,14 @@ def _failure_error(service, logs, failures: list[Failure], dead: dict, launch_fa
     return error
 
 
-def _grouped(failures: list[Failure]) -> str:
-    groups: dict[tuple, list[int]] = {}
+def _grouped(failures: list[Failure], one_line: bool = False) -> str:
+    """``ranks 0,3: KeyError: 'label'; rank 1: ...``; ``one_line``: each error as its first line (collateral errors,
+    whose whole text, a TensorFlow wrapper's many lines say, is in ``HorovodRunError.failures`` and the logs)."""
+    groups: dict[str, list[int]] = {}
     for f in failures:
-        groups.setdefault((f.type, f.message), []).append(f.rank)
-    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {_ranks(sorted(r))}: {t}: {m}" for (t, m), r in groups.items())
+        text = _collateral.headline(f.type, f.message) if one_line else f"{f.type}: {f.message}"
+        groups.setdefault(text, []).append(f.rank)
+    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {_ranks(sorted(r))}: {text}" for text, r in groups.items())
 
 
 def _silent_ranks(service, failures, dead) -> list:

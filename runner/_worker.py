@@ -16,14 +16,16 @@ import sys
 import threading
 import traceback
 
-from . import _context
+from . import _aliases, _context
 from . import _payload, _protocol
-from ._agent import ENV_DRIVER, ENV_NETWORK_INTERFACE, ENV_PARENT, ENV_PLACEMENT, ENV_RETURN, ENV_RUN_ID
+from ._agent import (ENV_DRIVER, ENV_NETWORK_INTERFACE, ENV_PARENT, ENV_PLACEMENT, ENV_RETURN, ENV_RUN_ID,
+                     FLUSH_CHARS, MAX_LINE_BYTES)
 from ._client import RunAborted, ServiceClient
+from ._collateral import failure_line
 from ._heartbeat import Heartbeat
 from ..collective._mesh import local_address
 from ._host import address_of, interface_of
-from ._protocol import SECRET_BYTES, Kind
+from ._protocol import FILE_ONLY, SECRET_BYTES, Kind
 from ._topology import Placement
 from ._zygote import ENV_WARM, FORKED as WARM_FORKED
 
@@ -34,6 +36,7 @@ _EXIT_GRACE_S = 30.0  # a rank whose interpreter has not exited this long after 
 
 def main() -> int:
     _die_with_parent()
+    _aliases.install()  # before the function is unpickled: it, or its module, may import horovod.* or sparkdl
     secret = sys.stdin.buffer.read(SECRET_BYTES)
     host, port = os.environ[ENV_DRIVER].rsplit(":", 1)
     address = (host, int(port))
@@ -104,14 +107,14 @@ _FINISHED_FLUSH_S = 10.0
 
 def _flush_commits(timeout: float) -> None:
     """Let rank 0's elastic commits on their way reach the driver (nothing where none was made)."""
-    commits = sys.modules.get(__name__.rsplit(".", 1)[0] + "._commits")
+    commits = sys.modules.get(f"{__package__}._commits")  # __name__ is __main__ under python -m
     if commits is not None:
         commits.flush(timeout)
 
 
 def _drain_engine() -> None:
     """Frames this rank's peers are still owed (answers, requests) leave before the process ends."""
-    engine = sys.modules.get(__name__.rsplit(".", 2)[0] + ".collective._engine")  # imported if fn used it
+    engine = sys.modules.get(__package__.rsplit(".", 1)[0] + ".collective._engine")  # imported if fn used it
     if engine is not None:
         engine.drain()
 
@@ -141,13 +144,21 @@ def _network(driver_host: str) -> str:
 
 
 def _report_failure(client: ServiceClient, rank: int, exc: BaseException, quiet: bool = False) -> None:
+    """Tell the driver that this rank failed. Its output shows one line (runner/_collateral.py:
+    ``failure_line``); the whole traceback goes to the rank's log file only, and the driver's error
+    shows the first failing rank's, without sparkhvd's frames. So a rank that only stopped because
+    another failed never prints a traceback that a reader could take for the cause."""
     import cloudpickle
 
     if quiet:
         sys.stderr.write(f"sparkhvd: rank {rank} leaves at this commit: {exc}\n")
     else:
-        sys.stderr.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))  # whole, in the log
+        whole = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        if not _to_log_file(client, rank, whole):
+            sys.stderr.write(whole)  # the driver did not take it: the whole traceback, in the rank's output
+        sys.stderr.write(failure_line(rank, type(exc).__name__, str(exc)) + "\n")
     sys.stderr.flush()
+    _reported.set()  # an abort from here on ends the process without another line: this one said why
     text = user_traceback(exc)
     try:
         pickled = cloudpickle.dumps(exc)
@@ -158,6 +169,31 @@ def _report_failure(client: ServiceClient, rank: int, exc: BaseException, quiet:
                                     "message": str(exc), "traceback": text}, pickled)
     except (OSError, ConnectionError, RunAborted):
         pass
+
+
+def _to_log_file(client: ServiceClient, rank: int, text: str) -> bool:
+    """Send ``text`` to this rank's log file on the driver, not to its screen; False where it could not be sent.
+
+    In frames of at most ``FLUSH_CHARS`` characters of lines of at most ``MAX_LINE_BYTES`` characters, as the
+    agent sends the rank's output (runner/_agent.py), so that each frame's metadata stays under the protocol's
+    limit. Sent on the connection the error report follows on: the driver has written it before it hears of the
+    failure."""
+    lines = [line[i:i + MAX_LINE_BYTES] for line in text.splitlines() for i in range(0, max(len(line), 1),
+                                                                                       MAX_LINE_BYTES)]
+    try:
+        batch: list = []
+        size = 0
+        for line in lines:
+            if batch and size + len(line) > FLUSH_CHARS:
+                client.notify(Kind.LOG, {"rank": rank, "stream": FILE_ONLY, "lines": batch})
+                batch, size = [], 0
+            batch.append(line)
+            size += len(line) + 1
+        if batch:
+            client.notify(Kind.LOG, {"rank": rank, "stream": FILE_ONLY, "lines": batch})
+    except (OSError, ConnectionError):
+        return False
+    return True
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -201,10 +237,15 @@ def _watch(address: tuple[str, int], secret: bytes, rank: int) -> None:
 
 
 def _leave(rank: int, reason: str) -> None:
-    """End this process now, unless it is already finishing on its own."""
+    """End this process now, unless it is already finishing on its own (silently where it has already said why
+    it failed)."""
     if not _finished.is_set():
-        sys.stderr.write(f"sparkhvd: rank {rank} stopped by the driver: {reason}\n")
-        sys.stderr.flush()
+        if not _reported.is_set():
+            sys.stderr.write(f"sparkhvd: rank {rank} stopped by the driver: {reason}\n")
+            sys.stderr.flush()
+        folders = sys.modules.get(f"{__package__}._script_folder")  # __name__ is __main__ under python -m
+        if folders is not None:
+            folders.remove_unpacked()  # a script's shipped folder: os._exit skips its clean-up
         os._exit(ABORTED_EXIT_CODE)
 
 
@@ -227,6 +268,7 @@ def _die_with_parent() -> None:
 
 
 _finished = threading.Event()
+_reported = threading.Event()  # this rank has said why it failed (runner/_collateral.py: failure_line)
 
 
 def run() -> int:

@@ -125,7 +125,7 @@ def _callbacks(folder):
     model = _model(seed=0)
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
     history = model.fit(x, y, batch_size=8, epochs=3, verbose=0,
-                        callbacks=[hvd.LearningRateWarmupCallback(initial_lr=0.1, warmup_epochs=2)])
+                        callbacks=[hvd.LearningRateWarmupCallback(initial_lr=0.1, warmup_epochs=2, verbose=1)])
     out["warmup"] = history.history["lr"]
     model = _model(seed=0)
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
@@ -152,8 +152,10 @@ def _callbacks(folder):
     return out
 
 
-def test_learning_rate_callbacks_checkpoint_and_load_model(tmp_path):
+def test_learning_rate_callbacks_checkpoint_and_load_model(tmp_path, capsys):
     v0, v1 = HorovodRunner(np=-2).run_all(_callbacks, folder=str(tmp_path)).values
+    said = [line for line in capsys.readouterr().out.splitlines() if "finished gradual learning rate" in line]
+    assert said == ["[0] Epoch 2: finished gradual learning rate warmup to 0.1."]  # Horovod's line, rank 0 only
     # size 2, 4 steps per epoch: lr = 0.1 / 2 * (e * 1 / 2 + 1) with e = 1 and 2 at the epochs' ends
     np.testing.assert_allclose(v0["warmup"], [0.075, 0.1, 0.1], rtol=1e-6)
     np.testing.assert_allclose(v0["schedule"], [0.1, 0.05, 0.025], rtol=1e-6)

@@ -78,7 +78,7 @@ def test_a_value_too_large_to_send_names_its_size_and_the_limit():
         HorovodRunner(np=-1).run(train)
 
 
-def test_tracebacks_show_the_users_frames_not_sparkhvds():
+def test_tracebacks_show_the_users_frames_not_sparkhvds(capsys):
     def train():
         import sparkhvd.collective.torch as hvd
 
@@ -87,6 +87,10 @@ def test_tracebacks_show_the_users_frames_not_sparkhvds():
 
     with pytest.raises(HorovodRunError) as info:
         HorovodRunner(np=-1).run(train)
+    # The rank's output shows one line; its traceback is the error's, printed once.
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("[0] ")] == [
+        "[0] sparkhvd: rank 0 failed: TypeError: allreduce takes a torch.Tensor, got str. (whole traceback in "
+        "rank-0.log)"]
     text = str(info.value)
     assert 'hvd.allreduce("not a tensor")' in text
     assert "rank 0: TypeError: allreduce takes a torch.Tensor, got str." in text
@@ -95,6 +99,68 @@ def test_tracebacks_show_the_users_frames_not_sparkhvds():
     assert "inside sparkhvd hidden; the whole traceback is in this rank's log" in text
     with open(os.path.join(info.value.log_dir, "rank-0.log")) as f:
         assert "_ops.py" in f.read()  # the whole traceback stays in the rank's log
+
+
+def test_a_rank_that_stops_because_another_failed_shows_one_line_and_logs_its_traceback(monkeypatch, capsys):
+    """The first traceback a reader meets is the cause's: no rank streams one; the error holds the cause's."""
+    from sparkhvd.runner import _run
+
+    # The driver waits for rank 0's own error, as it does whenever rank 0 reports within the grace period.
+    monkeypatch.setattr(_run, "FAILURE_GRACE_S", 120.0)
+
+    def train():
+        import torch
+
+        import sparkhvd.collective.torch as hvd
+
+        hvd.init()
+        if hvd.rank() == 1:
+            raise ValueError("rank 1's part of the data has no rows")
+        hvd.allreduce(torch.ones(1), name="never_completes")  # rank 1 is gone: MeshError
+
+    with pytest.raises(HorovodRunError) as info:
+        HorovodRunner(np=-2).run(train)
+    out = capsys.readouterr().out
+    text = str(info.value)
+    assert "Traceback" not in out, out
+    shown = sorted(line for line in out.splitlines() if re.match(r"\[\d\] ", line))
+    assert shown[0].startswith("[0] sparkhvd: rank 0 stopped as a consequence of another rank's failure: MeshError: "
+                               "allreduce failed: rank 1's control link "), out
+    assert shown[0].endswith(" (whole traceback in rank-0.log)") and len(shown) == 2, out
+    assert shown[1] == ("[1] sparkhvd: rank 1 failed: ValueError: rank 1's part of the data has no rows (whole "
+                        "traceback in rank-1.log)"), out
+    lines = text.splitlines()
+    assert lines[0].endswith("failed: rank 1: ValueError: rank 1's part of the data has no rows"), text
+    assert lines[1].startswith("then, as a consequence, rank 0: MeshError: allreduce failed: "), text
+    assert text.count("Traceback (most recent call last)") == 1 and "Traceback of rank 1 (the first to fail)" in text
+    logs = {}
+    for rank in (0, 1):
+        with open(os.path.join(info.value.log_dir, f"rank-{rank}.log")) as f:
+            logs[rank] = f.read()
+    assert re.search(r"(?s)Traceback \(most recent call last\):\n.*_worker\.py.*in train\n.*_background\.py.*\n"
+                     r"sparkhvd\.collective\._mesh\.MeshError: allreduce failed: ", logs[0]), logs[0]  # whole
+    assert re.search(r"(?s)Traceback \(most recent call last\):\n.*_worker\.py.*in train\n.*\nValueError: rank 1's "
+                     r"part of the data has no rows\n", logs[1]), logs[1]
+    assert "stopped by the driver" not in logs[0]  # said once: an abort after its report adds nothing
+
+
+def test_the_rule_for_collateral_errors_is_one_for_the_ranks_and_the_driver():
+    import doctest
+
+    from sparkhvd.runner import _collateral
+
+    assert doctest.testmod(_collateral).failed == 0  # the examples in failure_line's docstring
+    tf_wrapped = ("Graph execution error:\n\nDetected at node cond/PyFunc defined at (most recent call last):\n"
+                  "  File x\n\nsparkhvd.collective._mesh.MeshError: allreduce failed: rank 1's control link failed\n"
+                  "\t [[{{node PyFunc}}]] [Op:__inference_train_function_1]")
+    assert _collateral.is_collateral("UnknownError", tf_wrapped)
+    assert _collateral.headline("UnknownError", tf_wrapped) == ("MeshError: allreduce failed: rank 1's control link "
+                                                                 "failed (raised inside TensorFlow's UnknownError)")
+    assert not _collateral.is_collateral("UnknownError", "Graph execution error:\n\nValueError: bad shape")
+    assert _collateral.headline("ValueError", "\nfirst\nsecond") == "ValueError: first"
+    cut = _collateral.HEADLINE_CHARS - len("KeyError: …")
+    assert _collateral.headline("KeyError", "x" * 1000) == "KeyError: " + "x" * cut + "…"
+    assert _collateral.headline("StopIteration", "") == "StopIteration"
 
 
 def test_network_interface_is_checked_on_the_driver_and_on_every_rank():
@@ -153,7 +219,9 @@ def test_spark_reason_keeps_what_spark_says_and_drops_the_java_stack(spark):
 @pytest.mark.parametrize("fault", ["executor", "stop"])
 def test_spark_faults_name_their_cause(fault):
     """A real standalone cluster (local-cluster): an executor JVM killed, or spark.stop() mid-run."""
-    env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
+    # Fresh rank processes: the fault injector finds them among the driver's descendants, where ranks forked by a
+    # warm process that an earlier application started (the key is shared across applications) are not.
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, SPARKHVD_WARM="0")
     proc = subprocess.run([sys.executable, os.path.join(HERE, "scripts", "fault_job.py"), fault],
                           capture_output=True, text=True, env=env, timeout=180)
     out = proc.stdout

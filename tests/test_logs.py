@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from sparkhvd import HorovodRunner, HorovodRunError
 from sparkhvd.runner._agent import MAX_LINE_BYTES, PROGRESS_S, _Lines
 from sparkhvd.runner._client import ServiceClient
-from sparkhvd.runner._logs import ENV_KEEP_LOGS, ENV_LOG_ROOT, LogRouter, log_root
-from sparkhvd.runner._protocol import MAX_PROGRESS_CHARS, Kind, new_secret
+from sparkhvd.runner._logs import (ENV_KEEP_FAILED_LOGS, ENV_KEEP_LOGS, ENV_LOG_ROOT, FAILED, LogRouter,
+                                   end_run_logs, log_root, run_log_dir)
+from sparkhvd.runner._protocol import FILE_ONLY, MAX_PROGRESS_CHARS, Kind, new_secret
 from sparkhvd.runner._service import DriverService
 
 LINES = 200_000
@@ -32,6 +33,7 @@ def root(tmp_path, monkeypatch):
     """Runs without log_dir= keep their logs here."""
     monkeypatch.setenv(ENV_LOG_ROOT, str(tmp_path / "logs"))
     monkeypatch.delenv(ENV_KEEP_LOGS, raising=False)
+    monkeypatch.delenv(ENV_KEEP_FAILED_LOGS, raising=False)
     return tmp_path / "logs"
 
 
@@ -156,6 +158,86 @@ def test_log_callback_only_shows_no_bar_but_logs_its_final_state(tmp_path):
         assert f.read() == "10/10\nwanted\n"
 
 
+def test_file_only_lines_reach_the_log_file_and_never_the_screen(tmp_path):
+    out = io.StringIO()
+    router = LogRouter(str(tmp_path), "all", out=out)
+    router(0, "stderr", ["before"], "3/10")
+    router(0, FILE_ONLY, ["Traceback (most recent call last):", "ValueError: x"])  # a failed rank's whole traceback
+    router(0, "stderr", ["10/10"])
+    router.close()
+    assert out.getvalue() == "[0] before\n\r[0] 3/10\r[0] 10/10\n"  # the bar was not even interrupted
+    with open(tmp_path / "rank-0.log") as f:
+        assert f.read() == "before\nTraceback (most recent call last):\nValueError: x\n10/10\n"
+    assert router.tail(0) == ["before", "10/10"]  # a dead rank's last output lines are what it printed
+
+
+# Lines TensorFlow 2.21 printed on this machine, to stderr, on import (twice per process: two libraries) and at
+# its first generator dataset.
+_TF_NOTICES = [
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    "I0000 00:00:1795625291.363495   {pid} port.cc:153] oneDNN custom operations are on. You may see slightly "
+    "different numerical results due to floating-point round-off errors from different computation orders. To turn "
+    "them off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`.",
+    "I0000 00:00:1795625291.541772   {pid} cpu_feature_guard.cc:227] This TensorFlow binary is optimized to use "
+    "available CPU instructions in performance-critical operations.",
+    "To enable the following instructions: AVX2 AVX512F AVX512_VNNI AVX512_BF16 FMA, in other operations, rebuild "
+    "TensorFlow with the appropriate compiler flags.",
+    "I0000 00:00:1795625075.298793   {pid} generator_dataset_op.cc:213] Memory patch applied: M_TRIM_THRESHOLD=128 "
+    "kb was set.",
+]
+
+
+def test_start_up_notices_show_once_per_run_and_each_rank_logs_its_own(tmp_path):
+    from sparkhvd.runner._notices import notice
+
+    out = io.StringIO()
+    router = LogRouter(str(tmp_path), "all", out=out)
+    for rank in (0, 1):
+        lines = [line.format(pid=100 + rank) for line in _TF_NOTICES]
+        router(rank, "stderr", lines[:2] + [f"rank {rank} starts"] + lines + lines[:2])
+    router(1, "stdout", [_TF_NOTICES[0]])  # on stdout it is no TensorFlow notice
+    router.close()
+    notices = [line.format(pid=100) for line in _TF_NOTICES]
+    assert out.getvalue().splitlines() == [f"[0] {notices[0]}", f"[0] {notices[1]}", "[0] rank 0 starts",
+                                           *(f"[0] {line}" for line in notices[2:]), "[1] rank 1 starts",
+                                           f"[1] {_TF_NOTICES[0]}"]
+    for rank in (0, 1):
+        lines = [line.format(pid=100 + rank) for line in _TF_NOTICES]
+        with open(tmp_path / f"rank-{rank}.log") as f:
+            assert f.read().splitlines()[:2 + 1 + len(lines) + 2] == lines[:2] + [f"rank {rank} starts"] + lines + \
+                lines[:2]
+    # Precise: the same words in another line, or TensorFlow's own warnings and errors, are not notices.
+    assert notice("I0000 00:00:1.5   7 port.cc:153] oneDNN custom operations are on. " + "x" * 10) is None
+    assert notice("W0000 00:00:1795625291.541772   12 cpu_feature_guard.cc:227] This TensorFlow binary is "
+                  "optimized to use available CPU instructions in performance-critical operations.") is None
+    assert notice("ValueError: WARNING: All log messages before absl::InitializeLog() is called are written to "
+                  "STDERR") is None
+
+
+def _imports_tensorflow():
+    import tensorflow  # noqa: F401 - the import prints the notices
+
+    return os.getpid()
+
+
+def test_tensorflows_start_up_notices_reach_the_screen_once_and_every_ranks_log(root, capsys):
+    """A real TensorFlow in each rank (the notices differ by CPU and build: each one a rank logged counts)."""
+    pytest.importorskip("tensorflow")
+    from sparkhvd.runner._notices import notice
+
+    result = HorovodRunner(np=-2).run_all(_imports_tensorflow)
+    shown = [line[4:] for line in capsys.readouterr().out.splitlines() if re.match(r"\[[01]\] ", line)]
+    logged = {}
+    for rank, pid in enumerate(result.values):
+        with open(result.log_paths[rank]) as f:
+            logged[rank] = [line for line in f.read().splitlines() if notice(line)]
+        assert "absl_before_init" in {notice(line) for line in logged[rank]}, logged[rank]  # TF 2.16 and later
+        assert all(f" {pid} " in line for line in logged[rank] if line.startswith("I0")), logged[rank]  # its own
+    kinds = {notice(line) for lines in logged.values() for line in lines}
+    assert sorted(notice(line) for line in shown if notice(line)) == sorted(kinds), shown  # each once
+    assert sum(map(len, logged.values())) > len(kinds)
+
+
 _BAR_DRIVER = textwrap.dedent("""
     import os, sys, time
     from sparkhvd import HorovodRunner
@@ -275,6 +357,34 @@ def test_failed_runs_and_the_last_n_successful_are_kept_and_log_dir_is_never_tou
     assert sorted(os.listdir(root)) == sorted(os.path.basename(d) for d in (second, third, failed.value.log_dir))
     assert sorted(os.listdir(mine)) == ["rank-0.log"]  # never marked, never removed
     assert os.stat(root).st_mode & 0o777 == 0o700
+
+
+def test_of_the_failed_runs_the_newest_n_folders_are_kept(root, tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_KEEP_FAILED_LOGS, "2")
+    monkeypatch.setenv(ENV_KEEP_LOGS, "1")
+    going = run_log_dir("going")  # a run still going (or whose driver died): no mark, never removed
+    mine = tmp_path / "mine"
+    run_log_dir("given", str(mine))
+    failed = []
+    for i in range(4):
+        failed.append(run_log_dir(f"failed{i}"))
+        removed = end_run_logs(failed[-1], succeeded=False, given=False)
+        assert removed == ([failed[i - 2]] if i >= 2 else []), i
+        os.utime(os.path.join(failed[-1], FAILED), ns=(i, i))  # in this order, however coarse the clock
+    succeeded = run_log_dir("ok")
+    assert end_run_logs(succeeded, succeeded=True, given=False) == []
+    assert end_run_logs(str(mine), succeeded=False, given=True) == []
+    assert sorted(os.listdir(root)) == sorted(os.path.basename(d) for d in (going, succeeded, *failed[2:]))
+    assert os.listdir(mine) == []  # never marked, never removed
+
+
+def test_a_bad_keep_failed_logs_setting_fails_before_the_run_starts(root, monkeypatch):
+    monkeypatch.setenv(ENV_KEEP_FAILED_LOGS, "-1")
+    with pytest.raises(ValueError, match=r"SPARKHVD_KEEP_FAILED_LOGS='-1' is not a whole number >= 0; set it to how "
+                                         r"many failed runs' log folders to keep \(default 20; 0 keeps none\), or pass "
+                                         r"log_dir= to keep a run's logs where you choose\."):
+        HorovodRunner(np=-1).run(_ok)
+    assert not os.path.exists(root) or os.listdir(root) == []
 
 
 def test_keep_logs_zero_removes_even_this_runs_folder(root, monkeypatch):

@@ -134,6 +134,10 @@ def test_quickstart_torch(jupyter_env):
 
     failure = texts(nb.cells[cell_with(nb, "except HorovodRunError as error")])
     assert re.search(r"failed: rank 1: ValueError: rank 1's part of the data has no rows", failure), failure
+    # The first traceback in the cell is the cause's, in the error: each rank's output has one line.
+    assert failure.count("Traceback (most recent call last)") == 1 and "[0] Traceback" not in failure, failure
+    assert "[1] sparkhvd: rank 1 failed: ValueError: rank 1's part of the data has no rows (whole traceback in " \
+           "rank-1.log)" in failure, failure
     # The cell's line is quoted: its source travels with the function (runner/_payload.py).
     assert re.search(r"Traceback of rank 1 \(the first to fail\):\n.*\n  File .*, line \d+, in train_with_bad_data\n"
                      r"    raise ValueError\(\"rank 1's part of the data has no rows\"\)\nValueError: ", failure), failure
@@ -146,6 +150,9 @@ def test_keras(jupyter_env):
     nb, _ = execute("02_keras.ipynb", jupyter_env)
     fit = texts(nb.cells[cell_with(nb, "HorovodRunner(np=2).run(train)")])
     assert len(re.findall(r"^\[0\] Epoch \d/4$", fit, re.M)) == 4, fit  # Keras's progress, from rank 0
+    # TensorFlow's start-up notices, printed by each rank (twice), show once (runner/_notices.py)
+    assert fit.count("All log messages before absl::InitializeLog() is called") == 1, fit
+    assert fit.count("oneDNN custom operations are on") <= 1, fit
     assert not re.search(r"^\[1\] Epoch", fit, re.M)
 
     result = texts(nb.cells[cell_with(nb, "enumerate(zip(history")])
@@ -183,6 +190,7 @@ def test_elastic(jupyter_env):
     nb, _ = execute("04_elastic.ipynb", jupyter_env)
     run = texts(nb.cells[cell_with(nb, "HorovodRunner(np=2, max_restarts=1)")])
     assert "[1] killing myself with SIGKILL" in run
+    assert "Traceback" not in run, run  # rank 0's MeshError after the kill is one line, its traceback in its log
     assert re.search(r"^\[sparkhvd\] run \w+: restart 1 of 1 after rank 1's process .*killed by signal 9.*"
                      r"training resumed .* from the last commit \(epoch=1 batch=[12]0\)\.$", run, re.M), run
     assert len(re.findall(r"^\[0\] epoch \d done", run, re.M)) == 4, run
@@ -194,8 +202,10 @@ def test_elastic(jupyter_env):
     assert len(weights) == 8 and all(0.5 < w < 1.5 for w in weights), result
 
 
-@pytest.mark.parametrize("name", ["01_quickstart_torch.ipynb", "02_keras.ipynb", "03_dataframe_to_training.ipynb",
-                                  "04_elastic.ipynb"])
+NAMES = ["01_quickstart_torch.ipynb", "02_keras.ipynb", "03_dataframe_to_training.ipynb", "04_elastic.ipynb"]
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_committed_notebook_carries_a_whole_run(name):
     """The committed file is valid and shows one top-to-bottom run (re-execute it after editing a cell)."""
     nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
@@ -205,3 +215,26 @@ def test_committed_notebook_carries_a_whole_run(name):
     assert any(cell.outputs for cell in code)
     assert not [out for cell in code for out in cell.outputs if out.output_type == "error"]
     assert all("execution" not in cell.metadata for cell in code)  # no timing metadata
+
+
+def _outputs(nb) -> str:
+    """Every output's text: streams, results, errors."""
+    parts = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            parts.append(out.get("text", ""))
+            parts.extend(str(value) for value in out.get("data", {}).values())
+            parts.extend(out.get("traceback", []))
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_committed_outputs_name_no_folder_of_this_machine(name):
+    """notebooks/execute.py runs the kernel in a temporary folder and writes it as $TMPDIR (see its docstring)."""
+    text = _outputs(nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4))
+    checkout = os.path.dirname(NOTEBOOKS)
+    machine = {checkout + os.sep, sys.prefix + os.sep, os.path.realpath(sys.prefix) + os.sep,
+               tempfile.gettempdir() + os.sep, os.path.expanduser("~") + os.sep, "/tmp/", "/home/", "/root/"}
+    found = {path: text[text.index(path) - 40:text.index(path) + 80] for path in machine if path in text}
+    assert not found, f"{name}'s outputs name folders of the machine that ran it (re-make it with " \
+                      f"notebooks/execute.py): {found}"

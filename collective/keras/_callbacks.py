@@ -122,6 +122,14 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
                          momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch)
         self.verbose = verbose
 
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        from .._core import rank
+
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and rank() == 0:  # Horovod's line, on rank 0
+            new_lr = float(np.asarray(self.model.optimizer.learning_rate))
+            print("\nEpoch %d: finished gradual learning rate warmup to %g." % (epoch + 1, new_lr))
+
 
 class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
     """Keras's ModelCheckpoint with ``save_best_only=True``, written by rank 0 only."""
