@@ -61,10 +61,12 @@ def main(argv: list[str] | None = None) -> int:
                      f"--np {-ns.np}.")
     from sparkhvd.runner._errors import HorovodRunError
     from sparkhvd.runner._runner import HorovodRunner
-    from sparkhvd.runner._script import read_script
+    from sparkhvd.runner._script import as_payload
 
     try:
-        read_script(ns.script)
+        # The script read and its folder collected (runner/_script_folder.py) here, so that a script or folder
+        # that cannot run is bad usage (exit 2), before any session starts.
+        main_fn, kwargs = as_payload(ns.script, tuple(ns.args), {})
         runner = HorovodRunner(ns.np, log_dir=ns.log_dir, max_restarts=ns.max_restarts,
                                start_timeout=ns.start_timeout)
     except ValueError as exc:
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.np > 0 and (ns.master or confs or _under_spark_submit()):
             _session(ns.master, confs, ns.np)
-        runner.run(ns.script, *ns.args)
+        runner.run(main_fn, **kwargs)
         return 0
     except KeyboardInterrupt:
         name = signal.Signals(stopping.signum or signal.SIGINT).name

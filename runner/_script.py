@@ -2,8 +2,9 @@
 
 The driver reads and compiles the script (so a missing file or a syntax error fails before anything
 launches) and ships its source inside the pickled payload, since executors may not share the driver's
-filesystem. Each rank runs it as ``python train.py --epochs 3`` would: as ``__main__``, with
-``sys.argv = ["train.py", "--epochs", "3"]`` and the script's folder first on ``sys.path``.
+filesystem, together with the modules and packages of its folder (runner/_script_folder.py). Each rank
+runs it as ``python train.py --epochs 3`` would: as ``__main__``, with ``sys.argv = ["train.py", "--epochs",
+"3"]``, ``__file__`` its path on the driver, and the shipped copy of its folder first on ``sys.path``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import linecache
 import os
 import sys
 import types
+
+from ._script_folder import FolderLimits, ShippedFolder, collect, shipped
 
 
 class ScriptExit(Exception):
@@ -38,8 +41,12 @@ def as_payload(main, args: tuple, kwargs: dict):
                         f"turned into strings), got {bad[0]!r} ({type(bad[0]).__name__}); pass e.g. "
                         f"run({path!r}, '--epochs', '3').")
     argv = [os.fspath(a) if isinstance(a, os.PathLike) else str(a) for a in args]
-    return run_script, {"source": read_script(path), "path": path, "argv": argv,
-                        "file": os.path.abspath(path)}
+    source = read_script(path)
+    limits = FolderLimits.from_env()
+    # The folder python would put first on sys.path: the script's, symlinks resolved.
+    folder = collect(os.path.dirname(os.path.realpath(path)), limits) if limits.ship else None
+    return run_script, {"source": source, "path": path, "argv": argv, "file": os.path.abspath(path),
+                        "folder": folder}
 
 
 def read_script(path: str) -> str:
@@ -68,9 +75,18 @@ def read_script(path: str) -> str:
     return source
 
 
-def run_script(source: str, path: str, argv: list, file: str) -> None:
+def run_script(source: str, path: str, argv: list, file: str, folder: ShippedFolder | None = None) -> None:
     """On a rank: run the shipped source as ``__main__``, as ``runpy.run_path(path, run_name="__main__")``
-    would (that function reads the file, which the executor may not have); ``sys.exit(0)`` is success."""
+    would (that function reads the file, which the executor may not have), with the shipped copy of its folder
+    first on ``sys.path`` (without one, the script's folder); ``sys.exit(0)`` is success."""
+    if folder is None:
+        sys.path.insert(0, os.path.dirname(file))
+        return _run(source, path, argv, file)
+    with shipped(folder):
+        return _run(source, path, argv, file)
+
+
+def _run(source: str, path: str, argv: list, file: str) -> None:
     code = compile(source, file, "exec")
     linecache.cache[file] = (len(source), None, source.splitlines(True), file)  # tracebacks show the lines
     module = types.ModuleType("__main__")
@@ -79,7 +95,6 @@ def run_script(source: str, path: str, argv: list, file: str) -> None:
     saved_main, saved_argv = sys.modules.get("__main__"), sys.argv
     sys.modules["__main__"] = module
     sys.argv = [path, *argv]
-    sys.path.insert(0, os.path.dirname(file))
     try:
         exec(code, module.__dict__)
     except SystemExit as exc:

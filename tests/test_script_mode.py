@@ -13,7 +13,7 @@ from sparkhvd import HorovodRunner
 from sparkhvd.runner import HorovodRunError
 from sparkhvd.runner._script import as_payload
 
-# Each rank writes what it saw to <out>/rank-<r>.json; a sibling module proves the script's folder is on sys.path.
+# Each rank writes what it saw to <out>/rank-<r>.json; a sibling module proves the script's folder ships.
 REPORT = textwrap.dedent("""
     import json, os, sys
     import helper
@@ -46,8 +46,10 @@ def test_script_runs_as_main_with_its_argv_on_every_rank(tmp_path, monkeypatch):
     assert runner.run("job/train.py", "--epochs", 3, "--out", out) is None
     assert runner.last_result.values == [None, None]
     for report in _reports(out, 2):
+        path0 = report.pop("path0")  # the shipped copy of the script's folder (tests/test_script_folder.py)
+        assert os.path.basename(path0).startswith("sparkhvd-script-") and not os.path.exists(path0)
         assert report == {"argv": ["job/train.py", "--epochs", "3", "--out", str(out)], "name": "__main__",
-                          "file": str(path), "path0": str(tmp_path / "job"), "helper": 42}
+                          "file": str(path), "helper": 42}
 
 
 def test_run_all_runs_a_script_and_every_value_is_none(tmp_path):
