@@ -81,6 +81,7 @@ SHIM_FILES = {
 
         ALIASES = {
             "horovod.torch": "sparkhvd.collective.torch",
+            "horovod.torch.mpi_ops": "sparkhvd.collective.torch",  # test_adasum_pytorch.py imports synchronize there
             "horovod.tensorflow": "sparkhvd.collective.tensorflow",
             "horovod.keras": "sparkhvd.collective.keras",
             "horovod.tensorflow.keras": "sparkhvd.collective.keras",

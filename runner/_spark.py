@@ -80,8 +80,8 @@ def check_slots(sc, np: int, *, verbose: bool = False) -> None:
     """Fail in seconds, with both numbers and the fix, when np tasks cannot all run at once.
 
     Executors of a cluster still starting register over a few seconds: wait for them until the
-    slots suffice, the most the configuration allows is below np, or no executor has joined for
-    ``_SLOT_SETTLE_S`` (bounded by ``_SLOT_WAIT_S``). ``verbose``: say once what it waits for.
+    slots suffice, the most the configuration allows is below np, or (where the configuration does
+    not say how many will come) no executor has joined for ``_SLOT_SETTLE_S``; at most ``_SLOT_WAIT_S``. ``verbose``: say once what it waits for.
     """
     from ._run import WaitNote
 
@@ -96,7 +96,10 @@ def check_slots(sc, np: int, *, verbose: bool = False) -> None:
         now = time.monotonic()
         if slots != seen:
             seen, changed = slots, now
-        if slots >= np or now >= deadline or (slots > 0 and now - changed >= _SLOT_SETTLE_S):
+        # where the configuration promises np slots (local-cluster, spark.cores.max), the missing executors are
+        # still coming (a lost one being replaced, a loaded machine): wait for them up to the deadline
+        settled = bound is None and slots > 0 and now - changed >= _SLOT_SETTLE_S
+        if slots >= np or now >= deadline or settled:
             break
         note.progress(slots, lambda: f"waiting for {np} task slots: Spark has {slots} ({_slots_detail(sc)}); will "
                                      f"wait up to {_SLOT_WAIT_S:g} s for executors to register")

@@ -36,7 +36,9 @@ DEFAULT_IDLE_S = 600.0
 MAX_REQUEST_BYTES = 4 << 20
 REPLY_TIMEOUT_S = 10.0  # an agent waits this long for the zygote's {"pid": n}, then uses a fresh process
 _NAME_PREFIX = "\0sparkhvd-zygote-"
-_KEY_ENV = ("PYTHONPATH", "PYTHONHOME", "LD_LIBRARY_PATH", "LD_PRELOAD", "VIRTUAL_ENV")
+# TMPDIR (TEMP, TMP): a zygote and the ranks it forks belong to one temp folder; where a job has a folder of its
+# own (a sandbox removed when the job ends, a test session), its ranks do not fork from another's zygote.
+_KEY_ENV = ("PYTHONPATH", "PYTHONHOME", "LD_LIBRARY_PATH", "LD_PRELOAD", "VIRTUAL_ENV", "TMPDIR", "TEMP", "TMP")
 # Read once when a library loads (libgomp, OpenBLAS, MKL) or when Python starts: a rank forked from
 # the zygote has the zygote's, so they are part of the key. OMP_NUM_THREADS is not: the fork applies it.
 _KEY_ENV_PREFIXES = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_")
@@ -65,9 +67,11 @@ class WarmUnavailable(Exception):
 def zygote_key(package_dir: str | None = None, torch_files: list | None = None, env: dict | None = None) -> str:
     """A short hash of what decides the zygote's preloaded modules: the interpreter, the environment
     Python and the native libraries read when they start (``_keyed``; not what Spark sets per
-    application, so one zygote serves every application on an executor), the user, the working
-    directory, and (name, mtime, size) of every ``.py`` file of sparkhvd and of torch's
-    ``__init__.py`` / ``version.py`` (stat only: torch is not imported).
+    application, so one zygote serves every application on an executor), the user, and (name,
+    mtime, size) of every ``.py`` file of sparkhvd and of torch's ``__init__.py`` / ``version.py``
+    (stat only: torch is not imported). Not the working directory, which Spark makes anew for each
+    application's executors: the zygote refuses a rank whose directory would change what it imports
+    (``cwd_refusal``), and the agent then starts a fresh process.
 
     Not this process's ``sys.path``: a rank's, forked or fresh, comes from its own interpreter's
     start-up with this environment and directory, whatever the agent (a notebook) appended to its own.
@@ -78,7 +82,7 @@ def zygote_key(package_dir: str | None = None, torch_files: list | None = None, 
     if torch_files is None:
         torch_files = _torch_files()
     h = hashlib.sha256()
-    for part in (sys.executable, sys.version, str(os.getuid()), os.getcwd()):
+    for part in (sys.executable, sys.version, str(os.getuid())):
         h.update(part.encode("utf-8", "surrogateescape") + b"\0")
     for name in sorted(env):
         if _keyed(name):
@@ -344,11 +348,17 @@ def _preload() -> str | None:
     return None
 
 
+_START_DIR: str | None = None  # the zygote's working directory when it started: sys.path[0] of its ``python -m``
+
+
 def serve(key: str) -> int:
     """Claim the key's socket, preload, then fork ranks on request until idle or told to stop."""
     import gc
     import select
     import time
+
+    global _START_DIR
+    _START_DIR = os.getcwd()
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
@@ -467,6 +477,9 @@ def _handle(conn, key, me, listener, conns, children, pidfds) -> bool:
             raise ValueError("'argv' must be [\"-m\", module, ...] or [\"-c\", code, ...]")
         if len(fds) != 3:
             raise ValueError(f"the request must carry 3 file descriptors (stdin, stdout, stderr), not {len(fds)}")
+        refusal = cwd_refusal(cwd, _START_DIR, sys.modules)
+        if refusal is not None:
+            raise ValueError(refusal)
     except (ValueError, OSError) as exc:
         try:
             conn.send(json.dumps({"error": f"bad request: {exc}"}).encode())
@@ -522,8 +535,12 @@ def _child(zygote: int, fds: list, env: dict, cwd: str, argv: list) -> None:
             if fd > 2:
                 os.close(fd)
         os.chdir(cwd)
+        if _START_DIR is not None and sys.path and sys.path[0] == _START_DIR and not sys.flags.safe_path:
+            sys.path[0] = cwd  # as python -m in the rank's own working directory puts it
         os.environ.clear()
         os.environ.update(env)
+        if "tempfile" in sys.modules:  # found again from the rank's own TMPDIR, as in a fresh process
+            sys.modules["tempfile"].tempdir = None
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -536,6 +553,31 @@ def _child(zygote: int, fds: list, env: dict, cwd: str, argv: list) -> None:
         os._exit(code)
     code = _run(argv)
     _exit(code)
+
+
+def cwd_refusal(cwd: str, start_dir: str | None, modules: dict) -> str | None:
+    """Why a rank whose working directory is ``cwd`` cannot fork from a zygote started in ``start_dir`` with
+    ``modules`` loaded, or None. A fresh ``python -m`` puts its working directory first on ``sys.path``, so the
+    fork is the same process only where no preloaded module came from the zygote's own directory and none is
+    shadowed by a module in the rank's (Spark gives each application's executors a working directory of its own,
+    so the key leaves the directory out and this check stands in for it)."""
+    if start_dir is None or os.path.realpath(cwd) == os.path.realpath(start_dir):
+        return None
+    for name, module in list(modules.items()):
+        top, file = name.partition(".")[0], getattr(module, "__file__", None) or ""
+        found_there = file.startswith(os.path.join(start_dir, top, "")) or (
+            os.path.dirname(file) == start_dir and os.path.basename(file).startswith(f"{top}."))
+        if found_there:  # through sys.path[0], which a rank elsewhere does not have
+            return f"its module {name} was imported from its working directory {start_dir}, which the rank's is not"
+    try:
+        entries = set(os.listdir(cwd))
+    except OSError as exc:
+        return f"the rank's working directory {cwd} cannot be listed ({exc.strerror})"
+    for top in sorted({name.partition(".")[0] for name in modules}):
+        if f"{top}.py" in entries or (top in entries and os.path.isfile(os.path.join(cwd, top, "__init__.py"))):
+            return (f"the rank's working directory {cwd} holds a module {top}, which a fresh process would import "
+                    "instead of the preloaded one")
+    return None
 
 
 def _stdio() -> None:

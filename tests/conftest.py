@@ -85,3 +85,16 @@ def _live_rank_processes() -> list:
 def rank_processes():
     """Returns the live rank processes under this test process (none should be left behind)."""
     return _live_rank_processes
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``make test`` runs ``-n 2``): each test file runs whole on one worker, so its module
+    fixtures run once, and the files of tests/cluster all on one worker, which builds the testbed once."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/cluster/" if path.startswith("tests/cluster/") else path
+
+    return ByFile(config, log)

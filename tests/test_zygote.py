@@ -121,23 +121,49 @@ def _cli_run(tmp_path, env) -> dict:
 
 
 def test_consecutive_spark_applications_fork_from_one_zygote(tmp_path):
-    (tmp_path / "report.py").write_text(WARM_REPORT)
+    apps = [tmp_path / "app-1", tmp_path / "app-2"]  # each application in a working directory of its own, as
+    for app in apps:  # Spark standalone gives each application's executors
+        app.mkdir()
+        (app / "report.py").write_text(WARM_REPORT)
+    (tmp_path / "tmp").mkdir()
     mark = uuid.uuid4().hex  # in the zygote's environment: how this test finds it (it runs detached)
     env = {k: v for k, v in os.environ.items() if k != _zygote.ENV_WARM}
-    env.update(PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable, SPARKHVD_TEST_ZYGOTE_MARK=mark)
+    env.update(PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable, SPARKHVD_TEST_ZYGOTE_MARK=mark,
+               TMPDIR=str(tmp_path / "tmp"))  # a temp folder of its own: a key no other test's zygote has
     mark = f"SPARKHVD_TEST_ZYGOTE_MARK={mark}"
     try:
-        first = _cli_run(tmp_path, env)  # no zygote for this key (the cwd is new): fresh ranks, one started
+        first = _cli_run(apps[0], env)  # no zygote for this key: fresh ranks, one started
         assert sorted(first) == [0, 1] and all(warm != "forked" for warm, _ in first.values()), first
         keys = {_cmdline(pid).split()[-1] for pid in _zygote.marked(mark)}  # python -m sparkhvd.runner._zygote KEY
         assert len(keys) == 1, keys
         zygote = _wait_ready(keys.pop())["pid"]
-        second = _cli_run(tmp_path, env)  # another application: another PYTHON_WORKER_FACTORY_SECRET
+        second = _cli_run(apps[1], env)  # another application: another PYTHON_WORKER_FACTORY_SECRET and directory
         assert second == {0: ("forked", zygote), 1: ("forked", zygote)}
         assert _zygote.marked(mark) == [zygote]  # and no second zygote
     finally:
         for pid in _zygote.marked(mark):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_working_directory_that_would_change_what_a_rank_imports_is_refused(tmp_path):
+    start, other = tmp_path / "start", tmp_path / "other"
+    (start / "mine").mkdir(parents=True)
+    other.mkdir()
+    (start / "mine" / "__init__.py").write_text("")
+    import types
+
+    loaded = {"json": json, "mine": types.SimpleNamespace(__file__=str(start / "mine" / "__init__.py"))}
+    assert _zygote.cwd_refusal(str(start), str(start), loaded) is None  # where it started: nothing differs
+    assert _zygote.cwd_refusal(str(other), str(start), loaded) == (
+        f"its module mine was imported from its working directory {start}, which the rank's is not")
+    del loaded["mine"]
+    assert _zygote.cwd_refusal(str(other), str(start), loaded) is None
+    (other / "json.py").write_text("")  # a fresh process there would import this json
+    assert _zygote.cwd_refusal(str(other), str(start), loaded) == (
+        f"the rank's working directory {other} holds a module json, which a fresh process would import instead of "
+        "the preloaded one")
+    assert _zygote.cwd_refusal(str(tmp_path / "gone"), str(start), loaded).startswith(
+        f"the rank's working directory {tmp_path / 'gone'} cannot be listed")
 
 
 def test_warm_off_uses_fresh_processes(monkeypatch):
@@ -241,6 +267,7 @@ def test_key_changes_when_sparkhvd_or_the_environment_changes(tmp_path):
     assert key() == before
     assert key(SOME_OTHER_VAR="x", OMP_NUM_THREADS="3") == before  # applied by the fork, not a new zygote
     assert key(PYTHONPATH="/b") != before
+    assert key(TMPDIR="/sandbox-of-another-job") != before  # its ranks fork from a zygote of their own
     assert key(PYTHONHASHSEED="0") != before  # a forked rank hashes strings with the zygote's seed
     assert key(PYTHON_GIL="0") != before  # CPython's own PYTHON_ names count too
     spark_per_application = {  # what one Spark application's Python workers see and the next one's do not
