@@ -9,9 +9,9 @@ STAMP  := $(VENV)/.installed
 demo: check-java $(STAMP)
 	$(VPY) notebooks/demo.py
 
-# Two workers: most tests wait on processes, the JVM and the network, not on the 2 cores.
+# Three workers: most tests wait on processes, the JVM and the network, not on the 2 cores.
 test: check-java $(STAMP)
-	$(VPY) -m pytest -n 2 $(PYTEST_ARGS)
+	$(VPY) -m pytest -n 3 $(PYTEST_ARGS)
 
 bench: check-java $(STAMP)
 	$(VPY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,bench]"

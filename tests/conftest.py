@@ -88,7 +88,7 @@ def rank_processes():
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (``make test`` runs ``-n 2``): each test file runs whole on one worker, so its module
+    """Under pytest-xdist (``make test`` runs ``-n 3``): each test file runs whole on one worker, so its module
     fixtures run once, and the files of tests/cluster all on one worker, which builds the testbed once."""
     from xdist.scheduler import LoadScopeScheduling
 
