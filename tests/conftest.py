@@ -21,6 +21,11 @@ os.environ["TMPDIR"] = tempfile.tempdir = _SESSION_TMP
 _JVM_TMP = f"-Djava.io.tmpdir={_SESSION_TMP}"
 os.environ.setdefault("PYSPARK_SUBMIT_ARGS", f"--driver-java-options {_JVM_TMP} --conf "
                                              f"spark.executor.extraJavaOptions={_JVM_TMP} pyspark-shell")
+# Every process this session starts inherits this mark, the warm zygotes too (whatever TMPDIR a test gives its
+# ranks, which starts a zygote of that temp folder's own): how the session finds the zygotes to end. Each
+# pytest-xdist worker marks its own, so a worker that finishes first ends only its own zygotes.
+_SESSION_MARK = f"SPARKHVD_TEST_SESSION={os.getpid()}-{os.urandom(4).hex()}"
+os.environ["SPARKHVD_TEST_SESSION"] = _SESSION_MARK.split("=", 1)[1]
 
 
 def pytest_unconfigure(config):
@@ -30,10 +35,10 @@ def pytest_unconfigure(config):
 
 def session_zygotes() -> list:
     """The pids of the warm zygotes (runner/_zygote.py) this test session started: they run detached,
-    with this session's TMPDIR in their environment."""
+    with this session's mark in their environment."""
     from sparkhvd.runner._zygote import marked
 
-    return marked(f"TMPDIR={_SESSION_TMP}")
+    return marked(_SESSION_MARK)
 
 
 def stop_session_zygotes() -> None:

@@ -142,7 +142,9 @@ def test_a_signal_stops_every_rank_and_exits_128_plus_its_number(tmp_path, np, s
     import psutil
 
     _script(tmp_path, SLEEP)
-    env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
+    # Fresh rank processes, found among the command's descendants (ranks forked by a warm process that an earlier
+    # run started are its children, not the command's)
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, SPARKHVD_WARM="0")
     proc = subprocess.Popen([SPARKHVD, "run", "--np", str(np), "train.py"], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:

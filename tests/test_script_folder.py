@@ -113,6 +113,7 @@ def ran(project, tmp_path_factory):
     rank_tmp = tmp_path_factory.mktemp("rank-tmp")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TMPDIR", str(rank_tmp))
+        mp.setenv("SPARKHVD_WARM", "0")  # no warm process of this temp folder's own (the key holds TMPDIR)
         HorovodRunner(np=-2, driver_log_verbosity="log_callback_only").run(str(project / "train.py"),
                                                                            "--out", str(out))
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)], rank_tmp
@@ -143,6 +144,7 @@ def test_a_stopped_rank_removes_its_folder_and_tracebacks_name_the_drivers_files
     out = tmp_path / "out"
     out.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("SPARKHVD_WARM", "0")  # no warm process of this temp folder's own (the key holds TMPDIR)
     with pytest.raises(HorovodRunError) as info:
         HorovodRunner(np=-2, driver_log_verbosity="log_callback_only").run(str(project / "train.py"),
                                                                            "--out", str(out), "--fail")
@@ -177,7 +179,7 @@ def test_shipping_turned_off_imports_from_the_scripts_folder(project, tmp_path, 
 
 
 def test_the_cli_ships_the_folder(project, tmp_path):
-    env = dict(os.environ, TMPDIR=str(tmp_path))
+    env = dict(os.environ, TMPDIR=str(tmp_path), SPARKHVD_WARM="0")  # no warm process of this temp folder's own
     proc = subprocess.run([sys.executable, "-m", "sparkhvd", "run", "--np", "-2", "train.py", "--out", str(tmp_path)],
                           cwd=project, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
