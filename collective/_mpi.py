@@ -151,6 +151,9 @@ def _import_mpi():
 def _join_mpi(MPI, comm, timeout: datetime.timedelta) -> Joined:
     global _comm
     rank, size = comm.Get_rank(), comm.Get_size()
+    launch = launched()
+    if launch is not None and comm == MPI.COMM_WORLD and (launch.rank, launch.size) != (rank, size):
+        raise ValueError(mismatch(launch, rank, size))
     node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         node = node_comm.bcast(rank, root=0)  # a node is named by its lowest rank
@@ -164,10 +167,12 @@ def _join_mpi(MPI, comm, timeout: datetime.timedelta) -> Joined:
     server = error = None
     address = None
     if rank == 0:
-        address = _store_address(placement, names)
         try:
+            address = _store_address(placement, names)
             server = _serve(address[0], address[1], size, timeout)
             address = (address[0], server.port)
+        except ValueError as exc:  # no address the other ranks can reach
+            error = str(exc)
         except (OSError, RuntimeError) as exc:
             why = os.strerror(exc.errno) if getattr(exc, "errno", None) else exc  # create_server's repeats the address
             error = (f"Rank 0 could not open the rendezvous store on {address[0]}:{address[1]} ({why}); pass a "
@@ -181,19 +186,43 @@ def _join_mpi(MPI, comm, timeout: datetime.timedelta) -> Joined:
     return Joined(placement, store, address[0])
 
 
+def mismatch(launch: Launch, rank: int, size: int) -> str:
+    """The error where the MPI that mpi4py loaded is not the launcher's (each process then starts a job of one)."""
+    return (f"{launch.launcher} started this process as rank {launch.rank} of {launch.size} ({launch.found}), but "
+            f"the MPI library mpi4py loaded says rank {rank} of {size}: it is another MPI than the mpirun's, and "
+            "every rank would train alone; point mpi4py at the launcher's MPI (MPI4PY_LIBMPI=<its libmpi.so>, or "
+            "MPI4PY_MPIABI=openmpi or mpich), or start the job with the mpirun of the MPI mpi4py loads.")
+
+
+def reachable(host: str, multi_node: bool) -> str:
+    """``host``, where the store may listen for a job's ranks: not a loopback address when they span nodes (a
+    host name that resolves to 127.0.1.1, as Debian's /etc/hosts maps its own, would keep the others out)."""
+    try:
+        address = socket.gethostbyname(host)
+    except OSError as exc:
+        raise ValueError(f"the rendezvous store's host {host!r} does not resolve here ({exc.strerror}); pass an "
+                         "address of rank 0's host with mpirun -x MASTER_ADDR=<address>.") from None
+    if multi_node and address.startswith("127."):
+        raise ValueError(f"the rendezvous store would listen on {host} ({address}), a loopback address, but this "
+                         "job's ranks span several hosts, which cannot reach it there; pass rank 0's address on the "
+                         "network the hosts share with mpirun -x MASTER_ADDR=<address>.")
+    return host
+
+
 def _store_address(placement: Placement, names: list) -> tuple[str, int]:
     """Where rank 0's store listens: MASTER_ADDR/MASTER_PORT where given, the loopback where every rank
     shares its node, else its interface toward another node (port 0: a free one)."""
     port = int(os.environ.get("MASTER_PORT", 0))
+    multi_node = placement.local_size < placement.size
     if "MASTER_ADDR" in os.environ:
-        return os.environ["MASTER_ADDR"], port
-    if placement.local_size == placement.size:
+        return reachable(os.environ["MASTER_ADDR"], multi_node), port
+    if not multi_node:
         return _LOOPBACK, port
     other = next(name for node, name in names if node != names[0][0])
     try:
         return local_address(other), port
     except OSError:  # the name does not resolve here: the host's own address
-        return local_address(None), port
+        return reachable(local_address(None), multi_node), port
 
 
 def _serve(host: str, port: int, size: int, timeout: datetime.timedelta) -> dist.TCPStore:
@@ -206,6 +235,8 @@ def _serve(host: str, port: int, size: int, timeout: datetime.timedelta) -> dist
 def _join_env(launch: Launch, timeout: datetime.timedelta) -> Joined:
     """The rendezvous without mpi4py: the store at MASTER_ADDR:MASTER_PORT; host names gathered there."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    local_size = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or os.environ.get("MPI_LOCALNRANKS")
+    reachable(host, local_size is not None and int(local_size) < launch.size)  # every rank reads the same
     if launch.rank == 0:
         store = _serve(host, port, launch.size, timeout)
     else:

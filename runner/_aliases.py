@@ -102,7 +102,9 @@ class HorovodAliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if name != top and not _ours(sys.modules.get(top)):
             return None  # under a real horovod / sparkdl: never ours
         if name not in ALIASES:
-            raise ModuleNotFoundError(_missing(name), name=name)
+            if _instead(name) in _TOPS:  # nothing to say beyond Python's own error: answer as a finder does
+                return None
+            raise ModuleNotFoundError(_missing(name), name=name)  # a module users import: say what to use
         stand_in = ALIASES[name]
         origin = "alias of " + (stand_in if isinstance(stand_in, str) else "sparkhvd")
         return importlib.machinery.ModuleSpec(name, self, origin=origin, is_package=True)
@@ -156,11 +158,15 @@ def _ours(module) -> bool:
     return isinstance(getattr(getattr(module, "__spec__", None), "loader", None), HorovodAliases)
 
 
+def _instead(name: str) -> str:
+    """The longest ``_INSTEAD`` entry that ``name`` is, or is under."""
+    return max((p for p in _INSTEAD if name == p or name.startswith(p + ".")), key=len)
+
+
 def _missing(name: str) -> str:
     top = name.partition(".")[0]
-    prefix = max((p for p in _INSTEAD if name == p or name.startswith(p + ".")), key=len)
     return (f"No module named {name!r}: {_TOPS[top]} isn't installed here, and sparkhvd, which stands in for it, "
-            f"has no {name}; {_INSTEAD[prefix]}.")
+            f"has no {name}; {_INSTEAD[_instead(name)]}.")
 
 
 def install() -> bool:

@@ -33,9 +33,10 @@ def run(fn, args=(), kwargs=None, num_proc=None, start_timeout=None, use_mpi=Non
     ``env``: variables added to every rank's environment. ``stdout``: where the ranks' lines, shown on the
     driver as ``[rank] line``, go (default ``sys.stdout``); a rank's stderr lines go there too.
     ``nics``: the one network interface the ranks talk on. ``verbose`` and
-    ``prefix_output_with_timestamp`` are accepted and change nothing. MPI (``use_mpi=True``,
-    ``use_gloo=False``, ``extra_mpi_args``), another ``executable`` and a separate ``stderr`` stream
-    cannot apply: they raise ``ValueError`` naming them and the fix.
+    ``prefix_output_with_timestamp`` are accepted and change nothing, and so is ``use_gloo`` (Horovod
+    reads ``use_gloo=False`` as unset too). MPI (``use_mpi=True``, ``extra_mpi_args``), another
+    ``executable`` and a separate ``stderr`` stream cannot apply: they raise ``ValueError`` naming
+    them and the fix.
     """
     _refuse(use_mpi=use_mpi, use_gloo=use_gloo, extra_mpi_args=extra_mpi_args, executable=executable,
             stdout=stdout, stderr=stderr)
@@ -53,8 +54,6 @@ def _refuse(*, use_mpi, use_gloo, extra_mpi_args, executable, stdout, stderr) ->
     if use_mpi:
         why.append(f"use_mpi={use_mpi!r}: sparkhvd never uses MPI (its ranks talk over gloo, and NCCL on GPUs); "
                    "drop use_mpi.")
-    if use_gloo is not None and not use_gloo:
-        why.append(f"use_gloo={use_gloo!r} asks for MPI, which sparkhvd never uses; drop use_gloo.")
     if extra_mpi_args:
         why.append(f"extra_mpi_args={extra_mpi_args!r}: sparkhvd never runs mpirun; drop extra_mpi_args (Horovod's "
                    "settings, such as HOROVOD_FUSION_THRESHOLD, go in env=).")

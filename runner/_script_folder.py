@@ -106,7 +106,12 @@ def collect(folder: str, limits: FolderLimits) -> ShippedFolder:
     with io.BytesIO() as buffer:
         with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
             for name, path, _ in found:
-                archive.write(path, name)
+                try:
+                    archive.write(path, name)
+                except OSError as exc:  # gone or changed since the walk
+                    raise ValueError(f"the script's folder {folder} holds {name}, which cannot be read to ship it "
+                                     f"to the ranks ({exc.strerror}); make it readable, or "
+                                     f"{_ways_out(None)}.") from None
         blob = buffer.getvalue()
     return ShippedFolder(driver_folder=folder, zip=blob, files=len(found), size=size)
 
@@ -124,7 +129,9 @@ def _walk(root: str, max_entries: int) -> tuple[list, bool]:
     Ships: Python modules (``.py``, extension modules) in folders Python could import them from (names that
     are identifiers), and config files of up to ``MAX_CONFIG_BYTES`` in the folder itself and inside packages
     (folders with ``__init__.py``). Skips: dot files and folders, ``__pycache__``, virtual environments,
-    site-packages, node_modules, symlinks leading out of the folder, and everything else (data).
+    site-packages, node_modules, symlinks leading out of the folder, a folder with no module and no package in
+    it (``data/`` of a million images: neither looked through nor counted), files this user cannot read, names
+    a zip cannot carry as they are (``_plain``), and everything else (data).
     """
     real_root = os.path.realpath(root)
     found: list = []
@@ -138,18 +145,18 @@ def _walk(root: str, max_entries: int) -> tuple[list, bool]:
                 entries = sorted(it, key=lambda e: e.name)
         except OSError:
             continue  # unreadable: nothing to ship from it
+        names = {e.name for e in entries}
+        if in_package is not None and (_is_environment(path, names) or not _holds_code(path, entries)):
+            continue
         scanned += len(entries)
         if scanned > max_entries:
             return found, False
-        names = {e.name for e in entries}
-        if in_package is not None and _is_environment(path, names):
-            continue
         in_package = bool(in_package) or "__init__.py" in names
         configs = prefix == "" or in_package
         folders = []
         for entry in entries:
             name = entry.name
-            if name.startswith("."):
+            if name.startswith(".") or not _plain(name):
                 continue
             if entry.is_dir():
                 if name in SKIPPED_FOLDERS or not name.isidentifier():
@@ -162,6 +169,8 @@ def _walk(root: str, max_entries: int) -> tuple[list, bool]:
                 folders.append((entry.path, f"{prefix}{name}/", in_package))
             elif entry.is_file() and (_is_module(name) or configs and name.endswith(CONFIG_SUFFIXES)):
                 if entry.is_symlink() and not _inside(os.path.realpath(entry.path), real_root):
+                    continue
+                if not os.access(entry.path, os.R_OK):  # not this user's to read: a fresh rank could not either
                     continue
                 size = entry.stat().st_size
                 if _is_module(name) or size <= MAX_CONFIG_BYTES:
@@ -178,6 +187,26 @@ def _is_module(name: str) -> bool:
     if name.endswith(".py"):
         return True
     return any(name.endswith(s) and name[:-len(s)].isidentifier() for s in _EXTENSION_SUFFIXES)
+
+
+def _plain(name: str) -> bool:
+    """A file or folder name that travels in the zip and unpacks as it is (``unpack`` refuses the others)."""
+    if "\\" in name or "\0" in name or name in (".", ".."):
+        return False
+    try:
+        name.encode("utf-8")  # an undecodable name arrives here with surrogates
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _holds_code(path: str, entries: list) -> bool:
+    """Whether a folder below the script's holds a module, or a package (a folder with ``__init__.py``)."""
+    for entry in entries:
+        if _is_module(entry.name) or (entry.name.isidentifier() and entry.is_dir()
+                                      and os.path.isfile(os.path.join(entry.path, "__init__.py"))):
+            return True
+    return False
 
 
 def _is_environment(path: str, names: set) -> bool:
@@ -249,7 +278,7 @@ def unpack(blob: bytes, into: str) -> None:
         for info in archive.infolist():
             name = info.filename
             parts = name.rstrip("/").split("/")
-            if name.startswith("/") or "\\" in name or "\0" in name or any(p in ("", ".", "..") for p in parts):
+            if name.startswith("/") or not all(_plain(p) for p in parts) or any(p == "" for p in parts):
                 raise ValueError(f"the shipped script folder holds a file named {name!r}, which would be written "
                                  f"outside the folder it is unpacked into ({into}); only relative names without "
                                  "'..' are unpacked, so this payload was not built by sparkhvd's collect.")

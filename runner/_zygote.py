@@ -573,7 +573,7 @@ def cwd_refusal(cwd: str, start_dir: str | None, modules: dict) -> str | None:
         entries = set(os.listdir(cwd))
     except OSError as exc:
         return f"the rank's working directory {cwd} cannot be listed ({exc.strerror})"
-    for top in sorted({name.partition(".")[0] for name in modules}):
+    for top in sorted({name.partition(".")[0] for name in modules} - {"__main__"}):  # python -m never imports it
         if f"{top}.py" in entries or (top in entries and os.path.isfile(os.path.join(cwd, top, "__init__.py"))):
             return (f"the rank's working directory {cwd} holds a module {top}, which a fresh process would import "
                     "instead of the preloaded one")

@@ -228,3 +228,31 @@ def test_placement_splits_as_horovods_mpi_controller(hosts):
         assert p.homogeneous == (len({hosts.count(h) for h in hosts}) == 1)
     grouped = sorted(hosts, key=hosts.index)
     assert [_mpi.place(r, grouped) for r in range(len(hosts))] == assign_ranks(grouped)
+
+
+@pytest.mark.timeout(120)
+def test_an_mpi_other_than_the_launchers_is_refused_not_a_job_of_one(mpirun, tmp_path):
+    # mpi4py's MPI is not the launcher's: MPI says each process is a job of one, where the launcher said rank 1 of 2
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "PMIX_"))}
+    env.update(PMI_RANK="1", PMI_SIZE="2")
+    code = "import sparkhvd.collective.torch as hvd\ntry:\n    hvd.init()\nexcept ValueError as exc:\n    print(exc)\n"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=100)
+    assert out.stdout.strip() == (
+        "MPICH's or Intel MPI's mpirun started this process as rank 1 of 2 (PMI_RANK=1, PMI_SIZE=2), but the MPI "
+        "library mpi4py loaded says rank 0 of 1: it is another MPI than the mpirun's, and every rank would train "
+        "alone; point mpi4py at the launcher's MPI (MPI4PY_LIBMPI=<its libmpi.so>, or MPI4PY_MPIABI=openmpi or "
+        "mpich), or start the job with the mpirun of the MPI mpi4py loads."), out.stdout + out.stderr
+
+
+def test_the_store_never_listens_on_loopback_for_ranks_on_several_hosts():
+    assert _mpi.reachable("localhost", multi_node=False) == "localhost"  # one host: loopback is right
+    with pytest.raises(ValueError, match=r"^the rendezvous store would listen on localhost \(127\.0\.0\.1\), a "
+                                         r"loopback address, but this job's ranks span several hosts, which cannot "
+                                         r"reach it there; pass rank 0's address on the network the hosts share "
+                                         r"with mpirun -x MASTER_ADDR=<address>\.$"):
+        _mpi.reachable("localhost", multi_node=True)
+    with pytest.raises(ValueError, match=r"^the rendezvous store's host 'no-such-host\.invalid' does not resolve "
+                                         r"here \(.+\); pass an address of rank 0's host with mpirun "
+                                         r"-x MASTER_ADDR=<address>\.$"):
+        _mpi.reachable("no-such-host.invalid", multi_node=False)

@@ -223,13 +223,25 @@ def test_too_large_is_refused_naming_the_largest_file(tmp_path, monkeypatch):
 
 
 def test_a_folder_too_big_to_look_through_is_refused(tmp_path, monkeypatch):
-    _write(tmp_path, {"train.py": "", **{f"images/{i}.png": "" for i in range(210)}})
+    _write(tmp_path, {"train.py": "", **{f"{i}.png": "" for i in range(210)}})
     monkeypatch.setenv(ENV_MAX_FILES, "2")  # looks through 200 files and folders at most
     with pytest.raises(ValueError) as info:
         HorovodRunner(np=-1).run(str(tmp_path / "train.py"))
     assert str(info.value) == (f"the script's folder {tmp_path} holds more than 200 files and folders (the bound is "
                                "100 times SPARKHVD_SCRIPT_FOLDER_MAX_FILES), too many to look through for the modules "
                                f"to ship to the ranks; {WAYS_OUT}; or raise SPARKHVD_SCRIPT_FOLDER_MAX_FILES.")
+
+
+def test_folders_without_code_are_not_looked_through_and_odd_names_stay_behind(tmp_path, monkeypatch):
+    _write(tmp_path, {"train.py": "", "ns/pkg/__init__.py": "", "ns/pkg/mod.py": "",  # a namespace package
+                      **{f"images/{c}/{i}.png": "" for c in ("cats", "dogs") for i in range(150)}})
+    for odd in ("back\\slash.json", "caf\udce9.json"):  # unpacked as they are, neither would be the same file
+        with open(os.path.join(tmp_path, odd), "w"):
+            pass
+    monkeypatch.setenv(ENV_MAX_FILES, "3")  # 300 files and folders to look through: the 302 images are not counted
+    shipped = collect(str(tmp_path), FolderLimits.from_env())
+    with zipfile.ZipFile(io.BytesIO(shipped.zip)) as archive:
+        assert sorted(archive.namelist()) == ["ns/pkg/__init__.py", "ns/pkg/mod.py", "train.py"]
 
 
 def test_the_filesystem_root_is_not_a_project():

@@ -158,6 +158,8 @@ def test_a_working_directory_that_would_change_what_a_rank_imports_is_refused(tm
         f"its module mine was imported from its working directory {start}, which the rank's is not")
     del loaded["mine"]
     assert _zygote.cwd_refusal(str(other), str(start), loaded) is None
+    (other / "__main__.py").write_text("")  # every process has a __main__; python -m never imports this one
+    assert _zygote.cwd_refusal(str(other), str(start), {**loaded, "__main__": sys.modules["__main__"]}) is None
     (other / "json.py").write_text("")  # a fresh process there would import this json
     assert _zygote.cwd_refusal(str(other), str(start), loaded) == (
         f"the rank's working directory {other} holds a module json, which a fresh process would import instead of "

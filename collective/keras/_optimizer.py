@@ -59,8 +59,9 @@ def DistributedOptimizer(optimizer, name=None, compression=Compression.none, bac
                          average_aggregated_gradients=False, op=Average, **_unused):
     """Wrap a Keras 3 optimizer so that every update uses gradients averaged across the ranks.
 
-    ``op=Adasum`` combines each gradient by Adasum instead of averaging it, as Horovod's Keras
-    optimizer does (its delta optimizer is TF1's only). Returns ``optimizer`` itself, its class
+    ``op=Adasum`` combines each gradient by Adasum instead of averaging it, as Horovod's
+    ``DistributedGradientTape`` does (Horovod's Keras optimizer refuses Adasum; its delta optimizer
+    is TF1's only). Returns ``optimizer`` itself, its class
     turned into a subclass of its own class. For gradient
     accumulation use the optimizer's own ``gradient_accumulation_steps`` (each micro-batch's
     gradients are averaged across ranks, then accumulated).
