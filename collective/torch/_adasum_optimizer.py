@@ -20,9 +20,10 @@ import torch
 
 from .._core._handles import synchronize
 from .._core._ops import Adasum, allreduce_async_, check
+from ._wrapped import WrappedOptimizer, check_passes
 
 
-class _AdasumMixin:
+class _AdasumMixin(WrappedOptimizer):
     """Placed before the user's optimizer class: each ``step()`` applies the Adasum of the ranks' local steps."""
 
     def _hvd_adasum_setup(self, names: dict, compression, passes: int, process_set, serial: int) -> None:
@@ -46,15 +47,6 @@ class _AdasumMixin:
             if p.grad is None:  # as Horovod: a parameter without a gradient still takes its (zero) step
                 p.grad = torch.zeros_like(p)
             p.register_post_accumulate_grad_hook(hook)
-
-    def _hvd_trainable(self) -> list:
-        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-
-    @property
-    def _parameter_names(self) -> dict:
-        """Each parameter's name (parameter -> name), as Horovod's optimizer keeps them."""
-        return {p: self._hvd_names[id(p)] for group in self.param_groups for p in group["params"]
-                if id(p) in self._hvd_names}
 
     def _hvd_on_grad(self, p: torch.Tensor) -> None:
         count = self._hvd_counts.get(id(p), 0) + 1
@@ -133,19 +125,9 @@ class _AdasumMixin:
                                "pass (with backward_passes_per_step=N, after the N-th step).")
         return super().zero_grad(set_to_none=set_to_none)
 
-    @property
-    def backward_passes_per_step(self) -> int:
-        return self._hvd_backward_passes
-
-    @backward_passes_per_step.setter
-    def backward_passes_per_step(self, passes: int) -> None:
-        self.set_backward_passes_per_step(passes)
-
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes accumulate locally before each local step (Horovod's method)."""
-        from ._optimizer import _check_passes
-
-        passes = _check_passes(passes)
+        passes = check_passes(passes)
         if self._hvd_counts or self._hvd_handles:
             raise RuntimeError("set_backward_passes_per_step() was called while parameter changes were being "
                                "reduced; call it right after optimizer.step().")

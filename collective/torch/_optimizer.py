@@ -6,7 +6,6 @@ import collections
 import contextlib
 import functools
 import itertools
-import operator
 import warnings
 import weakref
 
@@ -22,13 +21,14 @@ from .._core._ops import (Adasum, Average, ReduceOp, Sum, _resolve_op, allreduce
 from .._core._process_sets import ProcessSet, global_process_set
 from .._core._scale import scale_
 from ._adasum_optimizer import _AdasumMixin
+from ._wrapped import WrappedOptimizer, check_passes as _check_passes
 from ._fusion import GradientBuckets, finish_allreduce, launch_allreduce, write_back
 
 
 _serials: dict = collections.defaultdict(itertools.count)  # link_id -> numbers for the set's optimizers
 
 
-class _DistributedMixin:
+class _DistributedMixin(WrappedOptimizer):
     """Placed before the user's optimizer class: reduces gradients before each ``step()``."""
 
     def _hvd_setup(self, names, op, gradient_predivide_factor, backward_passes_per_step,
@@ -66,20 +66,6 @@ class _DistributedMixin:
                 reduce_sparse=None if sparse_as_dense else self._hvd_reduce_sparse,
                 label=f"optimizer {self._hvd_serial}")
 
-    @property
-    def _parameter_names(self) -> dict:
-        """Each parameter's name (parameter -> name), as Horovod's optimizer keeps them."""
-        return {p: self._hvd_names[id(p)] for group in self.param_groups for p in group["params"]
-                if id(p) in self._hvd_names}
-
-    @property
-    def backward_passes_per_step(self) -> int:
-        return self._hvd_backward_passes
-
-    @backward_passes_per_step.setter
-    def backward_passes_per_step(self, passes: int) -> None:
-        self.set_backward_passes_per_step(passes)
-
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes accumulate locally before each reduction (Horovod's method)."""
         passes = _check_passes(passes)
@@ -111,9 +97,6 @@ class _DistributedMixin:
                                "or optimizer.synchronize(), while gradients were being reduced; call zero_grad() "
                                "before the backward pass (with backward_passes_per_step=N, after the N-th step).")
         return super().zero_grad(set_to_none=set_to_none)
-
-    def _hvd_trainable(self) -> list:
-        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
     def _hvd_reduce_sparse(self, grad: torch.Tensor):
         """Start reducing a sparse gradient as Horovod does (gathered indices and values)."""
@@ -233,17 +216,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         optimizer._hvd_setup(names, op, gradient_predivide_factor, backward_passes_per_step,
                              compression, sparse_as_dense, process_set)
     return optimizer
-
-
-def _check_passes(passes) -> int:
-    """``passes`` as an int (any integral number, as Horovod takes), or a ValueError."""
-    try:
-        count = operator.index(passes) if not isinstance(passes, float) or not passes.is_integer() else int(passes)
-    except TypeError:
-        count = 0
-    if isinstance(passes, bool) or count < 1:
-        raise ValueError(f"backward_passes_per_step must be a whole number of 1 or more, got {passes!r}.")
-    return count
 
 
 def _parameter_names(optimizer, named_parameters) -> dict:
