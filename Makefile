@@ -4,7 +4,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench check-python check-java clean
+.PHONY: demo test coverage bench check-python check-java clean
 
 demo: check-java $(STAMP)
 	$(VPY) notebooks/demo.py
@@ -12,6 +12,12 @@ demo: check-java $(STAMP)
 # Three workers: most tests wait on processes, the JVM and the network, not on the 2 cores.
 test: check-java $(STAMP)
 	$(VPY) -m pytest -n 3 $(PYTEST_ARGS)
+
+# The whole suite under coverage.py (pyproject's [tool.coverage.*]); prints the line coverage.
+coverage: check-java $(STAMP)
+	rm -f .coverage .coverage.*
+	COVERAGE_FILE=$(CURDIR)/.coverage $(VPY) -m coverage run -m pytest -n 3 $(PYTEST_ARGS) || true
+	$(VPY) -m coverage combine -q && $(VPY) -m coverage report --format=total && $(VPY) -m coverage report | tail -1
 
 bench: check-java $(STAMP)
 	$(VPY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,bench]"
