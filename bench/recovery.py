@@ -65,7 +65,7 @@ def train(marks: str, kill: bool):
 
     imported = time.monotonic()
     import sparkhvd.collective.torch as hvd
-    from sparkhvd.runner import _commits
+    from sparkhvd._common import commits as _commits
 
     hvd.init()
     initialised = time.monotonic()
@@ -266,7 +266,7 @@ def commit_cost(repeats: int, warmup: bool, folder: str) -> dict:
     import torch
 
     import sparkhvd.collective.torch as hvd
-    from sparkhvd.runner import _commits
+    from sparkhvd._common import commits as _commits
 
     hvd.init()
     model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(s) * 0.01) for s in resnet50_shapes()])

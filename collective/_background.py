@@ -36,10 +36,12 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import _progress, _timeline
+from .._common import progress as _progress
+from .._common.op_names import JOIN
+from . import _timeline
 from ._channel import Channel
 from ._mesh import MeshError
-from ._negotiate import JOIN, RequestCache, Table, pairable
+from ._negotiate import RequestCache, Table, pairable
 
 _scope = threading.local()  # .prefix, .count: names for this thread's unnamed ops (``named``)
 

@@ -17,10 +17,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..runner import _context
-from ..runner._topology import Placement
-from . import _mpi, _progress
-from ._mesh import Endpoint, local_address
+from .._common import context as _context
+from .._common import progress as _progress
+from .._common.network import local_address
+from .._common.topology import Placement
+from . import _mpi
+from ._mesh import Endpoint
 
 _TIMEOUT = datetime.timedelta(minutes=30)
 _INIT_LINK = -2  # the stall report's number for init()'s rendezvous (process sets count from 0)

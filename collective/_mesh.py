@@ -34,7 +34,7 @@ import struct
 import threading
 import time
 
-from ._listener import GuardedListener, Handshake, Refused, RefusalTally
+from .._common.listener import GuardedListener, Handshake, RefusalTally, Refused
 
 log = logging.getLogger("sparkhvd.mesh")
 
@@ -213,14 +213,6 @@ class Endpoint:
             self._changed.notify_all()
 
 
-def local_address(toward: str | None) -> str:
-    """The address of this host's interface that routes toward ``toward`` (no packet is sent)."""
-    if not toward:
-        return socket.gethostbyname(socket.gethostname())
-    family, _, _, _, address = socket.getaddrinfo(toward, 1, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(address)
-        return probe.getsockname()[0]
 
 
 def _summarise(tally: RefusalTally, pid: int) -> None:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..runner._topology import Placement
-from ._mesh import local_address
+from .._common.network import local_address
+from .._common.topology import Placement
 
 # (launcher, rank variable, size variable), in the order they are looked for
 _LAUNCHERS = (("Open MPI's mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
@@ -142,7 +142,7 @@ def _import_mpi():
     global _unusable
     try:
         from mpi4py import MPI
-    except Exception as exc:  # not installed, no MPI library to load, or MPI_Init failed
+    except Exception as exc:  # noqa: BLE001 - not installed, no MPI library to load, or MPI_Init failed
         _unusable = True
         return None, f"{type(exc).__name__}: {exc}"
     return MPI, None

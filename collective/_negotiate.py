@@ -30,7 +30,7 @@ the message; for "join": ``x`` the rank that joined last.
 
 from __future__ import annotations
 
-JOIN = "join"
+from .._common.op_names import JOIN, label
 
 _JOINABLE_HINT = ("only allreduce and grouped_allreduce with op=Average or Sum, DistributedOptimizer and "
                   "SyncBatchNorm take part in join (as in Horovod); the joined ranks go on waiting in join().")
@@ -227,14 +227,6 @@ def _disagreement(ordered: list) -> str:
             f"ops are matched in the order each rank calls them) with {rule} (and the same op and root_rank).{hint}")
 
 
-def label(name: str) -> str:
-    """A name as the user knows it: ``allreduce 'grads'``, or ``the 3rd unnamed allgather``."""
-    kind, _, rest = name.partition(".")
-    if rest.startswith("noname."):
-        n = int(rest[len("noname."):]) + 1
-        suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-        return f"the {n}{suffix} unnamed {kind}"
-    return f"{kind} {rest!r}"
 
 
 def pairable(first: dict | None, second: dict | None) -> bool:

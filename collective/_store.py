@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..runner._client import ServiceClient
-from ..runner._protocol import Kind
+from .._common.client import ServiceClient
+from .._common.protocol import Kind
 
 
 class DriverStore(dist.Store):

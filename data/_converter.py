@@ -47,7 +47,7 @@ def _estimated_bytes(df) -> int | None:
     """Spark's size estimate of ``df`` (optimizer statistics, no job); None where it has none (Spark Connect)."""
     try:
         return int(df._jdf.queryExecution().optimizedPlan().stats().sizeInBytes())
-    except Exception:  # no _jdf under Spark Connect, or a plan without statistics: fall back to the cap
+    except Exception:  # noqa: BLE001 - no _jdf under Spark Connect, or a plan without statistics: fall back to the cap
         return None
 
 

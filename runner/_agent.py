@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ._client import RunAborted, ServiceClient, ServiceError
-from ._commits import ENV_COMMIT_DIR
+from .._common.client import RunAborted, ServiceClient, ServiceError
+from .._common.commits import ENV_COMMIT_DIR
+from .._common.protocol import MAX_PROGRESS_CHARS, Kind
 from ._host import host_id
-from ._protocol import MAX_PROGRESS_CHARS, Kind
 
 #: Environment of the rank process; read by ``_worker`` only.
 ENV_DRIVER = "SPARKHVD_DRIVER"
@@ -55,7 +55,7 @@ class TaskSpec:
     network_interface: str | None = None  # the interface ranks talk on; default: the one toward the driver
     every_value: bool = True  # False: only rank 0 ships its return value (HorovodRunner.run)
     attempt: int = 0  # 0, then 1, 2, ... for each restart (HorovodRunner(max_restarts=))
-    commit_dir: str | None = None  # where rank 0 writes elastic commits (runner/_commits.py); default: the driver
+    commit_dir: str | None = None  # where rank 0 writes elastic commits (_common/commits.py); default: the driver
     env: tuple = field(default=(), repr=False)  # (name, value) pairs added to the rank's environment (MLflow)
 
 
@@ -129,7 +129,7 @@ def _report(client: ServiceClient, kind: Kind, meta: dict) -> None:
 
 def _rank_env(spec: TaskSpec, placement: dict, host_gpus: list[str], host: str) -> dict:
     """The rank process's environment. ``host_gpus``: this job's GPUs on the host, in local-rank order
-    (``runner/_topology.py: host_gpus``), its ``CUDA_VISIBLE_DEVICES``; empty: the executor's is kept."""
+    (``_common/topology.py: host_gpus``), its ``CUDA_VISIBLE_DEVICES``; empty: the executor's is kept."""
     import json
 
     env = dict(os.environ)

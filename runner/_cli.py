@@ -18,8 +18,8 @@ if __name__ == "__main__" and not __package__:
     _HERE = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
-import argparse  # noqa: E402
-import signal  # noqa: E402
+import argparse
+import signal
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2  # argparse's own

@@ -8,7 +8,7 @@ its path. Training does not wait for it; a newer commit replaces one not yet sen
 once the driver has it: a rank lost while sending one leaves the previous commit in force, which
 is as good, since every commit is a point of the uninterrupted run.
 
-On the driver a ``CommitStore`` keeps the newest commit of each state, in memory up to
+The rank's side (``Publisher``, ``publish``, ``fetch``) is ``_common/commits.py``. On the driver a ``CommitStore`` keeps the newest commit of each state, in memory up to
 ``SPARKHVD_COMMIT_MEMORY_BYTES`` (default 256 MiB) and in a file beyond it, across the restarts
 of one run. It never unpickles what it keeps: only ranks do, from authenticated frames. Every
 commit is removed when the run ends.
@@ -19,23 +19,21 @@ and loads it; ``state.sync()`` then gives it to the other ranks.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import os
-import pickle
-import secrets
 import shutil
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 
+from .._common.commits import _filesystem, _safe
+
 log = logging.getLogger("sparkhvd.commits")
 
 ENV_COMMIT_MEMORY = "SPARKHVD_COMMIT_MEMORY_BYTES"
 DEFAULT_COMMIT_MEMORY = 256 << 20
-ENV_COMMIT_DIR = "SPARKHVD_COMMIT_DIR"  # the rank process's copy of HorovodRunner(commit_dir=)
 
 
 @dataclass
@@ -164,8 +162,6 @@ def _memory_bytes() -> int:
                          f"{DEFAULT_COMMIT_MEMORY} (commits larger than it are kept in a file on the driver).") from None
 
 
-def _safe(key: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in key)
 
 
 def _remove_file(path: str | None) -> None:
@@ -184,10 +180,6 @@ def _remove_path(url: str) -> None:
         pass
 
 
-def _filesystem(url: str):
-    from pyarrow import fs
-
-    return fs.FileSystem.from_uri(url) if "://" in url else (fs.LocalFileSystem(), os.path.abspath(url))
 
 
 def check_commit_dir(url: str) -> None:
@@ -197,139 +189,3 @@ def check_commit_dir(url: str) -> None:
     except Exception as exc:  # noqa: BLE001 - pyarrow's own words name the problem
         raise ValueError(f"commit_dir={url!r} is not a filesystem pyarrow can open ({exc}); pass a local path "
                          "every host can reach or a URL such as hdfs://namenode/path or s3://bucket/path.") from None
-
-
-# ---- the rank's side ------------------------------------------------------------------------
-
-
-class Publisher:
-    """Rank 0's thread that sends each commit off the rank; per state, the newest waiting commit wins."""
-
-    def __init__(self, ctx):
-        self._ctx = ctx
-        self._client = None
-        self._token = secrets.token_hex(4)  # this process's commit_dir files: never another attempt's names
-        self._pending: dict[str, tuple] = {}  # state key -> its newest commit not yet taken, oldest key first
-        self._busy = False
-        self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="sparkhvd-commits")
-        self._thread.start()
-
-    def submit(self, meta: dict, snapshot, on_hosts_updated=None) -> None:
-        with self._cv:
-            # Replaces this state's commit not yet taken (only the newest matters), never another state's.
-            self._pending[str(meta["key"])] = (meta, snapshot, on_hosts_updated)
-            self._cv.notify_all()
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted commit has reached the driver; True if it has."""
-        with self._cv:
-            return self._cv.wait_for(lambda: not self._pending and not self._busy, timeout)
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: bool(self._pending))
-                meta, snapshot, on_hosts_updated = self._pending.pop(next(iter(self._pending)))
-                self._busy = True
-            try:
-                update = self._send(meta, snapshot)
-                if update and on_hosts_updated is not None:
-                    global growing
-                    growing = True
-                    on_hosts_updated(*update)  # Spark has room for more ranks: the state resizes at its next commit
-            except Exception as exc:  # noqa: BLE001 - the run goes on; the previous commit stays in force
-                self._drop_client()  # the next commit reconnects: a broken link must not lose every later one
-                print(f"sparkhvd: rank 0 could not send commit {meta.get('seq')} of {meta.get('key')} off the rank: "
-                      f"{type(exc).__name__}: {exc}; the previous commit stays the one a restart resumes from.",
-                      flush=True)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
-
-    def _drop_client(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except OSError:
-                pass
-
-    def _send(self, meta: dict, snapshot) -> list | None:
-        """Send one commit; returns the driver's ``[timestamp, HostUpdateResult]`` when ranks can be added."""
-        from ._protocol import Kind
-
-        blob = pickle.dumps(snapshot, protocol=pickle.HIGHEST_PROTOCOL)
-        meta = dict(meta, bytes=len(blob))
-        commit_dir = os.environ.get(ENV_COMMIT_DIR)
-        if commit_dir:
-            fs, root = _filesystem(commit_dir)
-            folder = f"{root.rstrip('/')}/{self._ctx.run_id}"
-            fs.create_dir(folder, recursive=True)
-            path = f"{folder}/{_safe(meta['key'])}-{meta['seq']}-{self._token}.pkl"
-            with fs.open_output_stream(path) as f:
-                f.write(blob)
-            meta["sha256"] = hashlib.sha256(blob).hexdigest()  # the driver's authenticated copy, checked before loading
-            meta["path"] = commit_dir.rstrip("/") + path[len(root.rstrip("/")):] if "://" in commit_dir else path
-            blob = b""
-        if self._client is None:
-            self._client = self._ctx.new_client()
-        return self._client.request(Kind.COMMIT, meta, blob).meta.get("hosts_updated")  # ERR raises ServiceError
-
-
-_publisher: Publisher | None = None
-growing = False  # the driver said the run can grow: HostsUpdatedInterrupt relaunches every rank
-_publisher_lock = threading.Lock()
-
-
-def publish(meta: dict, snapshot, on_hosts_updated=None) -> bool:
-    """Send ``snapshot`` off this rank as its state's newest commit; False outside a HorovodRunner run.
-
-    ``on_hosts_updated(timestamp, update)`` is called when the driver answers that the run can grow.
-    """
-    global _publisher
-    from . import _context
-
-    ctx = _context.current()
-    if ctx is None:
-        return False
-    with _publisher_lock:
-        if _publisher is None:
-            _publisher = Publisher(ctx)
-    _publisher.submit(meta, snapshot, on_hosts_updated)
-    return True
-
-
-def flush(timeout: float | None = None) -> bool:
-    """Wait for this rank's commits to reach the driver (True at once where none were sent)."""
-    return _publisher is None or _publisher.flush(timeout)
-
-
-def fetch(key: str, *, data: bool = True):
-    """The driver's newest commit of ``key`` as ``(meta, snapshot)``; ``(meta, None)`` with ``data=False``;
-    None when there is none or this process is not in a HorovodRunner run."""
-    from . import _context
-    from ._protocol import Kind
-
-    ctx = _context.current()
-    if ctx is None:
-        return None
-    reply = ctx.client.request(Kind.RESTORE, {"key": key, "data": data})
-    if not reply.meta.get("found"):
-        return None
-    meta = reply.meta["commit"]
-    if not data:
-        return meta, None
-    blob = reply.blob
-    if meta.get("path"):
-        fs, path = _filesystem(meta["path"])
-        with fs.open_input_stream(path) as f:
-            blob = f.read()
-        digest = hashlib.sha256(blob).hexdigest()
-        if digest != meta.get("sha256"):
-            raise ValueError(
-                f"the commit file {meta['path']} is not the one rank 0 wrote (its SHA-256 is {digest}, the driver "
-                f"recorded {meta.get('sha256')}); something else wrote to commit_dir: give each run a commit_dir that "
-                "only it writes to. Nothing was loaded from it.")
-    return meta, pickle.loads(blob)  # from an authenticated frame, or a file whose digest came in one

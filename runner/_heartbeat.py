@@ -2,7 +2,7 @@
 
 It tells the driver that the rank is alive and what it is doing: starting, running the user's
 function, or finishing; the collectives it is waiting in and for how long, and how many waits
-it has finished (``collective/_progress.py``). The driver turns these into the stall report
+it has finished (``_common/progress.py``). The driver turns these into the stall report
 and notices a rank it no longer hears from (``_stall.py``). Each frame also carries the stall
 settings this rank's environment sets, which take precedence over the driver's.
 
@@ -19,10 +19,10 @@ import threading
 import time
 from typing import Callable
 
-from ..collective import _progress
-from ._client import ServiceClient
-from ._protocol import Kind
-from ._stall import FORWARDED, HEARTBEAT_DEFAULT_S, ENV_HEARTBEAT, parse_seconds
+from .._common import progress as _progress
+from .._common.client import ServiceClient
+from .._common.protocol import Kind
+from ._stall import ENV_HEARTBEAT, FORWARDED, HEARTBEAT_DEFAULT_S, parse_seconds
 
 STARTING, RUNNING, FINISHING = "starting", "running", "finishing"
 _RECONNECTS = 3  # a connection the driver's listener dropped (flooded) is made again this often, then given up

@@ -21,8 +21,8 @@ import tempfile
 import threading
 import time
 
+from .._common.protocol import FILE_ONLY
 from ._notices import notice
-from ._protocol import FILE_ONLY
 
 VERBOSITIES = ("all", "log_callback_only")
 ENV_LOG_ROOT = "SPARKHVD_LOG_ROOT"

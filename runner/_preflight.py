@@ -89,7 +89,7 @@ def check_executors(sc, np: int, slots: int) -> None:
         return
     try:
         found = probe(sc, max(1, min(np, slots)))
-    except Exception as exc:  # noqa: BLE001 - Spark's word is turned into a sentence, or passed on as it is
+    except Exception as exc:  # Spark's word is turned into a sentence, or passed on as it is
         from ._spark import spark_reason
 
         text = spark_reason(exc, max_lines=10_000)

@@ -12,14 +12,14 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
+from .._common.protocol import new_secret
+from . import _payload
 from ._agent import TaskSpec
 from ._commits import CommitStore
 from ._errors import HorovodRunError, StartTimeoutError
 from ._launcher import LocalLauncher
 from ._logs import VERBOSITIES, LogRouter, end_run_logs, run_log_dir
-from . import _payload
 from ._mlflow import shared_run
-from ._protocol import new_secret
 from ._run import supervise
 from ._script import as_payload
 from ._service import DriverService
@@ -516,8 +516,8 @@ def log_to_driver(message) -> None:
     Shown even with ``driver_log_verbosity="log_callback_only"``. Outside a run it prints
     locally.
     """
-    from . import _context
-    from ._protocol import Kind
+    from .._common import context as _context
+    from .._common.protocol import Kind
 
     ctx = _context.current()
     if ctx is None:

@@ -1,7 +1,7 @@
 """The driver service: one authenticated TCP server per run.
 
 It registers tasks and hands out ranks, serves the pickled function, serves the rendezvous
-store the process groups are built from (``collective/_rendezvous.py``; a blocked get or wait
+store the process groups are built from (``_common/rendezvous.py``; a blocked get or wait
 ends when the run does), receives log lines, results and errors, and tells every worker to
 stop when the run is aborted. It decides nothing about the run's outcome: ``_run.py`` watches
 its state and decides.
@@ -9,7 +9,7 @@ its state and decides.
 Until a connection's first frame header verifies under the run's secret, it costs one
 descriptor and a few bytes, never a thread: one thread reads every such handshake under a whole
 deadline (``FIRST_FRAME_TIMEOUT_S``), evicting the oldest when its slots are full, and counts
-what it refuses (``collective/_listener.py``). Authenticated connections, a thread each, are
+what it refuses (``_common/listener.py``). Authenticated connections, a thread each, are
 capped at ``CONNECTIONS_PER_RANK`` per rank plus ``CONNECTIONS_EXTRA``.
 """
 
@@ -23,12 +23,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..collective._listener import GuardedListener, Handshake, Refused, RefusalTally
-from ..collective._rendezvous import RendezvousStore, StoreClosed, StoreTimeout
+from .._common.commits import HostUpdateResult
+from .._common.listener import GuardedListener, Handshake, RefusalTally, Refused
+from .._common.protocol import (
+    _HEADER,
+    MAGIC,
+    NONCE_BYTES,
+    TAG_BYTES,
+    Channel,
+    Kind,
+    Message,
+    PeerClosed,
+    ProtocolError,
+    check_log_meta,
+)
+from .._common.rendezvous import RendezvousStore, StoreClosed, StoreTimeout
+from .._common.topology import Placement, assign_ranks, host_gpus
 from ._commits import CommitStore
-from ._protocol import (_HEADER, MAGIC, NONCE_BYTES, TAG_BYTES, Channel, Kind, Message, PeerClosed, ProtocolError,
-                        check_log_meta)
-from ._topology import Placement, assign_ranks, host_gpus
 
 log = logging.getLogger("sparkhvd.service")
 
@@ -85,7 +96,7 @@ class DriverService:
         self.cv = threading.Condition()
         self.registrations: dict[int, Registration] = {}
         self.placements: list[Placement] | None = None
-        self.gpu_lists: list[list[str]] = []  # task -> its CUDA_VISIBLE_DEVICES (runner/_topology.py: host_gpus)
+        self.gpu_lists: list[list[str]] = []  # task -> its CUDA_VISIBLE_DEVICES (_common/topology.py: host_gpus)
         self.placed_at: float | None = None  # when every task had registered and the ranks were assigned
         self.results: dict[int, bytes] = {}
         self.failures: list[Failure] = []
@@ -332,7 +343,7 @@ class DriverService:
         """Tell rank 0, in the answer to its next commit, that the run can have more ranks (Horovod's hosts added)."""
         with self.cv:
             if self.hosts_updated is None:
-                self.hosts_updated = [time.time(), 2]  # HostUpdateResult.added
+                self.hosts_updated = [time.time(), int(HostUpdateResult.added)]
 
     def _commit(self, channel: Channel, msg: Message, peer: str) -> None:
         key = str(msg.meta["key"])
@@ -368,7 +379,7 @@ class DriverService:
         channel.send(Kind.OK, {"found": True, "commit": commit.meta},
                      commit.data() if msg.meta.get("data", True) else b"")
 
-    # ---- the rendezvous store (collective/_rendezvous.py) over this service's frames --------
+    # ---- the rendezvous store (_common/rendezvous.py) over this service's frames --------
 
     def _store_request(self, channel: Channel, msg: Message, peer: str) -> None:
         """Answer a STORE_* request from ``self.store``: OK, or ABORT if the run ends first."""

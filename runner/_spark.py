@@ -322,7 +322,7 @@ class SparkLauncher(Launcher):
         if self._group is not None and self.sc._jsc is not None:
             try:
                 self.sc.cancelJobGroup(self._group)
-            except Exception:  # noqa: BLE001 - spark.stop() came first: there is no job left to cancel
+            except Exception:  # spark.stop() came first: there is no job left to cancel
                 if not _stopped(self.sc):
                     raise
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..collective._negotiate import JOIN, label
+from .._common.op_names import JOIN, label
 
 ENV_CHECK_TIME = "HOROVOD_STALL_CHECK_TIME_SECONDS"
 ENV_CHECK_DISABLE = "HOROVOD_STALL_CHECK_DISABLE"
@@ -118,7 +118,7 @@ class RankState:
     rank: int
     status: str  # one of ALIVE (its latest heartbeat's word), or RETURNED, FAILED, EXITED, SILENT
     host: str = ""
-    ops: tuple = ()  # collectives it waits in (dicts as collective/_progress.py makes them), oldest first
+    ops: tuple = ()  # collectives it waits in (dicts as _common/progress.py makes them), oldest first
     last: dict | None = None  # its latest finished collective: kind, name, ago, op; passed: per set, [link, op, nth]
     heard_ago: float | None = None  # its latest heartbeat; None: never heard from
     interval: float = HEARTBEAT_DEFAULT_S

@@ -17,9 +17,24 @@ import warnings
 from dataclasses import dataclass
 
 from ._errors import HorovodRunError
-from ._stall import (ALIVE, ENV_HEARTBEAT, ENV_HEARTBEAT_TIMEOUT, ENV_SHUTDOWN_TIME, EXITED,
-                     FAILED, HEARTBEAT_DEFAULT_S, RETURNED, SILENT, RankState, StallSettings, StallView, _ranks, _s,
-                     doing, report)
+from ._stall import (
+    ALIVE,
+    ENV_HEARTBEAT,
+    ENV_HEARTBEAT_TIMEOUT,
+    ENV_SHUTDOWN_TIME,
+    EXITED,
+    FAILED,
+    HEARTBEAT_DEFAULT_S,
+    RETURNED,
+    SILENT,
+    RankState,
+    StallSettings,
+    StallView,
+    _ranks,
+    _s,
+    doing,
+    report,
+)
 
 _CHECK_EVERY_S = 0.2  # the supervise loop polls faster than this matters
 

@@ -16,18 +16,28 @@ import sys
 import threading
 import traceback
 
-from . import _aliases, _context
-from . import _payload, _protocol
-from ._agent import (ENV_DRIVER, ENV_NETWORK_INTERFACE, ENV_PARENT, ENV_PLACEMENT, ENV_RETURN, ENV_RUN_ID,
-                     FLUSH_CHARS, MAX_LINE_BYTES)
-from ._client import RunAborted, ServiceClient
+from .._common import context as _context
+from .._common import protocol as _protocol
+from .._common.client import RunAborted, ServiceClient
+from .._common.network import local_address
+from .._common.protocol import FILE_ONLY, SECRET_BYTES, Kind
+from .._common.topology import Placement
+from . import _aliases, _payload
+from ._agent import (
+    ENV_DRIVER,
+    ENV_NETWORK_INTERFACE,
+    ENV_PARENT,
+    ENV_PLACEMENT,
+    ENV_RETURN,
+    ENV_RUN_ID,
+    FLUSH_CHARS,
+    MAX_LINE_BYTES,
+)
 from ._collateral import failure_line
 from ._heartbeat import Heartbeat
-from ..collective._mesh import local_address
 from ._host import address_of, interface_of
-from ._protocol import FILE_ONLY, SECRET_BYTES, Kind
-from ._topology import Placement
-from ._zygote import ENV_WARM, FORKED as WARM_FORKED
+from ._zygote import ENV_WARM
+from ._zygote import FORKED as WARM_FORKED
 
 ABORTED_EXIT_CODE = 75  # the driver told this rank to stop
 FAILED_EXIT_CODE = 1

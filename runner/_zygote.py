@@ -684,11 +684,11 @@ def _exit(code: int) -> None:
     import threading
 
     try:
-        threading._shutdown()  # noqa: SLF001 - what Py_FinalizeEx calls
+        threading._shutdown()  # what Py_FinalizeEx calls
     except BaseException:  # noqa: BLE001
         pass
     try:
-        atexit._run_exitfuncs()  # noqa: SLF001
+        atexit._run_exitfuncs()
     except BaseException:  # noqa: BLE001
         pass
     for stream in (sys.stdout, sys.stderr):

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from sparkhvd import HorovodRunner  # noqa: E402
+from sparkhvd import HorovodRunner
 
 
 def _data(rank, rows=32):

@@ -10,7 +10,6 @@ import torch
 
 from sparkhvd import HorovodRunner
 
-
 DTYPES = (torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 

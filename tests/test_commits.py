@@ -11,12 +11,14 @@ import pickle
 
 import pytest
 
-from sparkhvd.runner import _commits, _context
-from sparkhvd.runner._client import ServiceClient, ServiceError
-from sparkhvd.runner._commits import CommitStore, Publisher
-from sparkhvd.runner._protocol import Kind, new_secret
+from sparkhvd._common import commits as _commits
+from sparkhvd._common import context as _context
+from sparkhvd._common.client import ServiceClient, ServiceError
+from sparkhvd._common.commits import Publisher
+from sparkhvd._common.protocol import Kind, new_secret
+from sparkhvd._common.topology import Placement
+from sparkhvd.runner._commits import CommitStore
 from sparkhvd.runner._service import DriverService
-from sparkhvd.runner._topology import Placement
 
 
 @pytest.fixture

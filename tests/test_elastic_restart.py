@@ -25,7 +25,7 @@ def _train(marks: str, kills: tuple = (), commit_every: int = 3, reset_log: bool
     import torch
 
     import sparkhvd.collective.torch as hvd
-    from sparkhvd.runner import _commits
+    from sparkhvd._common import commits as _commits
 
     hvd.init()
     torch.manual_seed(0)
@@ -204,7 +204,7 @@ def test_a_users_exception_after_a_restart_names_the_earlier_failure_too(tmp_pat
 def _two_states(marks):
     """Two states committed in turn, each with a commit before its ``hvd.elastic.run``; rank 1 is killed once."""
     import sparkhvd.collective.torch as hvd
-    from sparkhvd.runner import _commits
+    from sparkhvd._common import commits as _commits
 
     hvd.init()
     restarted = os.path.exists(os.path.join(marks, "killed"))
@@ -327,7 +327,7 @@ def _tape(marks: str, kill_at: tuple | None = None):
     import tensorflow as tf
 
     import sparkhvd.collective.tensorflow as hvd
-    from sparkhvd.runner import _commits
+    from sparkhvd._common import commits as _commits
 
     tf.config.experimental.enable_op_determinism()
     hvd.init()

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from sparkhvd import HorovodRunner
-from sparkhvd.collective._negotiate import JOIN, RequestCache, Table, label, pairable
+from sparkhvd._common.op_names import JOIN, label
+from sparkhvd.collective._negotiate import RequestCache, Table, pairable
 
 
 def _request(name, signature="float32[4]", problem=None, fact=None, joinable=False, kind="allreduce"):

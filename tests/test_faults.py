@@ -67,7 +67,7 @@ def test_run_ships_rank_zero_value_only_and_run_all_every_value():
 
 def test_a_value_too_large_to_send_names_its_size_and_the_limit():
     def train():
-        from sparkhvd.runner import _protocol
+        from sparkhvd._common import protocol as _protocol
 
         _protocol.MAX_BLOB_BYTES = 10_000  # stands in for the 2 GiB limit in this rank's process
         return b"x" * 200_000

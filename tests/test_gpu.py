@@ -244,7 +244,7 @@ def _elastic_on_cuda(marks):
     import torch
 
     import sparkhvd.collective.torch as hvd
-    from sparkhvd.runner import _commits
+    from sparkhvd._common import commits as _commits
 
     hvd.init()
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""What GPUs a rank sees: this job's GPUs on its host, in local-rank order (runner/_topology.py: host_gpus).
+"""What GPUs a rank sees: this job's GPUs on its host, in local-rank order (_common/topology.py: host_gpus).
 
 Pure logic in milliseconds, then the driver service's answer and two real rank processes started by the
 task agent (no Spark: run_task is given the GPU addresses Spark would give). The Spark paths run in
@@ -15,8 +15,8 @@ import threading
 
 import pytest
 
+from sparkhvd._common.topology import Placement, assign_ranks, host_gpus
 from sparkhvd.runner._agent import visible_gpus
-from sparkhvd.runner._topology import Placement, assign_ranks, host_gpus
 
 
 def _pinned(hosts, devices):
@@ -111,15 +111,15 @@ def test_tensorflow_init_shows_only_the_ranks_own_gpus():
 
 
 def _view():
-    from sparkhvd.runner import _context
+    from sparkhvd._common import context as _context
 
     return {"cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "placement": _context.current().placement}
 
 
 def _run_two_tasks(monkeypatch, gpus, executor_visible):
+    from sparkhvd._common.protocol import new_secret
     from sparkhvd.runner import _payload
     from sparkhvd.runner._agent import TaskSpec, run_task
-    from sparkhvd.runner._protocol import new_secret
     from sparkhvd.runner._service import DriverService
     from sparkhvd.runner._zygote import ENV_WARM
 

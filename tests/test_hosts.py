@@ -43,11 +43,11 @@ def test_host_identity_is_more_than_the_hostname():
 
 def test_a_failure_with_only_collateral_errors_names_the_silent_ranks(tmp_path):
     """What the driver says when ranks vanish without a word (an executor or host lost)."""
+    from sparkhvd._common.topology import assign_ranks
     from sparkhvd.runner._launcher import LocalLauncher
     from sparkhvd.runner._logs import LogRouter
     from sparkhvd.runner._run import _failure_error, explained
     from sparkhvd.runner._service import DriverService, Failure, Registration
-    from sparkhvd.runner._topology import assign_ranks
 
     service = DriverService(np=4, secret=b"k" * 32, payload=b"")
     logs = LogRouter(str(tmp_path), "all")

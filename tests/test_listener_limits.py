@@ -16,12 +16,12 @@ import time
 import pytest
 import torch.distributed as dist
 
-from sparkhvd.collective import _listener
-from sparkhvd.collective._listener import RefusalTally
+from sparkhvd._common import listener as _listener
+from sparkhvd._common.client import ServiceClient, ServiceError
+from sparkhvd._common.listener import RefusalTally
+from sparkhvd._common.protocol import MAGIC, NONCE_BYTES, Channel, Kind, new_secret
 from sparkhvd.collective._mesh import Endpoint, MeshError
 from sparkhvd.runner import _service
-from sparkhvd.runner._client import ServiceClient, ServiceError
-from sparkhvd.runner._protocol import MAGIC, NONCE_BYTES, Channel, Kind, new_secret
 from sparkhvd.runner._service import DriverService
 
 GREETING = len(MAGIC) + NONCE_BYTES
@@ -178,8 +178,8 @@ def test_running_out_of_descriptors_keeps_the_service_up_and_is_reported_once():
         logging.basicConfig(format="LOG %(message)s")
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
         from sparkhvd.runner._service import DriverService
-        from sparkhvd.runner._client import ServiceClient
-        from sparkhvd.runner._protocol import Kind, new_secret
+        from sparkhvd._common.client import ServiceClient
+        from sparkhvd._common.protocol import Kind, new_secret
         svc = DriverService(np=1, secret=new_secret(), payload=b"")
         client = ServiceClient(svc.address, svc._secret)  # authenticated before the descriptors run out
         client.request(Kind.STORE_SET, {"key": "k"}, b"v")

@@ -24,8 +24,8 @@ import threading
 import time
 
 from sparkhvd import HorovodRunner
+from sparkhvd._common.protocol import _HEADER, MAGIC, NONCE_BYTES, Channel, Kind
 from sparkhvd.runner import _runner, _service
-from sparkhvd.runner._protocol import _HEADER, MAGIC, NONCE_BYTES, Channel, Kind
 
 ATTACK_S = 40.0  # a hard bound on every attacking loop, far above the run's few seconds
 IDLE = 1200  # idle connections held against each listener: over twice its 512 handshake slots
@@ -278,7 +278,7 @@ def test_a_run_survives_fuzzing_of_both_listeners(monkeypatch, tmp_path, caplog,
     assert value == EXPECTED
 
     service, (svc_attack, mesh_attack) = services[0], attacks
-    out = capfd.readouterr()
+    capfd.readouterr()  # what the run printed is not the point here
     service_lines = [r.getMessage() for r in caplog.records if r.name == "sparkhvd.service"]
     with open(runner.last_result.log_paths[0]) as f:  # rank 0's output, as the driver received it
         mesh_lines = [line for line in f.read().splitlines() if "control listener at" in line]

@@ -17,12 +17,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparkhvd import HorovodRunner, HorovodRunError
+from sparkhvd import HorovodRunError, HorovodRunner
+from sparkhvd._common.client import ServiceClient
+from sparkhvd._common.protocol import FILE_ONLY, MAX_PROGRESS_CHARS, Kind, new_secret
 from sparkhvd.runner._agent import MAX_LINE_BYTES, PROGRESS_S, _Lines
-from sparkhvd.runner._client import ServiceClient
-from sparkhvd.runner._logs import (ENV_KEEP_FAILED_LOGS, ENV_KEEP_LOGS, ENV_LOG_ROOT, FAILED, LogRouter,
-                                   end_run_logs, log_root, run_log_dir)
-from sparkhvd.runner._protocol import FILE_ONLY, MAX_PROGRESS_CHARS, Kind, new_secret
+from sparkhvd.runner._logs import (
+    ENV_KEEP_FAILED_LOGS,
+    ENV_KEEP_LOGS,
+    ENV_LOG_ROOT,
+    FAILED,
+    LogRouter,
+    end_run_logs,
+    log_root,
+    run_log_dir,
+)
 from sparkhvd.runner._service import DriverService
 
 LINES = 200_000
@@ -41,7 +49,7 @@ def root(tmp_path, monkeypatch):
 
 
 def _many_lines(n):
-    from sparkhvd.runner import _context
+    from sparkhvd._common import context as _context
 
     rank = _context.current().placement.rank
     for i in range(n if rank == 0 else 3):

@@ -20,9 +20,10 @@ import warnings
 
 import pytest
 
-from sparkhvd import HorovodRunner, HorovodRunError
+from sparkhvd import HorovodRunError, HorovodRunner
 from sparkhvd.runner import _aliases
-from sparkhvd.runner._horovod_spark import _as_keywords, run as horovod_spark_run
+from sparkhvd.runner._horovod_spark import _as_keywords
+from sparkhvd.runner._horovod_spark import run as horovod_spark_run
 
 SPARKHVD = os.path.join(os.path.dirname(sys.executable), "sparkhvd")  # the console script beside this interpreter
 LR = 0.01
@@ -49,12 +50,11 @@ def horovod_torch_step():
     import os
     import sys
 
+    import horovod.torch as hvd
     import torch
     import torch.nn.functional as F
-
-    import horovod.torch as hvd
-    from horovod.torch.mpi_ops import synchronize  # Horovod's own test_adasum_pytorch.py imports it so
     from horovod.torch.elastic.sampler import ElasticSampler
+    from horovod.torch.mpi_ops import synchronize  # Horovod's own test_adasum_pytorch.py imports it so
 
     hvd.init()
     torch.manual_seed(hvd.rank())  # every rank starts from other weights: the broadcast makes them rank 0's
@@ -173,13 +173,12 @@ def test_a_horovodrun_script_runs_unmodified_under_sparkhvd_run(tmp_path):
 
 
 def horovod_tensorflow_and_keras():
-    import keras
-    import numpy as np
-    import tensorflow as tf
-
     import horovod.keras
     import horovod.tensorflow as hvd
     import horovod.tensorflow.keras as hvd_keras
+    import keras
+    import numpy as np
+    import tensorflow as tf
     from horovod.tensorflow.keras.callbacks import MetricAverageCallback
     from sparkdl.horovod.tensorflow.keras import LogCallback
 
@@ -325,12 +324,12 @@ def aliases():
 def test_the_aliases_are_sparkhvd_modules(aliases):
     import horovod
     import horovod.common.exceptions
+    import horovod.spark
     import horovod.torch as hvd
     import horovod.torch.elastic
+
     import sparkhvd.collective._core as core
     import sparkhvd.collective.torch as ours
-
-    import horovod.spark
     import sparkhvd.runner
 
     assert horovod.__version__ == _aliases.HOROVOD_API_VERSION
@@ -392,7 +391,7 @@ def test_a_real_horovod_and_sparkdl_win_on_the_driver(installed, monkeypatch):
 
         assert (horovod.MARK, horovod.torch.MARK, sparkdl.MARK) == ("real horovod", "real torch", "real sparkdl")
         with pytest.raises(ModuleNotFoundError, match=r"^No module named 'horovod.spark'$"):
-            import horovod.spark  # noqa: F401 - under a real horovod, nothing is aliased
+            import horovod.spark  # under a real horovod, nothing is aliased
         for module in ("horovod", "sparkdl", "horovod.torch"):
             sys.modules.pop(module)
     assert [str(w.message).split(" (")[0] for w in said] == ["Horovod is installed here", "Databricks' sparkdl is "
@@ -447,9 +446,8 @@ def test_the_drivers_setting_reaches_spark_executors(spark, monkeypatch):
 def hello(magic, scale=1):
     import os
 
-    import torch
-
     import horovod.torch as hvd
+    import torch
 
     hvd.init()
     print(f"hello from rank {hvd.rank()}", flush=True)
@@ -468,8 +466,9 @@ def every_rank(*values):
 def spark_runs(spark):
     shown = io.StringIO()
     with driver_aliases():
-        import sparkhvd.migrate  # noqa: F401 - the one line
         import horovod.spark
+
+        import sparkhvd.migrate  # noqa: F401 - the one line
 
         values = horovod.spark.run(hello, args=(42,), kwargs={"scale": 2}, num_proc=2, env={"MIGRATION_MARK": "set"},
                                    stdout=shown, stderr=sys.stderr, verbose=2, prefix_output_with_timestamp=True)

@@ -23,7 +23,7 @@ from sparkhvd.runner._spark import executor_resources, gpu_problem, slots_for_re
 
 
 def _rank():
-    from sparkhvd.runner import _context
+    from sparkhvd._common import context as _context
 
     return _context.current().placement.rank
 

@@ -9,9 +9,8 @@ import time
 
 import pytest
 
-from sparkhvd.runner._client import ServiceClient, ServiceError
-from sparkhvd.runner._protocol import (MAGIC, NONCE_BYTES, Channel, Kind, ProtocolError, _HEADER,
-                                       new_secret)
+from sparkhvd._common.client import ServiceClient, ServiceError
+from sparkhvd._common.protocol import _HEADER, MAGIC, NONCE_BYTES, Channel, Kind, ProtocolError, new_secret
 from sparkhvd.runner._service import DriverService
 
 
@@ -217,12 +216,12 @@ def test_the_service_survives_running_out_of_file_descriptors(tmp_path):
     import subprocess
     import sys
 
-    code = f"""
+    code = """
 import resource, socket, time
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 from sparkhvd.runner._service import DriverService
-from sparkhvd.runner._client import ServiceClient
-from sparkhvd.runner._protocol import Kind, new_secret
+from sparkhvd._common.client import ServiceClient
+from sparkhvd._common.protocol import Kind, new_secret
 svc = DriverService(np=1, secret=new_secret(), payload=b"")
 socks = []
 for _ in range(80):
@@ -235,7 +234,7 @@ for s in socks:
     s.close()
 time.sleep(0.5)
 client = ServiceClient(svc.address, svc._secret, connect_timeout=5)
-client.request(Kind.STORE_SET, {{"key": "k"}}, b"v")
+client.request(Kind.STORE_SET, {"key": "k"}, b"v")
 print("SERVED", svc._thread.is_alive())
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

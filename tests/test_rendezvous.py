@@ -1,4 +1,4 @@
-"""The rendezvous store (collective/_rendezvous.py) as the ranks see it: the real DriverStore client
+"""The rendezvous store (_common/rendezvous.py) as the ranks see it: the real DriverStore client
 talking to a real DriverService on 127.0.0.1, with c10d Store semantics and the run's abort."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = torch.distributed
 
+from sparkhvd._common.client import RunAborted, ServiceClient, ServiceError  # noqa: E402
+from sparkhvd._common.protocol import new_secret  # noqa: E402
 from sparkhvd.collective._store import DriverStore  # noqa: E402
-from sparkhvd.runner._client import RunAborted, ServiceClient, ServiceError  # noqa: E402
-from sparkhvd.runner._protocol import new_secret  # noqa: E402
 from sparkhvd.runner._service import DriverService  # noqa: E402
 
 
@@ -137,7 +137,7 @@ def test_a_blocked_wait_ends_when_the_service_closes(service):
 
 
 def test_the_rendezvous_module_does_not_import_torch():
-    code = ("import sys, sparkhvd.collective._rendezvous, sparkhvd.runner._service; "
+    code = ("import sys, sparkhvd._common.rendezvous, sparkhvd.runner._service; "
             "print(sorted(m for m in ('torch', 'pyspark', 'tensorflow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -13,14 +13,14 @@ import time
 
 import pytest
 
-from sparkhvd import HorovodRunner, HorovodRunError, log_to_driver
+from sparkhvd import HorovodRunError, HorovodRunner, log_to_driver
 from sparkhvd.runner import StartTimeoutError
 
 SCALE = 10  # a module global the training functions close over
 
 
 def _whoami(offset=0):
-    from sparkhvd.runner import _context
+    from sparkhvd._common import context as _context
 
     p = _context.current().placement
     print(f"rank {p.rank} of {p.size} says hello")
@@ -79,7 +79,7 @@ def test_log_callback_only_keeps_output_off_the_driver(capsys):
 
 
 def _fails_on_rank_one():
-    from sparkhvd.runner import _context
+    from sparkhvd._common import context as _context
 
     if _context.current().placement.rank == 1:
         raise ValueError("rank one cannot go on")  # the user's source line

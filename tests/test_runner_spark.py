@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sparkhvd import HorovodRunner, HorovodRunError
+from sparkhvd import HorovodRunError, HorovodRunner
 from sparkhvd.runner import StartTimeoutError
 
 OFFSET = 100  # a module global the training function closes over
@@ -16,7 +16,7 @@ OFFSET = 100  # a module global the training function closes over
 def _whoami(scale=1):
     from pyspark import TaskContext  # a rank process is not a Spark task: no TaskContext
 
-    from sparkhvd.runner import _context
+    from sparkhvd._common import context as _context
 
     p = _context.current().placement
     print(f"rank {p.rank} reporting")

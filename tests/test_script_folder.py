@@ -18,8 +18,7 @@ from sparkhvd import HorovodRunner
 from sparkhvd.runner import HorovodRunError
 from sparkhvd.runner._cli import main as cli_main
 from sparkhvd.runner._script import as_payload
-from sparkhvd.runner._script_folder import (ENV_MAX_BYTES, ENV_MAX_FILES, ENV_SHIP, FolderLimits, collect,
-                                            unpack)
+from sparkhvd.runner._script_folder import ENV_MAX_BYTES, ENV_MAX_FILES, ENV_SHIP, FolderLimits, collect, unpack
 
 WAYS_OUT = ("move the script into a folder of its own with the modules it imports, install your code as a package "
             "on every host, or ship it with --py-files or sc.addPyFile and set SPARKHVD_SHIP_SCRIPT_FOLDER=0 to ship "

@@ -157,7 +157,7 @@ def test_script_arguments_must_be_strings(tmp_path):
 def _log_on_rank_0():
     import mlflow
 
-    from sparkhvd.runner import _context
+    from sparkhvd._common import context as _context
 
     given = os.environ.get("MLFLOW_RUN_ID")  # read first: mlflow takes it out of the environment when it resumes
     if _context.current().placement.rank == 0:

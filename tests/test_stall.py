@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from sparkhvd import HorovodRunner, HorovodRunError
-from sparkhvd.runner._stall import (RankState, StallSettings, StallView, parse_flag, parse_seconds, report)
+from sparkhvd import HorovodRunError, HorovodRunner
+from sparkhvd.runner._stall import RankState, StallSettings, StallView, parse_flag, parse_seconds, report
 from sparkhvd.runner._stall_inspector import Observation, StallInspector
 
 SHORT = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "2", "SPARKHVD_HEARTBEAT_SECONDS": "0.5"}
@@ -230,7 +230,7 @@ def test_report_of_a_control_exchange_that_does_not_finish_and_of_an_op_of_a_set
 
 
 def test_the_rank_side_registry_snapshots_the_waits_in_flight():
-    from sparkhvd.collective import _progress
+    from sparkhvd._common import progress as _progress
 
     class Links:  # what the engine attaches (``_background._Missing``): whose requests are still missing
         def waiting_for(self):
@@ -260,7 +260,7 @@ def test_the_registry_counts_each_name_per_set_and_afresh_after_join(monkeypatch
     the engine's unnamed names never repeat (always 1); a rank inside join() submits nothing the others
     do, so every count starts again after it; an op not negotiated by name has none; past MAX_NAMES
     names on a set, a new one is not counted (names made afresh each step would grow without bound)."""
-    from sparkhvd.collective import _progress
+    from sparkhvd._common import progress as _progress
 
     def check(kind, full, link=12):
         entry = _progress.begin_check(kind, None, [0, 1], link, full)
@@ -284,9 +284,9 @@ def test_the_registry_counts_each_name_per_set_and_afresh_after_join(monkeypatch
 def test_the_coordinator_says_whose_requests_a_check_still_waits_for():
     """As the engine wires it: each check is attached to ``_Missing`` over its set's ``_Link``, which on
     the coordinator asks the set's ``Table``; elsewhere it knows nothing, and the snapshot says nothing."""
-    from sparkhvd.collective import _progress
+    from sparkhvd._common import progress as _progress
+    from sparkhvd._common.op_names import JOIN
     from sparkhvd.collective._background import _Link, _Missing
-    from sparkhvd.collective._negotiate import JOIN
 
     class Broken:
         def waiting_for(self):
@@ -453,9 +453,9 @@ def test_the_check_can_be_turned_off_and_a_failing_check_turns_itself_off():
 
 
 def test_hosts_named_alike_are_told_apart_by_their_address():
+    from sparkhvd._common.topology import assign_ranks
     from sparkhvd.runner._service import Registration
     from sparkhvd.runner._stall_inspector import observe
-    from sparkhvd.runner._topology import assign_ranks
 
     class Service:
         cv = threading.Condition()
@@ -541,7 +541,7 @@ def _late_init(late_s):
     import time
 
     import sparkhvd.collective.torch as hvd
-    from sparkhvd.runner import _context
+    from sparkhvd._common import context as _context
 
     if _context.current().placement.rank == 1:
         time.sleep(late_s)  # rank 0 already waits in hvd.init()'s rendezvous
@@ -676,7 +676,7 @@ def _data_waits():
     import torch
 
     import sparkhvd.collective.torch as hvd
-    from sparkhvd.collective import _progress
+    from sparkhvd._common import progress as _progress
 
     hvd.init()
     seen = []

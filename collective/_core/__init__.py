@@ -12,15 +12,49 @@ from __future__ import annotations
 
 from .._background import HorovodInternalError
 from .._reduction import Adasum, Average, Max, Min, Product, ReduceOp, Sum
-from ._basics import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
-                      is_homogeneous, is_initialized, join, local_rank, local_size, mpi_built, mpi_enabled,
-                      mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size)
+from ._basics import (
+                      ccl_built,
+                      cross_rank,
+                      cross_size,
+                      cuda_built,
+                      ddl_built,
+                      gloo_built,
+                      gloo_enabled,
+                      init,
+                      is_homogeneous,
+                      is_initialized,
+                      join,
+                      local_rank,
+                      local_size,
+                      mpi_built,
+                      mpi_enabled,
+                      mpi_threads_supported,
+                      nccl_built,
+                      rank,
+                      rocm_built,
+                      shutdown,
+                      size,
+)
 from ._handles import poll, synchronize
 from ._objects import allgather_object, broadcast_object
-from ._ops import (allgather_async, allreduce_, allreduce_async, allreduce_async_, alltoall_async, barrier,
-                   broadcast_, broadcast_async, broadcast_async_, grouped_allgather_async, grouped_allreduce_,
-                   grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter_async,
-                   reducescatter_async, sparse_allreduce_async)
+from ._ops import (
+                      allgather_async,
+                      allreduce_,
+                      allreduce_async,
+                      allreduce_async_,
+                      alltoall_async,
+                      barrier,
+                      broadcast_,
+                      broadcast_async,
+                      broadcast_async_,
+                      grouped_allgather_async,
+                      grouped_allreduce_,
+                      grouped_allreduce_async,
+                      grouped_allreduce_async_,
+                      grouped_reducescatter_async,
+                      reducescatter_async,
+                      sparse_allreduce_async,
+)
 from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from ._timeline_api import start_timeline, stop_timeline
 

@@ -13,7 +13,6 @@ from . import _process_sets
 from ._handles import synchronize
 from ._process_sets import add_process_set, global_process_set
 
-
 _JOINED_THROUGH = {"sparkhvd": "HorovodRunner", "torchrun": "torchrun", "mpi": "MASTER_ADDR/MASTER_PORT",
                    "single": "no launcher (a job of one)"}
 
@@ -59,8 +58,8 @@ def join(device: int = -1) -> int:
     """
     if size() == 1:
         return 0
+    from ..._common.op_names import JOIN
     from .._background import Op
-    from .._negotiate import JOIN
 
     return synchronize(_engine.engine().submit(global_process_set.link_id, Op(
         kind=JOIN, name=None, signature="", description="join()"), sync=True))

@@ -5,7 +5,7 @@ the last commit, ``sync()`` makes every rank equal to rank 0. ``run`` wraps the 
 it syncs the state, then runs the loop.
 
 A commit is kept in this process's memory, as in Horovod, and inside a HorovodRunner run rank 0
-also sends it off the ranks, to the driver or a ``commit_dir`` (``runner/_commits.py``). A failed
+also sends it off the ranks, to the driver or a ``commit_dir`` (``_common/commits.py``). A failed
 collective (``HorovodInternalError``) ends this attempt: instead of Horovod's shutdown and init in the
 same processes, HorovodRunner(max_restarts=) relaunches every rank, and ``run`` in the new processes
 loads the newest commit on rank 0 before its first sync (``_resume``).
@@ -14,24 +14,17 @@ loads the newest commit on rank 0 before its first sync (``_resume``).
 from __future__ import annotations
 
 import copy
-import enum
 import functools
 import itertools
 import queue
 
+from ..._common import commits as _commits
+from ..._common import context as _context
+from ..._common.commits import HostUpdateResult
 from ._basics import init, shutdown, size
 
 _keys = itertools.count()  # states in the order this process creates them: the same in every attempt
 _FIELD_TYPES = (bool, int, float, str)
-
-
-class HostUpdateResult(enum.IntFlag):
-    """What changed among the hosts (Horovod's values)."""
-
-    no_update = 0
-    removed = 1
-    added = 2
-    mixed = removed | added
 
 
 class HostsUpdatedInterrupt(RuntimeError):
@@ -87,10 +80,8 @@ class State:
         self._check_host_updates(at_commit=True)
 
     def _publish(self) -> None:
-        """Inside a HorovodRunner run, send rank 0's commit off the ranks (``runner/_commits.py``)."""
+        """Inside a HorovodRunner run, send rank 0's commit off the ranks (``_common/commits.py``)."""
         self._seq += 1
-        from ...runner import _commits, _context
-
         if _context.current() is None or self._rank() != 0:
             return
 
@@ -129,8 +120,6 @@ class State:
             if timestamp > last:
                 last = timestamp
                 update |= change
-        from ...runner import _commits
-
         previous, last, update, relaunch = self._bcast_object((previous, last, update, _commits.growing))
         if last <= previous:
             return
@@ -235,8 +224,6 @@ def _resume(state: State) -> None:
     if state._resumed:
         return
     state._resumed = True
-    from ...runner import _commits
-
     found = _commits.fetch(state._key, data=state._rank() == 0)
     if found is None:
         return
@@ -265,8 +252,6 @@ def run_fn(func, reset):
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as interrupt:
                 if interrupt.relaunch:  # every rank leaves here; this commit reaches the driver first
-                    from ...runner import _commits
-
                     _commits.flush(_RESIZE_FLUSH_S)
                     raise RanksChanged() from None
                 skip_sync = interrupt.skip_sync

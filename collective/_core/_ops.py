@@ -23,9 +23,8 @@ from .._background import Handle, Op
 from .._reduction import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
 from . import _buffers, _inline
 from ._handles import GroupHandle, synchronize
-from ._scale import scale_, scaled
 from ._process_sets import ProcessSet, global_process_set, require_member
-
+from ._scale import scale_, scaled
 
 _resolve_op = resolve_op
 

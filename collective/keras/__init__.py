@@ -9,15 +9,51 @@ state and average metrics. The topology and tensor functions are those of
 
 from __future__ import annotations
 
-from ..tensorflow import (Adasum, Average, Compression, Max, Min, Product, Sum, allgather, allgather_object, allreduce,
-                          broadcast, broadcast_object, broadcast_variables, ccl_built, cross_rank, cross_size,
-                          cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_initialized, local_rank,
-                          local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
-                          shutdown, size, start_timeline, stop_timeline)
+from ..tensorflow import (
+                          Adasum,
+                          Average,
+                          Compression,
+                          Max,
+                          Min,
+                          Product,
+                          Sum,
+                          allgather,
+                          allgather_object,
+                          allreduce,
+                          broadcast,
+                          broadcast_object,
+                          broadcast_variables,
+                          ccl_built,
+                          cross_rank,
+                          cross_size,
+                          cuda_built,
+                          ddl_built,
+                          gloo_built,
+                          gloo_enabled,
+                          init,
+                          is_initialized,
+                          local_rank,
+                          local_size,
+                          mpi_built,
+                          mpi_enabled,
+                          mpi_threads_supported,
+                          nccl_built,
+                          rank,
+                          rocm_built,
+                          shutdown,
+                          size,
+                          start_timeline,
+                          stop_timeline,
+)
 from . import callbacks, elastic
-from .callbacks import (BestModelCheckpoint, BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
-                        LearningRateWarmupCallback, MetricAverageCallback)
 from ._optimizer import DistributedOptimizer, load_model
+from .callbacks import (
+                          BestModelCheckpoint,
+                          BroadcastGlobalVariablesCallback,
+                          LearningRateScheduleCallback,
+                          LearningRateWarmupCallback,
+                          MetricAverageCallback,
+)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",

@@ -7,8 +7,8 @@ import warnings
 import tensorflow as tf
 
 from .. import _engine
-from ..tensorflow import Adasum, Average, Compression, Sum, grouped_allreduce
 from .._reduction import resolve_op
+from ..tensorflow import Adasum, Average, Compression, Sum, grouped_allreduce
 
 
 def _in_xla_context() -> bool:

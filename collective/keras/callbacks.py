@@ -6,8 +6,13 @@ path (``hvd.callbacks.BroadcastGlobalVariablesCallback(0)``).
 
 from __future__ import annotations
 
-from ._callbacks import (BestModelCheckpoint, BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
-                         LearningRateWarmupCallback, MetricAverageCallback)
+from ._callbacks import (
+                         BestModelCheckpoint,
+                         BroadcastGlobalVariablesCallback,
+                         LearningRateScheduleCallback,
+                         LearningRateWarmupCallback,
+                         MetricAverageCallback,
+)
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
            "LearningRateScheduleCallback", "BestModelCheckpoint"]

@@ -15,18 +15,67 @@ except ModuleNotFoundError as _exc:  # Ray Train's guard: one sentence, the inst
     raise ModuleNotFoundError("TensorFlow isn't installed: pip install 'sparkhvd[tensorflow]'",
                               name="tensorflow") from None
 
-from .._core import (Adasum, Average, Max, Min, ProcessSet, Product, ReduceOp, Sum, add_process_set, ccl_built,
-                     cross_rank, cross_size, cuda_built, ddl_built, global_process_set, gloo_built, gloo_enabled,
-                     is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
-                     mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
-                     start_timeline, stop_timeline)
+from .._core import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    ProcessSet,
+    Product,
+    ReduceOp,
+    Sum,
+    add_process_set,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    remove_process_set,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
 from . import elastic, util
-from ._devices import init  # the core's init, then only the rank's own GPU visible to TensorFlow
 from ._compression import Compression
-from ._functions import (allgather_object, broadcast_object, broadcast_object_fn, join, local_rank_op, local_size_op,
-                         process_set_included_op, rank_op, size_op)
-from ._ops import (allgather, allreduce, alltoall, broadcast, broadcast_, broadcast_global_variables,
-                   broadcast_variables, grouped_allgather, grouped_allreduce, grouped_reducescatter, reducescatter)
+from ._devices import init  # the core's init, then only the rank's own GPU visible to TensorFlow
+from ._functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_object_fn,
+    join,
+    local_rank_op,
+    local_size_op,
+    process_set_included_op,
+    rank_op,
+    size_op,
+)
+from ._ops import (
+    allgather,
+    allreduce,
+    alltoall,
+    broadcast,
+    broadcast_,
+    broadcast_global_variables,
+    broadcast_variables,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_reducescatter,
+    reducescatter,
+)
 from ._sync_batch_norm import SyncBatchNormalization
 from ._tape import DistributedGradientTape, PartialDistributedGradientTape
 from .util import _executing_eagerly  # noqa: F401 - Horovod's tests call hvd._executing_eagerly()

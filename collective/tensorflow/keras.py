@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from ..keras import *  # noqa: F401,F403 - the alias re-exports the Keras API as it is
+from ..keras import *  # noqa: F403 - the alias re-exports the Keras API as it is
 from ..keras import __all__, callbacks, elastic  # noqa: F401
 
 sys.modules[__name__ + ".callbacks"] = callbacks

@@ -12,18 +12,27 @@ import weakref
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ._compression import Compression
 from .._core._adasum import hosts_per_reduction
 from .._core._basics import size as _job_size
 from .._core._buffers import fusion_threshold
-from .._core._ops import (Adasum, Average, ReduceOp, Sum, _resolve_op, allreduce_async_, check, now,
-                          sparse_allreduce_async)
+from .._core._ops import (
+    Adasum,
+    Average,
+    ReduceOp,
+    Sum,
+    _resolve_op,
+    allreduce_async_,
+    check,
+    now,
+    sparse_allreduce_async,
+)
 from .._core._process_sets import ProcessSet, global_process_set
 from .._core._scale import scale_
 from ._adasum_optimizer import _AdasumMixin
-from ._wrapped import WrappedOptimizer, check_passes as _check_passes
+from ._compression import Compression
 from ._fusion import GradientBuckets, finish_allreduce, launch_allreduce, write_back
-
+from ._wrapped import WrappedOptimizer
+from ._wrapped import check_passes as _check_passes
 
 _serials: dict = collections.defaultdict(itertools.count)  # link_id -> numbers for the set's optimizers
 

@@ -99,7 +99,7 @@ def main() -> None:
     try:
         spark = session(config)
         info = wait_ready(spark.sparkContext, config)
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:
         respond({"id": "ready", "ok": False, "error": "".join(traceback.format_exception_only(type(exc), exc))})
         raise
     respond({"id": "ready", "ok": True, "seconds": time.monotonic() - started, "pid": os.getpid(), **info})

@@ -100,7 +100,7 @@ def elastic_train(epochs: int = 3, batches: int = 40, commit_every: int = 5, ste
     import torch
 
     import sparkhvd.collective.torch as hvd
-    from sparkhvd.runner import _commits
+    from sparkhvd._common import commits as _commits
 
     hvd.init()
     print(f"rank {hvd.rank()} pid {os.getpid()} on {socket.gethostname()}", flush=True)

@@ -22,9 +22,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for `cluster`
 
-from cluster import _faults  # noqa: E402
-from cluster._cluster import Cluster  # noqa: E402
-from cluster._netns import TestbedError, unavailable_reason  # noqa: E402
+from cluster import _faults
+from cluster._cluster import Cluster
+from cluster._netns import TestbedError, unavailable_reason
 
 NP = 4
 FAULTS = {

@@ -144,7 +144,7 @@ def test_concurrent_calls_on_one_plan_write_once(spark, tmp_path):
     def convert():
         try:
             urls.append(make_spark_converter(_frame(spark), parent_cache_dir_url=tmp_path.as_uri()).cache_dir_url)
-        except Exception as exc:  # surfaced by the assert below
+        except Exception as exc:  # noqa: BLE001 - surfaced by the assert below
             errors.append(exc)
 
     threads = [threading.Thread(target=convert) for _ in range(2)]

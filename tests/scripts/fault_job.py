@@ -4,7 +4,6 @@
 """
 
 import json
-import os
 import sys
 import threading
 import time

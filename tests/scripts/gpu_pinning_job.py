@@ -20,7 +20,7 @@ spark = (SparkSession.builder.master("local-cluster[2,1,1024]").appName("gpu-pin
 
 
 def train():
-    from sparkhvd.runner import _context
+    from sparkhvd._common import context as _context
 
     placement = _context.current().placement
     return {"rank": placement.rank, "local_rank": placement.local_rank, "own": list(placement.cuda_devices),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ._client import ServiceClient
-from ._topology import Placement
+from .client import ServiceClient
+from .topology import Placement
 
 
 @dataclass

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from ._negotiate import JOIN
+from .op_names import JOIN
 
 CHECK = "check"  # waiting for every member's control frame: has everyone reached this op?
 DATA = "data"  # every member passed the check; waiting for the op's data transfer

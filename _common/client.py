@@ -6,7 +6,7 @@ import socket
 import threading
 import time
 
-from ._protocol import Channel, Kind, Message
+from .protocol import Channel, Kind, Message
 
 _UNSERVED_RETRIES = 5  # a connection the driver dropped unserved (flooded listener) is made again
 
