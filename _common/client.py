@@ -6,7 +6,7 @@ import socket
 import threading
 import time
 
-from .protocol import Channel, Kind, Message
+from .protocol import AuthenticatedChannel, Kind, Message
 
 _UNSERVED_RETRIES = 5  # a connection the driver dropped unserved (flooded listener) is made again
 
@@ -46,7 +46,7 @@ class ServiceClient:
         self._answered = False  # whether a request on this connection has been answered
         self._lock = threading.Lock()
 
-    def _open(self) -> Channel:
+    def _open(self) -> AuthenticatedChannel:
         where = f"{self._address[0]}:{self._address[1]}"
         try:
             sock = socket.create_connection(self._address, timeout=self._connect_timeout)
@@ -57,7 +57,7 @@ class ServiceClient:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _keepalive(sock)
         try:
-            channel = Channel.connect(sock, self._secret)  # the greeting, still under the timeout
+            channel = AuthenticatedChannel.connect(sock, self._secret)  # the greeting, still under the timeout
         except socket.timeout as exc:
             sock.close()
             raise TimeoutError(f"the sparkhvd driver service at {where} took the connection but did not greet it "

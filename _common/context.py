@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .client import ServiceClient
 from .topology import Placement
@@ -30,6 +31,22 @@ _current: WorkerContext | None = None
 def current() -> WorkerContext | None:
     """The run this process belongs to, or None outside HorovodRunner."""
     return _current
+
+
+_before_exit: list[Callable[[], None]] = []
+
+
+def at_exit(hook: Callable[[], None]) -> None:
+    """Have the rank's worker call ``hook`` once the user's function is over, before it reports and exits
+    (the engine registers its drain: frames its peers are still owed leave first). Registered once."""
+    if hook not in _before_exit:
+        _before_exit.append(hook)
+
+
+def before_exit() -> None:
+    """Call what ``at_exit`` registered, in order (the worker, when the user's function is over)."""
+    for hook in list(_before_exit):
+        hook()
 
 
 def _set(ctx: WorkerContext | None) -> None:

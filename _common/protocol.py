@@ -74,6 +74,8 @@ class Kind(enum.IntEnum):
 FILE_ONLY = "file"
 LOG_STREAMS = ("stdout", "stderr", "driver", FILE_ONLY)
 MAX_PROGRESS_CHARS = 4096  # longer progress states are cut to this for display
+MAX_LINE_BYTES = 64 * 1024  # a rank's longer output lines reach the driver in pieces of this size
+FLUSH_CHARS = 64 * 1024  # the most characters of output lines one LOG frame carries
 
 
 def check_log_meta(meta: dict, np: int) -> tuple[int, str, list, str | None]:
@@ -139,7 +141,7 @@ def _recv_exactly(sock: socket.socket, n: int, at_boundary: bool = False) -> byt
     return bytes(buf)
 
 
-class Channel:
+class AuthenticatedChannel:
     """One authenticated connection, from either end.
 
     Not thread-safe: callers serialise sends and receives (one thread each is fine).
@@ -156,14 +158,14 @@ class Channel:
         self._max_blob = max_blob
 
     @classmethod
-    def accept(cls, sock: socket.socket, secret: bytes, **kw) -> "Channel":
+    def accept(cls, sock: socket.socket, secret: bytes, **kw) -> "AuthenticatedChannel":
         """Server side: send this connection's fresh nonce."""
         nonce = os.urandom(NONCE_BYTES)
         sock.sendall(MAGIC + nonce)
         return cls(sock, secret, nonce, is_server=True, **kw)
 
     @classmethod
-    def connect(cls, sock: socket.socket, secret: bytes, **kw) -> "Channel":
+    def connect(cls, sock: socket.socket, secret: bytes, **kw) -> "AuthenticatedChannel":
         """Client side: read the server's nonce."""
         hello = _recv_exactly(sock, len(MAGIC) + NONCE_BYTES)
         if hello[:4] != MAGIC:

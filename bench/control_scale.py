@@ -2,8 +2,8 @@
 
 For np = 2, 4, 8 (HorovodRunner(np=-n); more ranks than this machine's cores is fine: the
 table says so) every rank runs ``--ops`` blocking 4 KB allreduces, and reports the control
-frames it sent (``Channel.frames_sent``), their JSON bytes without the data
-(``Channel.meta_bytes_sent``), and the time per op. The engine's links are a star (each member
+frames it sent (``PeerChannel.frames_sent``), their JSON bytes without the data
+(``PeerChannel.meta_bytes_sent``), and the time per op. The engine's links are a star (each member
 talks only to its set's coordinator), so a job of n ranks should send 2(n-1) frames per op; the
 first design's all-to-all check sent n(n-1). The table projects both to 64 and 1024 ranks. The
 JSON bytes are measured twice: with the request cache (the default) and with
@@ -24,7 +24,7 @@ def measure(ops: int):
     import torch
 
     import sparkhvd.collective.torch as hvd
-    from sparkhvd.collective._channel import Channel
+    from sparkhvd.collective._engine.channel import PeerChannel
 
     hvd.init()
     torch.set_num_threads(1)
@@ -32,12 +32,12 @@ def measure(ops: int):
     for _ in range(20):
         hvd.allreduce_(t)
     hvd.barrier()
-    before, meta_before = Channel.frames_sent, Channel.meta_bytes_sent
+    before, meta_before = PeerChannel.frames_sent, PeerChannel.meta_bytes_sent
     started = time.perf_counter()
     for _ in range(ops):
         hvd.allreduce_(t)
     seconds = time.perf_counter() - started
-    return Channel.frames_sent - before, seconds, Channel.meta_bytes_sent - meta_before
+    return PeerChannel.frames_sent - before, seconds, PeerChannel.meta_bytes_sent - meta_before
 
 
 def run(n: int, ops: int, cache: bool) -> list:

@@ -25,8 +25,8 @@ _WHERE = {
     "HorovodRunError": "._errors",
     "StartTimeoutError": "._errors",
     "JavaNotFoundError": "._java",
-    "Placement": "._topology",
-    "assign_ranks": "._topology",
+    "Placement": ".._common.topology",
+    "assign_ranks": ".._common.topology",
     "horovod_spark_run": "._horovod_spark",  # Horovod's horovod.spark.run, on HorovodRunner
 }
 

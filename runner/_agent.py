@@ -20,24 +20,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .._common import settings
 from .._common.client import RunAborted, ServiceClient, ServiceError
 from .._common.commits import ENV_COMMIT_DIR
-from .._common.protocol import MAX_PROGRESS_CHARS, Kind
+from .._common.protocol import FLUSH_CHARS, MAX_LINE_BYTES, MAX_PROGRESS_CHARS, Kind
 from ._host import host_id
 
 #: Environment of the rank process; read by ``_worker`` only.
-ENV_DRIVER = "SPARKHVD_DRIVER"
-ENV_RUN_ID = "SPARKHVD_RUN_ID"
-ENV_PLACEMENT = "SPARKHVD_PLACEMENT"
-ENV_PARENT = "SPARKHVD_PARENT_PID"
-ENV_NETWORK_INTERFACE = "SPARKHVD_NETWORK_INTERFACE"
-ENV_RETURN = "SPARKHVD_RETURN"  # "all": every rank ships its value; "0": only rank 0 does
-MAX_LINE_BYTES = 64 * 1024  # longer lines reach the driver in pieces of this size
 READ_BYTES = 64 * 1024  # a pipe's default capacity: one read takes all there is
 # A LOG frame goes when this many characters of lines are pending, or this long after the oldest
 # was read. Its JSON (at most 6 bytes a character, 12 for a pair of surrogates, plus a progress
 # state of at most MAX_PROGRESS_CHARS) stays well under the protocol's MAX_META_BYTES.
-FLUSH_CHARS = 64 * 1024
 FLUSH_S = 0.05
 PROGRESS_S = 0.25  # a progress bar's state goes to the driver at most this often (4 a second)
 PUMP_DRAIN_S = 5.0  # after the rank's process group is gone, its pipes close at once
@@ -135,17 +128,17 @@ def _rank_env(spec: TaskSpec, placement: dict, host_gpus: list[str], host: str) 
     env = dict(os.environ)
     env.update(spec.env)
     env.update({
-        ENV_DRIVER: f"{spec.address[0]}:{spec.address[1]}",
-        ENV_RUN_ID: spec.run_id,
-        ENV_PLACEMENT: json.dumps(placement),
-        ENV_PARENT: str(os.getpid()),
-        ENV_RETURN: "all" if spec.every_value else "0",
+        settings.DRIVER.name: f"{spec.address[0]}:{spec.address[1]}",
+        settings.RUN_ID.name: spec.run_id,
+        settings.PLACEMENT.name: json.dumps(placement),
+        settings.PARENT_PID.name: str(os.getpid()),
+        settings.RETURN.name: "all" if spec.every_value else "0",
         "PYTHONUNBUFFERED": "1",
     })
     if spec.commit_dir:
         env[ENV_COMMIT_DIR] = spec.commit_dir
     if spec.network_interface:
-        env[ENV_NETWORK_INTERFACE] = spec.network_interface
+        env[settings.NETWORK_INTERFACE.name] = spec.network_interface
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = spec.network_interface
     if "OMP_NUM_THREADS" not in env:
         # As torchrun does: ranks sharing a host split its cores, instead of each starting one OpenMP

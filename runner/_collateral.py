@@ -8,8 +8,11 @@ output shows (runner/_worker.py), and the driver, to put the cause first in the 
 
 from __future__ import annotations
 
-#: The type every rank reports when it leaves at a commit for the driver to relaunch more ranks (_core/_elastic.py).
-RESIZE = "RanksChanged"
+from .._common.commits import RanksChanged
+
+#: The type every rank reports when it leaves at a commit for the driver to relaunch more ranks (as a name: the
+#: driver receives the rank's exception's type name).
+RESIZE = RanksChanged.__name__
 
 #: Errors a rank gets because a peer went away: never the root cause while another one is known.
 #: By type (ours and torch.distributed's), or gloo's RuntimeError by its text; a user's own OSError

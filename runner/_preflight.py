@@ -16,6 +16,8 @@ import sys
 import types
 from dataclasses import dataclass, field
 
+from ._spark_info import executor_resources, spark_reason
+
 #: What a rank imports on an executor; each must match the driver's version (cloudpickle, torch) or be ours.
 PACKAGES = ("sparkhvd", "cloudpickle", "torch")
 
@@ -90,7 +92,6 @@ def check_executors(sc, np: int, slots: int) -> None:
     try:
         found = probe(sc, max(1, min(np, slots)))
     except Exception as exc:  # Spark's word is turned into a sentence, or passed on as it is
-        from ._spark import spark_reason
 
         text = spark_reason(exc, max_lines=10_000)
         sentence = job_failure(text, _python_exec(sc))
@@ -181,7 +182,6 @@ def _python_exec(sc) -> str | None:
 
 def _executor_ids(sc) -> frozenset | None:
     """The ids of the executors Spark has now; None where this Spark does not say (no caching then)."""
-    from ._spark import executor_resources
 
     try:
         return frozenset(executor_id for executor_id, _, _, _ in executor_resources(sc))

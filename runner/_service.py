@@ -30,7 +30,7 @@ from .._common.protocol import (
     MAGIC,
     NONCE_BYTES,
     TAG_BYTES,
-    Channel,
+    AuthenticatedChannel,
     Kind,
     Message,
     PeerClosed,
@@ -157,10 +157,10 @@ class DriverService:
 
     # ---- connections ---------------------------------------------------------------------
 
-    def _greet(self, sock: socket.socket, peer: str) -> "_Greeting":
-        return _Greeting(self, sock, peer)
+    def _greet(self, sock: socket.socket, peer: str) -> "_DriverGreeting":
+        return _DriverGreeting(self, sock, peer)
 
-    def _admit(self, channel: Channel, header: bytes, peer: str) -> None:
+    def _admit(self, channel: AuthenticatedChannel, header: bytes, peer: str) -> None:
         """Serve a connection whose first frame header is authenticated, on a thread of its own."""
         sock = channel.sock
         with self.cv:
@@ -185,7 +185,7 @@ class DriverService:
             self._reply_and_refuse(channel, f"the driver could not start a thread to serve this connection ({exc}); "
                                             "it is out of threads or memory.")
 
-    def _reply_and_refuse(self, channel: Channel, text: str) -> None:
+    def _reply_and_refuse(self, channel: AuthenticatedChannel, text: str) -> None:
         try:
             channel.sock.settimeout(1.0)
             self._refuse(channel, text)
@@ -193,7 +193,7 @@ class DriverService:
             pass
         raise Refused(text)
 
-    def _serve(self, channel: Channel, header: bytes, peer: str) -> None:
+    def _serve(self, channel: AuthenticatedChannel, header: bytes, peer: str) -> None:
         """Answer an authenticated connection's requests until it closes or breaks."""
         sock = channel.sock
         try:
@@ -239,15 +239,15 @@ class DriverService:
                 self.cv.wait(remaining if remaining is not None else 1.0)
             return True
 
-    def _refuse(self, channel: Channel, text: str) -> None:
+    def _refuse(self, channel: AuthenticatedChannel, text: str) -> None:
         channel.send(Kind.ERR, {"message": text})
 
-    def _abort_reply(self, channel: Channel) -> None:
+    def _abort_reply(self, channel: AuthenticatedChannel) -> None:
         channel.send(Kind.ABORT, {"reason": self.aborted or "the run has finished"})
 
     # ---- registration, function, watch ---------------------------------------------------
 
-    def _register(self, channel: Channel, msg: Message, peer: str) -> None:
+    def _register(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
         task = msg.meta.get("task")
         refusal = None
         with self.cv:
@@ -278,10 +278,10 @@ class DriverService:
             self.placed_at = time.monotonic()
         self.cv.notify_all()
 
-    def _fetch(self, channel: Channel, msg: Message, peer: str) -> None:
+    def _fetch(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
         channel.send(Kind.OK, {}, self._payload)
 
-    def _watch(self, channel: Channel, msg: Message, peer: str) -> None:
+    def _watch(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
         with self.cv:
             while not self._over():
                 self.cv.wait()
@@ -291,7 +291,7 @@ class DriverService:
 
     # ---- logs, results, errors -----------------------------------------------------------
 
-    def _log(self, channel: Channel, msg: Message, peer: str) -> None:
+    def _log(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
         """Lines of a rank's output (one-way, so a malformed frame is logged and dropped, never answered:
         an answer would be read as the reply to that connection's next request)."""
         try:
@@ -309,13 +309,13 @@ class DriverService:
             return
         self._on_log(rank, stream, lines, progress)
 
-    def _result(self, channel: Channel, msg: Message, peer: str) -> None:
+    def _result(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
         with self.cv:
             self.results[int(msg.meta["rank"])] = msg.blob
             self.cv.notify_all()
         channel.send(Kind.OK)
 
-    def _error(self, channel: Channel, msg: Message, peer: str) -> None:
+    def _error(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
         meta = msg.meta
         with self.cv:
             self.failures.append(Failure(rank=int(meta["rank"]), type=str(meta.get("type")),
@@ -324,14 +324,14 @@ class DriverService:
             self.cv.notify_all()
         channel.send(Kind.OK)
 
-    def _progress(self, channel: Channel, msg: Message, peer: str) -> None:
+    def _progress(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
         """A rank's heartbeat (one-way): kept for the stall report, read by ``_stall.py``."""
         rank = int(msg.meta["rank"])
         with self.cv:
             if 0 <= rank < self.np:
                 self.progress[rank] = (msg.meta, time.monotonic())
 
-    def _exit(self, channel: Channel, msg: Message, peer: str) -> None:
+    def _exit(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
         with self.cv:
             self.exits[int(msg.meta["rank"])] = int(msg.meta["code"])
             self.cv.notify_all()
@@ -345,7 +345,7 @@ class DriverService:
             if self.hosts_updated is None:
                 self.hosts_updated = [time.time(), int(HostUpdateResult.added)]
 
-    def _commit(self, channel: Channel, msg: Message, peer: str) -> None:
+    def _commit(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
         key = str(msg.meta["key"])
         with self.cv:
             if self.finished:  # a frame received as the attempt ended: the next attempt's commits must not meet it
@@ -366,7 +366,7 @@ class DriverService:
                                          "HorovodRunner(commit_dir=URL) to keep commits on shared storage.")
         channel.send(Kind.OK, {"kept": kept, **({"hosts_updated": update} if update else {})})
 
-    def _restore(self, channel: Channel, msg: Message, peer: str) -> None:
+    def _restore(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
         with self.cv:
             self._restored.add(str(msg.meta["key"]))
         commit = self.commits.get(str(msg.meta["key"]))
@@ -381,7 +381,7 @@ class DriverService:
 
     # ---- the rendezvous store (_common/rendezvous.py) over this service's frames --------
 
-    def _store_request(self, channel: Channel, msg: Message, peer: str) -> None:
+    def _store_request(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
         """Answer a STORE_* request from ``self.store``: OK, or ABORT if the run ends first."""
         try:
             meta, blob = _call_store(self.store, msg)
@@ -415,7 +415,7 @@ def _call_store(store: RendezvousStore, msg: Message) -> tuple[dict, bytes]:
     return {"value": store.num_keys()}, b""  # STORE_NUM_KEYS, the last of _STORE_KINDS
 
 
-class _Greeting(Handshake):
+class _DriverGreeting(Handshake):
     """The unauthenticated phase of a driver-service connection: our nonce out, then the first
     frame's header and header tag in, checked before anything else is read."""
 
@@ -425,7 +425,7 @@ class _Greeting(Handshake):
         self.need = _HEADER.size
         self._service = service
         self._peer = peer
-        self._channel = Channel(sock, service._secret, nonce, is_server=True)
+        self._channel = AuthenticatedChannel(sock, service._secret, nonce, is_server=True)
 
     def check(self, data: bytes) -> int:
         header = data[:_HEADER.size]

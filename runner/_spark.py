@@ -11,6 +11,7 @@ import time
 
 from ._agent import TaskSpec, run_task
 from ._launcher import Launcher
+from ._spark_info import executor_resources, spark_reason
 
 #: How long to wait for executors to register before judging the slot count (local-cluster,
 #: a cluster still starting): the slot check then fails in seconds, not Spark's ~10 minutes.
@@ -121,18 +122,6 @@ def _slots_detail(sc) -> str:
     return f"{sc.master}{cores}, {sc.getConf().get('spark.task.cpus', '1')} per task"
 
 
-def executor_resources(sc) -> list:
-    """``(id, host, cores, gpus)`` of each active executor (in local mode, the driver's)."""
-    found = []
-    it = sc._jsc.sc().statusStore().executorList(True).iterator()
-    while it.hasNext():
-        summary = it.next()
-        gpu = summary.resources().get("gpu")
-        gpus = len(gpu.get().addresses()) if gpu.isDefined() else 0
-        found.append((str(summary.id()), summary.hostPort().rsplit(":", 1)[0], int(summary.totalCores()), gpus))
-    if any(executor_id != "driver" for executor_id, _, _, _ in found):
-        found = [e for e in found if e[0] != "driver"]  # the driver runs no tasks beside executors
-    return found
 
 
 def check_gpus(sc, np: int) -> None:
@@ -357,30 +346,3 @@ def _removed_executors(sc) -> list:
         reason = reason.get() if reason.isDefined() else "no reason given"
         removed.append((summary.id(), summary.hostPort().rsplit(":", 1)[0], reason))
     return removed
-
-
-_SPARK_NOISE = ("Driver stacktrace:", "\tat ", "at org.apache.", "at java.", "at scala.")
-
-
-def spark_reason(exc: BaseException, max_lines: int = 12) -> str:
-    """Spark's own account of a failed job, without the Java stack (py4j puts the reason on the
-    lines after "An error occurred while calling ...")."""
-    java = getattr(exc, "java_exception", None)
-    text = ""
-    if java is not None:
-        try:
-            text = str(java.getMessage() or "") or str(java.toString())
-        except Exception:  # noqa: BLE001 - the gateway is gone
-            text = ""
-    text = text or str(exc)
-    kept = []
-    for line in text.splitlines():
-        if line.strip().startswith(_SPARK_NOISE):
-            if line.startswith("Driver stacktrace:"):
-                break
-            continue
-        if line.strip() and not line.startswith("An error occurred while calling"):
-            kept.append(line.rstrip())
-    if len(kept) > max_lines:  # a Python worker's traceback: its first lines and its last, which name the error
-        kept = kept[:3] + ["..."] + kept[3 - max_lines:]
-    return "\n    ".join(kept)[-4000:] or type(exc).__name__

@@ -16,28 +16,18 @@ import sys
 import threading
 import traceback
 
+from .._common import commits as _commits
 from .._common import context as _context
 from .._common import protocol as _protocol
+from .._common import settings
 from .._common.client import RunAborted, ServiceClient
 from .._common.network import local_address
-from .._common.protocol import FILE_ONLY, SECRET_BYTES, Kind
+from .._common.protocol import FILE_ONLY, FLUSH_CHARS, MAX_LINE_BYTES, SECRET_BYTES, Kind
 from .._common.topology import Placement
 from . import _aliases, _payload
-from ._agent import (
-    ENV_DRIVER,
-    ENV_NETWORK_INTERFACE,
-    ENV_PARENT,
-    ENV_PLACEMENT,
-    ENV_RETURN,
-    ENV_RUN_ID,
-    FLUSH_CHARS,
-    MAX_LINE_BYTES,
-)
 from ._collateral import failure_line
 from ._heartbeat import Heartbeat
 from ._host import address_of, interface_of
-from ._zygote import ENV_WARM
-from ._zygote import FORKED as WARM_FORKED
 
 ABORTED_EXIT_CODE = 75  # the driver told this rank to stop
 FAILED_EXIT_CODE = 1
@@ -48,9 +38,9 @@ def main() -> int:
     _die_with_parent()
     _aliases.install()  # before the function is unpickled: it, or its module, may import horovod.* or sparkdl
     secret = sys.stdin.buffer.read(SECRET_BYTES)
-    host, port = os.environ[ENV_DRIVER].rsplit(":", 1)
+    host, port = settings.DRIVER.raw().rsplit(":", 1)
     address = (host, int(port))
-    placement = Placement(**json.loads(os.environ[ENV_PLACEMENT]))
+    placement = Placement(**json.loads(settings.PLACEMENT.raw()))
     client = ServiceClient(address, secret)
     threading.Thread(target=_watch, args=(address, secret, placement.rank), daemon=True,
                      name="sparkhvd-watch").start()
@@ -72,24 +62,24 @@ def main() -> int:
     except ValueError as exc:
         _report_failure(client, placement.rank, exc)
         return FAILED_EXIT_CODE
-    _context._set(_context.WorkerContext(placement=placement, run_id=os.environ[ENV_RUN_ID],
+    _context._set(_context.WorkerContext(placement=placement, run_id=settings.RUN_ID.raw(),
                                          address=address, secret=secret, client=client,
                                          local_address=local_address))
     beat.running()
     try:
         value = fn(**kwargs)
     except BaseException as exc:  # noqa: BLE001 - the user's failure, reported whole
-        if type(exc).__name__ == "RanksChanged":  # left at a commit for the driver to relaunch more ranks
-            _drain_engine()
+        if isinstance(exc, _commits.RanksChanged):  # left at a commit for the driver to relaunch more ranks
+            _context.before_exit()
             _report_failure(client, placement.rank, exc, quiet=True)
             return FAILED_EXIT_CODE
-        _flush_commits(_FAILED_FLUSH_S)  # a peer lost mid-run: the commit on its way is what a restart resumes from
+        _commits.flush(_FAILED_FLUSH_S)  # a peer lost mid-run: the commit on its way is what a restart resumes from
         _report_failure(client, placement.rank, exc)
         return FAILED_EXIT_CODE
     beat.finishing()
-    _drain_engine()
-    _flush_commits(_FINISHED_FLUSH_S)  # should another rank still fail, the restart resumes from the newest commit
-    if placement.rank != 0 and os.environ.get(ENV_RETURN) == "0":
+    _context.before_exit()
+    _commits.flush(_FINISHED_FLUSH_S)  # should another rank still fail, the restart resumes from the newest commit
+    if placement.rank != 0 and settings.RETURN.get() == "0":
         client.request(Kind.RESULT, {"rank": placement.rank})  # run() keeps rank 0's only: nothing to ship
         return 0
     try:
@@ -115,20 +105,6 @@ _FAILED_FLUSH_S = 1.0  # within the driver's grace for the other ranks' reports
 _FINISHED_FLUSH_S = 10.0
 
 
-def _flush_commits(timeout: float) -> None:
-    """Let rank 0's elastic commits on their way reach the driver (nothing where none was made)."""
-    commits = sys.modules.get(f"{__package__}._commits")  # __name__ is __main__ under python -m
-    if commits is not None:
-        commits.flush(timeout)
-
-
-def _drain_engine() -> None:
-    """Frames this rank's peers are still owed (answers, requests) leave before the process ends."""
-    engine = sys.modules.get(__package__.rsplit(".", 1)[0] + ".collective._engine")  # imported if fn used it
-    if engine is not None:
-        engine.drain()
-
-
 def _size(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n} bytes"
 
@@ -139,7 +115,7 @@ def _network(driver_host: str) -> str:
     gloo otherwise picks the address the hostname resolves to, which on many hosts is loopback
     (Debian's 127.0.1.1): its peers on other hosts are then refused.
     """
-    chosen = os.environ.get(ENV_NETWORK_INTERFACE)
+    chosen = settings.NETWORK_INTERFACE.get()
     try:
         local = address_of(chosen) if chosen else local_address(driver_host)
     except OSError as exc:
@@ -265,7 +241,7 @@ def _die_with_parent() -> None:
     A rank forked by the zygote has its parent-death signal toward the zygote already, and the
     zygote kills it when its agent's connection closes (runner/_zygote.py).
     """
-    if os.environ.get(ENV_WARM) == WARM_FORKED:
+    if settings.WARM.get() == settings.WARM_FORKED:
         return
     if sys.platform.startswith("linux"):
         try:
@@ -273,7 +249,7 @@ def _die_with_parent() -> None:
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             return
-        if str(os.getppid()) != os.environ.get(ENV_PARENT, str(os.getppid())):
+        if str(os.getppid()) != (settings.PARENT_PID.get() or str(os.getppid())):
             os._exit(ABORTED_EXIT_CODE)  # the agent died before we set the signal
 
 

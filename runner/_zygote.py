@@ -22,17 +22,19 @@ user may ask for a rank, and an agent only hands a rank's pipes to a zygote of i
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import socket
 import struct
 import sys
 
-ENV_WARM = "SPARKHVD_WARM"  # "0": no zygote; "forked": set in a rank forked by the zygote
+from .._common import settings
+
 ENV_IDLE = "SPARKHVD_WARM_IDLE_S"  # a zygote with no rank running exits after this long (default 600)
 ENV_DEBUG = "SPARKHVD_WARM_DEBUG"  # "1": say on stderr why the warm path fell back to a fresh process
-FORKED = "forked"
 DEFAULT_IDLE_S = 600.0
+_PRELOAD = ("torch", "sparkhvd.collective.torch")  # what every rank imports first, imported once here
 MAX_REQUEST_BYTES = 4 << 20
 REPLY_TIMEOUT_S = 10.0  # an agent waits this long for the zygote's {"pid": n}, then uses a fresh process
 _NAME_PREFIX = "\0sparkhvd-zygote-"
@@ -148,7 +150,7 @@ def address(key: str) -> str:
 
 def enabled(python: str | None) -> bool:
     """Whether a rank with interpreter ``python`` (None: this one) may be forked from a zygote."""
-    return (sys.platform.startswith("linux") and os.environ.get(ENV_WARM, "1") != "0"
+    return (sys.platform.startswith("linux") and settings.WARM.get() != "0"
             and (python is None or python == sys.executable))
 
 
@@ -166,7 +168,7 @@ def connect(key: str, timeout: float = REPLY_TIMEOUT_S) -> socket.socket:
         uid = _peer_uid(sock)
         if uid != os.getuid():
             raise WarmUnavailable(f"the zygote socket {address(key)[1:]!r} belongs to uid {uid}, not this user's "
-                                  f"uid {os.getuid()}; ranks start as fresh processes (set {ENV_WARM}=0 to skip it).")
+                                  f"uid {os.getuid()}; ranks start as fresh processes (set {settings.WARM.name}=0 to skip it).")
     except BaseException:
         sock.close()
         raise
@@ -286,7 +288,7 @@ def spawn(env: dict, key: str | None = None, argv=WORKER_ARGV) -> ForkedProcess:
         pipes = [os.pipe() for _ in range(3)]
         theirs = [pipes[0][0], pipes[1][1], pipes[2][1]]
         env = dict(env)
-        env[ENV_WARM] = FORKED
+        env[settings.WARM.name] = settings.WARM_FORKED
         reply = request(sock, {"env": env, "cwd": os.getcwd(), "argv": list(argv)}, theirs)
         if "pid" not in reply:
             raise WarmUnavailable(f"the zygote refused the rank: {reply.get('error', reply)}")
@@ -324,11 +326,10 @@ def _preload() -> str | None:
         from . import _worker  # noqa: F401
 
         try:
-            import torch
-        except ImportError:
-            torch = None
-        if torch is not None:
-            from ..collective import torch as _hvd_torch  # noqa: F401
+            for name in _PRELOAD:  # by name: the runner does not depend on the collectives, it warms what ranks load
+                importlib.import_module(name)
+        except ImportError:  # no torch here: ranks import what they need themselves
+            pass
     finally:
         if saved is None:
             os.environ.pop("OPENBLAS_NUM_THREADS", None)
@@ -343,6 +344,7 @@ def _preload() -> str | None:
         return f"the preloaded modules started threads ({threads} Python, {tasks} in all); forking is not safe"
     if "tensorflow" in sys.modules:
         return "TensorFlow was imported; the zygote never preloads it"
+    torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA was initialized while preloading; a forked rank could not use its GPU"
     return None

@@ -1,6 +1,6 @@
 """The negotiating engine: ops matched by name across ranks, real async, dtypes gloo lacks, join.
 
-The coordinator's decisions (``collective/_negotiate.py``) are pure logic and are tested here
+The coordinator's decisions (``collective/_engine/negotiate.py``) are pure logic and are tested here
 directly; everything else runs in real rank processes over real gloo.
 """
 
@@ -10,7 +10,7 @@ import torch
 
 from sparkhvd import HorovodRunner
 from sparkhvd._common.op_names import JOIN, label
-from sparkhvd.collective._negotiate import RequestCache, Table, pairable
+from sparkhvd.collective._engine.negotiate import RequestCache, Table, pairable
 
 
 def _request(name, signature="float32[4]", problem=None, fact=None, joinable=False, kind="allreduce"):
@@ -150,7 +150,7 @@ def test_a_request_seen_before_travels_as_its_name_and_number():
 def test_cache_capacity_is_read_from_horovods_variable(monkeypatch):
     import pytest
 
-    from sparkhvd.collective._engine import cache_capacity
+    from sparkhvd.collective._engine.communicator import cache_capacity
 
     monkeypatch.delenv("HOROVOD_CACHE_CAPACITY", raising=False)
     assert cache_capacity() == 1024
@@ -253,7 +253,7 @@ def _pair_cases():
     import torch
 
     import sparkhvd.collective.torch as hvd
-    from sparkhvd.collective import _engine
+    from sparkhvd.collective._engine import communicator as _engine
 
     hvd.init()
     r = hvd.rank()
@@ -354,7 +354,7 @@ def _fusion_cases():
     import torch
 
     import sparkhvd.collective.torch as hvd
-    from sparkhvd.collective import _engine
+    from sparkhvd.collective._engine import communicator as _engine
 
     os.environ.update(HOROVOD_CYCLE_TIME="1000", HOROVOD_FUSION_THRESHOLD=str(3 << 20))  # read by init()
     try:
@@ -384,7 +384,7 @@ def test_separate_allreduces_ready_in_one_cycle_run_as_one_gloo_op():
 def test_cycle_time_is_read_in_milliseconds_and_bad_values_say_what_to_set(monkeypatch):
     import pytest
 
-    from sparkhvd.collective._engine import cycle_time
+    from sparkhvd.collective._engine.communicator import cycle_time
 
     monkeypatch.delenv("HOROVOD_CYCLE_TIME", raising=False)
     assert cycle_time() == 0.0
@@ -508,7 +508,7 @@ def _shutdown_while_a_call_blocks(folder):
     import torch
 
     import sparkhvd.collective.torch as hvd
-    from sparkhvd.collective import _engine
+    from sparkhvd.collective._engine import communicator as _engine
 
     hvd.init()
     hvd.allreduce(torch.ones(2), name="warm")
@@ -548,7 +548,7 @@ def _engine_bug():
     import torch
 
     import sparkhvd.collective.torch as hvd
-    from sparkhvd.collective import _engine
+    from sparkhvd.collective._engine import communicator as _engine
 
     hvd.init()
     r = hvd.rank()

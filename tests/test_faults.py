@@ -151,7 +151,7 @@ def test_the_rule_for_collateral_errors_is_one_for_the_ranks_and_the_driver():
 
     assert doctest.testmod(_collateral).failed == 0  # the examples in failure_line's docstring
     tf_wrapped = ("Graph execution error:\n\nDetected at node cond/PyFunc defined at (most recent call last):\n"
-                  "  File x\n\nsparkhvd.collective._mesh.MeshError: allreduce failed: rank 1's control link failed\n"
+                  "  File x\n\nsparkhvd.collective._engine.mesh.MeshError: allreduce failed: rank 1's control link failed\n"
                   "\t [[{{node PyFunc}}]] [Op:__inference_train_function_1]")
     assert _collateral.is_collateral("UnknownError", tf_wrapped)
     assert _collateral.headline("UnknownError", tf_wrapped) == ("MeshError: allreduce failed: rank 1's control link "
@@ -205,7 +205,7 @@ def test_the_configuration_bounds_the_slots():
 
 
 def test_spark_reason_keeps_what_spark_says_and_drops_the_java_stack(spark):
-    from sparkhvd.runner._spark import spark_reason
+    from sparkhvd.runner._spark_info import spark_reason
 
     with pytest.raises(Exception) as info:
         spark.sparkContext.parallelize([1], 1).map(lambda x: x / 0).collect()

@@ -118,12 +118,12 @@ def _view():
 
 def _run_two_tasks(monkeypatch, gpus, executor_visible):
     from sparkhvd._common.protocol import new_secret
+    from sparkhvd._common.settings import WARM
     from sparkhvd.runner import _payload
     from sparkhvd.runner._agent import TaskSpec, run_task
     from sparkhvd.runner._service import DriverService
-    from sparkhvd.runner._zygote import ENV_WARM
 
-    monkeypatch.setenv(ENV_WARM, "0")  # fresh rank processes: nothing left behind
+    monkeypatch.setenv(WARM.name, "0")  # fresh rank processes: nothing left behind
     if executor_visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:

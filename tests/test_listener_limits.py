@@ -19,8 +19,8 @@ import torch.distributed as dist
 from sparkhvd._common import listener as _listener
 from sparkhvd._common.client import ServiceClient, ServiceError
 from sparkhvd._common.listener import RefusalTally
-from sparkhvd._common.protocol import MAGIC, NONCE_BYTES, Channel, Kind, new_secret
-from sparkhvd.collective._mesh import Endpoint, MeshError
+from sparkhvd._common.protocol import MAGIC, NONCE_BYTES, AuthenticatedChannel, Kind, new_secret
+from sparkhvd.collective._engine.mesh import Endpoint, MeshError
 from sparkhvd.runner import _service
 from sparkhvd.runner._service import DriverService
 
@@ -103,7 +103,7 @@ def test_an_evicted_client_is_told_why_and_its_first_request_connects_again(smal
     idle = []
     try:
         raw = socket.create_connection(svc.address)
-        channel = Channel.connect(raw, svc._secret)  # greeted; sends nothing yet
+        channel = AuthenticatedChannel.connect(raw, svc._secret)  # greeted; sends nothing yet
         client = ServiceClient(svc.address, svc._secret, connect_timeout=5)  # greeted; sends nothing yet
         for _ in range(4):  # takes every slot: both are evicted, oldest first
             idle.append(socket.create_connection(svc.address))
@@ -332,7 +332,7 @@ def test_a_rank_out_of_descriptors_says_so_instead_of_blaming_its_peer():
     code = textwrap.dedent("""
         import os, resource
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-        from sparkhvd.collective._mesh import Endpoint, MeshError
+        from sparkhvd.collective._engine.mesh import Endpoint, MeshError
 
         class Store(dict):
             def set(self, key, value):

@@ -24,7 +24,7 @@ import threading
 import time
 
 from sparkhvd import HorovodRunner
-from sparkhvd._common.protocol import _HEADER, MAGIC, NONCE_BYTES, Channel, Kind
+from sparkhvd._common.protocol import _HEADER, MAGIC, NONCE_BYTES, AuthenticatedChannel, Kind
 from sparkhvd.runner import _runner, _service
 
 ATTACK_S = 40.0  # a hard bound on every attacking loop, far above the run's few seconds
@@ -141,7 +141,7 @@ class Attack:
 
             def body(sock):
                 if self.target == "service":
-                    Channel.connect(sock, wrong).send(Kind.STORE_SET, {"key": f"k{i}"}, b"v")
+                    AuthenticatedChannel.connect(sock, wrong).send(Kind.STORE_SET, {"key": f"k{i}"}, b"v")
                 else:
                     challenge = sock.recv(16)
                     hello = (0).to_bytes(8, "big") + (1).to_bytes(8, "big")  # set 0, claiming to be rank 1

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from sparkhvd import HorovodRunError, HorovodRunner
 from sparkhvd._common.client import ServiceClient
-from sparkhvd._common.protocol import FILE_ONLY, MAX_PROGRESS_CHARS, Kind, new_secret
-from sparkhvd.runner._agent import MAX_LINE_BYTES, PROGRESS_S, _Lines
+from sparkhvd._common.protocol import FILE_ONLY, MAX_LINE_BYTES, MAX_PROGRESS_CHARS, Kind, new_secret
+from sparkhvd.runner._agent import PROGRESS_S, _Lines
 from sparkhvd.runner._logs import (
     ENV_KEEP_FAILED_LOGS,
     ENV_KEEP_LOGS,

@@ -1,5 +1,5 @@
-"""The control links as the engine makes and uses them: ``Endpoint.star`` (collective/_mesh.py) makes
-them, ``Channel`` (collective/_channel.py) frames them. Real sockets on 127.0.0.1 between endpoints in
+"""The control links as the engine makes and uses them: ``Endpoint.star`` (collective/_engine/mesh.py) makes
+them, ``PeerChannel`` (collective/_engine/channel.py) frames them. Real sockets on 127.0.0.1 between endpoints in
 threads, plus hostile peers, a peer that leaves, a peer that never comes, and frames over the limits."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from sparkhvd.collective._channel import FRAME, MAX_META, Channel
-from sparkhvd.collective._mesh import _HELLO, Endpoint, MeshError
+from sparkhvd.collective._engine.channel import FRAME, MAX_META, PeerChannel
+from sparkhvd.collective._engine.mesh import _HELLO, Endpoint, MeshError
 
 KEY = b"k" * 32
 
@@ -77,7 +77,7 @@ def _pump(channels, want, timeout=30.0):
 
 def _say_hello(links, a, b):
     """One frame each way on the link between ranks ``a`` and ``b``: proves it carries frames."""
-    ends = {a: Channel(links[a][b], b, 1024), b: Channel(links[b][a], a, 1024)}
+    ends = {a: PeerChannel(links[a][b], b, 1024), b: PeerChannel(links[b][a], a, 1024)}
     for me, channel in ends.items():
         channel.send({"from": me}, b"hi %d" % me)
     got = {me: _pump({channel.peer: channel}, {channel.peer: 1})[channel.peer] for me, channel in ends.items()}
@@ -104,7 +104,7 @@ def test_a_star_links_the_coordinator_to_every_member_and_carries_frames_of_ever
 
     def rank(r):
         links = eps[r].star(0, [0, 1, 2], "test op")
-        mine = {peer: Channel(sock, peer, max_payload=1 << 22) for peer, sock in links.items()}
+        mine = {peer: PeerChannel(sock, peer, max_payload=1 << 22) for peer, sock in links.items()}
         channels.extend(mine.values())
         for channel in mine.values():
             for size in sizes:
@@ -113,7 +113,7 @@ def test_a_star_links_the_coordinator_to_every_member_and_carries_frames_of_ever
         pair = None
         if r > 0:  # a second set on its own links, made after the first; rank 1 coordinates it
             pair_links = eps[r].star(7, [1, 2], "pair")
-            pair = {peer: Channel(sock, peer, 1024) for peer, sock in pair_links.items()}
+            pair = {peer: PeerChannel(sock, peer, 1024) for peer, sock in pair_links.items()}
             channels.extend(pair.values())
             for channel in pair.values():
                 channel.send({"pair": r}, b"pair%d" % r)
@@ -160,7 +160,7 @@ def test_a_connection_without_the_key_is_refused_and_the_real_peer_still_gets_in
 
 
 def test_an_idle_connection_holds_up_nobody_and_a_late_rank_is_still_let_in(monkeypatch):
-    from sparkhvd.collective import _mesh
+    from sparkhvd.collective._engine import mesh as _mesh
 
     store, eps = _endpoints(2, timeout=10.0)
     host, port = store.get("c/0").decode().rsplit(":", 1)
@@ -186,8 +186,8 @@ def test_an_idle_connection_holds_up_nobody_and_a_late_rank_is_still_let_in(monk
 def test_a_peer_that_leaves_fails_its_link_at_once_after_the_frames_it_sent():
     _, eps = _endpoints(2)
     links = _star(eps, [0, 1])
-    coordinator = Channel(links[0][1], 1, 1024)
-    worker = Channel(links[1][0], 0, 1024)
+    coordinator = PeerChannel(links[0][1], 1, 1024)
+    worker = PeerChannel(links[1][0], 0, 1024)
     worker.send({"last": "words"}, b"bye")
     worker.close()  # rank 1 exits
     start = time.monotonic()
@@ -209,7 +209,7 @@ def test_a_peer_that_leaves_fails_its_link_at_once_after_the_frames_it_sent():
 def test_a_peer_whose_link_is_reset_is_named_on_receive_and_on_send():
     _, eps = _endpoints(2)
     links = _star(eps, [0, 1])
-    coordinator = Channel(links[0][1], 1, 1024)
+    coordinator = PeerChannel(links[0][1], 1, 1024)
     links[1][0].setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     links[1][0].close()  # an abortive close: a reset, as when a host drops the connection
     failed = r"^rank 1's control link failed \(\[Errno \d+\] [^)]+\); it has exited or failed: its own error is in " \
@@ -239,7 +239,7 @@ def test_a_peer_that_never_connects_is_named():
 def test_a_frame_over_the_limits_is_refused_before_its_body_is_read(meta_len, payload_len):
     _, eps = _endpoints(2)
     links = _star(eps, [0, 1])
-    coordinator = Channel(links[0][1], 1, 1024)
+    coordinator = PeerChannel(links[0][1], 1, 1024)
     _raw(links[1][0]).sendall(FRAME.pack(meta_len, payload_len))  # announces a body it never sends
     with pytest.raises(MeshError) as caught:
         deadline = time.monotonic() + 10
@@ -257,7 +257,7 @@ def test_a_frame_over_the_limits_is_refused_before_its_body_is_read(meta_len, pa
 def test_a_frame_whose_meta_is_not_json_is_refused():
     _, eps = _endpoints(2)
     links = _star(eps, [0, 1])
-    coordinator = Channel(links[0][1], 1, 1024)
+    coordinator = PeerChannel(links[0][1], 1, 1024)
     _raw(links[1][0]).sendall(FRAME.pack(5, 0) + b"nope!")
     with pytest.raises(MeshError) as caught:
         _pump({1: coordinator}, {1: 1}, timeout=10)
@@ -309,7 +309,7 @@ def test_a_forked_child_closing_its_copy_leaves_the_parent_listening():
 
 def test_a_peer_that_never_answers_the_connect_is_named_unreachable_not_flooded(monkeypatch):
     """No SYN-ACK (a full accept queue here; a cut path or a dead host in life): one try, a true message."""
-    from sparkhvd.collective import _mesh
+    from sparkhvd.collective._engine import mesh as _mesh
 
     monkeypatch.setattr(_mesh, "_HANDSHAKE_TIMEOUT", 1.0)
     silent = socket.socket()

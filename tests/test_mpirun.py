@@ -14,7 +14,7 @@ import textwrap
 import psutil
 import pytest
 
-from sparkhvd.collective import _mpi
+from sparkhvd.collective._engine import mpi as _mpi
 from sparkhvd.runner import assign_ranks
 
 INSTALL = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "openmpi-bin"]

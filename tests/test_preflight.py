@@ -19,7 +19,8 @@ import pytest
 
 from sparkhvd import HorovodRunner
 from sparkhvd.runner import StartTimeoutError, _preflight, _run
-from sparkhvd.runner._spark import executor_resources, gpu_problem, slots_for_restart
+from sparkhvd.runner._spark import gpu_problem, slots_for_restart
+from sparkhvd.runner._spark_info import executor_resources
 
 
 def _rank():

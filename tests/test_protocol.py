@@ -10,7 +10,7 @@ import time
 import pytest
 
 from sparkhvd._common.client import ServiceClient, ServiceError
-from sparkhvd._common.protocol import _HEADER, MAGIC, NONCE_BYTES, Channel, Kind, ProtocolError, new_secret
+from sparkhvd._common.protocol import _HEADER, MAGIC, NONCE_BYTES, AuthenticatedChannel, Kind, ProtocolError, new_secret
 from sparkhvd.runner._service import DriverService
 
 
@@ -64,7 +64,7 @@ def test_wrong_key_is_refused(service):
 
 def test_truncated_frame_is_refused(service):
     sock = socket.create_connection(service.address)
-    channel = Channel.connect(sock, service._secret)
+    channel = AuthenticatedChannel.connect(sock, service._secret)
     header = _HEADER.pack(MAGIC, Kind.STORE_SET, 0, 100, 0)
     sock.sendall(header + channel._header_tag(b"C", header) + b"{")  # an honest header, then hang up mid-body
     sock.shutdown(socket.SHUT_WR)
@@ -74,7 +74,7 @@ def test_truncated_frame_is_refused(service):
 
 def test_oversized_length_is_refused_before_reading(service):
     sock = socket.create_connection(service.address)
-    Channel.connect(sock, service._secret)
+    AuthenticatedChannel.connect(sock, service._secret)
     sock.sendall(_HEADER.pack(MAGIC, Kind.RESULT, 0, 10, 1 << 40))  # a terabyte, never sent
     assert _closed(sock)
     assert "exceed the limits" in _wait_for_refusal(service)[0]
@@ -83,7 +83,7 @@ def test_oversized_length_is_refused_before_reading(service):
 def test_replayed_frame_is_refused(service):
     """The same bytes sent twice on a connection, and again on a new one, are both refused."""
     sock = socket.create_connection(service.address)
-    channel = Channel.connect(sock, service._secret)
+    channel = AuthenticatedChannel.connect(sock, service._secret)
     sent = []
     real_sendall = sock.sendall
     channel.sock = type("Recorder", (), {"sendall": lambda self, b: (sent.append(b), real_sendall(b))})()
@@ -105,7 +105,7 @@ def test_replayed_frame_is_refused(service):
 def test_reflected_frame_is_refused(service):
     """A frame the server sent cannot be sent back to it as a request."""
     sock = socket.create_connection(service.address)
-    server_side = Channel(sock, service._secret, b"\0" * NONCE_BYTES, is_server=True)
+    server_side = AuthenticatedChannel(sock, service._secret, b"\0" * NONCE_BYTES, is_server=True)
     nonce = sock.recv(len(MAGIC) + NONCE_BYTES)[len(MAGIC):]
     server_side._nonce = nonce
     server_side.send(Kind.STORE_SET, {"key": "k"}, b"v")  # tagged in the server's direction
@@ -151,7 +151,7 @@ def test_client_refuses_a_non_sparkhvd_server():
     conn, _ = server.accept()
     conn.sendall(b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 16)
     with pytest.raises(ProtocolError, match="not a sparkhvd driver service"):
-        Channel.connect(sock, new_secret())
+        AuthenticatedChannel.connect(sock, new_secret())
     for s in (sock, conn, server):
         s.close()
 
@@ -164,7 +164,7 @@ def test_register_refuses_bad_task_index(service):
 
 def test_payload_limit_message():
     a, b = socket.socketpair()
-    channel = Channel(a, new_secret(), b"\0" * NONCE_BYTES, is_server=False, max_blob=10)
+    channel = AuthenticatedChannel(a, new_secret(), b"\0" * NONCE_BYTES, is_server=False, max_blob=10)
     with pytest.raises(ValueError, match="over the driver service's 10-byte limit; save large objects"):
         channel.send(Kind.RESULT, {}, b"x" * 11)
     a.close(), b.close()
@@ -174,7 +174,7 @@ def test_payload_limit_message():
 def test_unauthenticated_header_is_refused_before_any_body_is_read(service):
     """A header claiming a large body, without the secret: refused on its header tag, nothing allocated."""
     sock = socket.create_connection(service.address)
-    Channel.connect(sock, service._secret)
+    AuthenticatedChannel.connect(sock, service._secret)
     sock.sendall(_HEADER.pack(MAGIC, Kind.RESULT, 0, 10, 512 << 20) + b"\0" * 32)
     assert _closed(sock)
     assert "frame header failed HMAC verification" in _wait_for_refusal(service)[0]

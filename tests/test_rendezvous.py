@@ -16,7 +16,7 @@ dist = torch.distributed
 
 from sparkhvd._common.client import RunAborted, ServiceClient, ServiceError  # noqa: E402
 from sparkhvd._common.protocol import new_secret  # noqa: E402
-from sparkhvd.collective._store import DriverStore  # noqa: E402
+from sparkhvd.collective._engine.store import DriverStore  # noqa: E402
 from sparkhvd.runner._service import DriverService  # noqa: E402
 
 

@@ -286,7 +286,7 @@ def test_the_coordinator_says_whose_requests_a_check_still_waits_for():
     the coordinator asks the set's ``Table``; elsewhere it knows nothing, and the snapshot says nothing."""
     from sparkhvd._common import progress as _progress
     from sparkhvd._common.op_names import JOIN
-    from sparkhvd.collective._background import _Link, _Missing
+    from sparkhvd.collective._engine.engine import _Link, _Missing
 
     class Broken:
         def waiting_for(self):

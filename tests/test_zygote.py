@@ -126,7 +126,7 @@ def test_consecutive_spark_applications_fork_from_one_zygote(tmp_path):
         (app / "report.py").write_text(WARM_REPORT)
     (tmp_path / "tmp").mkdir()
     mark = uuid.uuid4().hex  # in the zygote's environment: how this test finds it (it runs detached)
-    env = {k: v for k, v in os.environ.items() if k != _zygote.ENV_WARM}
+    env = {k: v for k, v in os.environ.items() if k != "SPARKHVD_WARM"}
     env.update(PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable, SPARKHVD_TEST_ZYGOTE_MARK=mark,
                TMPDIR=str(tmp_path / "tmp"))  # a temp folder of its own: a key no other test's zygote has
     mark = f"SPARKHVD_TEST_ZYGOTE_MARK={mark}"

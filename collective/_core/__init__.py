@@ -10,8 +10,7 @@ its tensors, batch norm, callbacks.
 
 from __future__ import annotations
 
-from .._background import HorovodInternalError
-from .._reduction import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from .._engine.engine import HorovodInternalError
 from ._basics import (
                       ccl_built,
                       cross_rank,
@@ -56,6 +55,7 @@ from ._ops import (
                       sparse_allreduce_async,
 )
 from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from ._reduction import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ._timeline_api import start_timeline, stop_timeline
 
 __all__ = [

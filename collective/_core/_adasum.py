@@ -32,12 +32,12 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .. import _engine
-from .._background import Op
+from .._engine import communicator as _engine
+from .._engine.engine import Op
 from . import _buffers
-from ._ops import _nbytes, _submit, describe
 from ._process_sets import ProcessSet, global_process_set, require_member
 from ._scale import scale_
+from ._submit import describe, nbytes, submit
 
 DTYPES = (torch.float16, torch.float32, torch.float64)
 _SQRT_DBL_MIN = math.sqrt(sys.float_info.min)  # adasum.h's threshold for a zero vector
@@ -213,10 +213,10 @@ def allreduce_async_(tensor, name, prescale_factor, postscale_factor, process_se
         reduction = _Reduction([target], prescale_factor, postscale_factor, process_set, local_size)
         return reduction.works(), lambda: _write(tensor, target, reduction, 0)
 
-    return _submit(process_set, Op(
+    return submit(process_set, Op(
         kind="allreduce", name=name, signature=f"Adasum|{desc}|{prescale_factor}|{postscale_factor}",
         description=f"{what}(op=Adasum: {desc})", problem=dtype_problem([tensor], what), launch=launch,
-        nbytes=_nbytes(tensor), fuse=f"allreduce|Adasum|{tensor.dtype}|{tensor.device}|{prescale_factor}|"
+        nbytes=nbytes(tensor), fuse=f"allreduce|Adasum|{tensor.dtype}|{tensor.device}|{prescale_factor}|"
         f"{postscale_factor}" if fusable else None, launch_fused=_launch_fused,
         data=(tensor, target, prescale_factor, postscale_factor, process_set, local_size)))
 
@@ -256,7 +256,7 @@ def grouped_allreduce_async_(tensors, name, prescale_factor, postscale_factor, p
 
         return [w for _, r in reductions for w in r.works()], finish
 
-    return _submit(process_set, Op(
+    return submit(process_set, Op(
         kind="grouped_allreduce", name=name, signature=f"Adasum|{desc}|{prescale_factor}|{postscale_factor}",
         description=f"grouped_allreduce(op=Adasum: {desc})", problem=dtype_problem(tensors, "grouped_allreduce"),
-        launch=launch, nbytes=sum(map(_nbytes, tensors))))
+        launch=launch, nbytes=sum(map(nbytes, tensors))))

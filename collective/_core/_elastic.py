@@ -20,7 +20,7 @@ import queue
 
 from ..._common import commits as _commits
 from ..._common import context as _context
-from ..._common.commits import HostUpdateResult
+from ..._common.commits import HostUpdateResult, RanksChanged
 from ._basics import init, shutdown, size
 
 _keys = itertools.count()  # states in the order this process creates them: the same in every attempt
@@ -201,13 +201,6 @@ def _reset() -> None:
     init()
 
 
-class RanksChanged(Exception):
-    """Leaves a HorovodRunner rank at a commit after ``HostsUpdatedInterrupt``: the driver relaunches every rank
-    with the new number, which resume from that commit (not an error; the run goes on)."""
-
-    def __init__(self):
-        super().__init__("Spark has task slots for more ranks: every rank leaves at this commit, and the driver "
-                         "relaunches them all with more")
 
 
 _RESIZE_FLUSH_S = 300.0  # the commit the relaunched ranks resume from must reach the driver first

@@ -1,6 +1,6 @@
 """Handles of asynchronous collectives: ``poll`` and ``synchronize``.
 
-An op's handle is the engine's (``collective/_background.py``); ``GroupHandle`` stands for several
+An op's handle is the engine's (``collective/_engine/engine.py``); ``GroupHandle`` stands for several
 (Horovod's grouped allgather and reducescatter, and the sparse allreduce's two allgathers).
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .._background import Handle
+from .._engine.engine import Handle
 
 
 class GroupHandle:

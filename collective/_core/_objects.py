@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _engine
+from .._engine import communicator as _engine
 from ._handles import synchronize
 from ._ops import allgather_async, broadcast_
 from ._process_sets import global_process_set

@@ -1,7 +1,7 @@
 """Horovod's tensor collectives on c10d: asynchronous cores, in-place and blocking variants.
 
 Every op takes ``process_set=`` (default: every rank) and goes to the background engine
-(``collective/_background.py``), which matches it across ranks by name (explicit, or an automatic
+(``collective/_engine/engine.py``), which matches it across ranks by name (explicit, or an automatic
 one: the n-th unnamed op of its kind on the set) and starts its data op in the order the set's
 coordinator gives. Each function here describes its op (``Op``): what must agree across ranks,
 and ``launch``, which starts the c10d op once every member has submitted it. The frameworks wrap
@@ -12,19 +12,18 @@ ops and gradients ``collective/tensorflow/_ops.py``.
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .. import _background, _engine
-from .._background import Handle, Op
-from .._reduction import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
-from . import _buffers, _inline
+from .._engine.engine import Handle, Op
+from . import _adasum, _buffers, _inline, _submit
 from ._handles import GroupHandle, synchronize
 from ._process_sets import ProcessSet, global_process_set, require_member
+from ._reduction import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
 from ._scale import scale_, scaled
+from ._submit import describe, nbytes, submit
 
 _resolve_op = resolve_op
 
@@ -66,31 +65,19 @@ def _scale_after(tensor: torch.Tensor, op: ReduceOp, size: int, postscale: float
         scale_(tensor, postscale / size if average else postscale)
 
 
-def describe(t: torch.Tensor, skip_first_dim: bool = False) -> str:
-    """What a rank passed, for the error when ranks disagree: ``float32[4, 3] on cpu``."""
-    shape = list(t.shape)
-    dims = str(["*"] + shape[1:]).replace("'", "") if skip_first_dim and shape else str(shape)
-    return f"{str(t.dtype).replace('torch.', '')}{dims} on {t.device.type}"
 
 
-def _submit(process_set: ProcessSet, op: Op) -> Handle:
-    """Hand ``op`` to the engine (a set of one needs no negotiation)."""
-    if process_set.size() == 1:
-        return _background.run_local(op)
-    return _engine.engine().submit(process_set.link_id, op, sync=getattr(_caller, "blocking", False))
 
-
-_caller = threading.local()  # .blocking: this thread waits for the ops it submits at once (``now``)
 
 
 def now(start, *args, **kwargs):
     """``synchronize(start(*args, **kwargs))`` for a blocking call: the engine thread is not woken for the
     op, since this thread does the engine's work itself while it waits (``Engine.drive``)."""
-    _caller.blocking = True
+    _submit._caller.blocking = True
     try:
         handle = start(*args, **kwargs)
     finally:
-        _caller.blocking = False
+        _submit._caller.blocking = False
     return synchronize(handle)
 
 
@@ -154,8 +141,6 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     _check_tensor(tensor, "allreduce")
     op = _resolve_op(op, average)
     if op == Adasum:  # not element-wise: its own data op (``_adasum.py``)
-        from . import _adasum
-
         return _adasum.allreduce_async_(tensor, name, prescale_factor, postscale_factor, process_set, _what, _fusable)
     require_member(process_set, _what)
     size = process_set.size()
@@ -198,10 +183,10 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
         return tensor
 
     fusable = _fusable and inline is None and not reduced_via_int32(tensor.dtype, tensor.device)
-    return _submit(process_set, Op(
+    return submit(process_set, Op(
         kind="allreduce", name=name, signature=f"{op.name}|{desc}|{prescale_factor}|{postscale_factor}",
         description=f"{_what}(op={op.name}: {desc})", joinable=op in (Sum, Average),
-        inline=None if inline is None else _inline.wire_bytes(inline), launch=launch, nbytes=_nbytes(tensor),
+        inline=None if inline is None else _inline.wire_bytes(inline), launch=launch, nbytes=nbytes(tensor),
         request={"z": _zeros_spec(tensor, "all_reduce") if inline is None else
                  {"kind": "inline", "dtype": str(inline.dtype).replace("torch.", ""), "op": op.name}},
         fuse=f"allreduce|{op.name}|{tensor.dtype}|{tensor.device}|{prescale_factor}|{postscale_factor}"
@@ -283,15 +268,13 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                            "move them to one device, or reduce each device's tensors in a group of their own.")
     op = _resolve_op(op, average)
     if op == Adasum:  # not element-wise: its own data op (``_adasum.py``)
-        from . import _adasum
-
         return _adasum.grouped_allreduce_async_(tensors, name, prescale_factor, postscale_factor, process_set)
     require_member(process_set, "grouped_allreduce")
     size = process_set.size()
     desc = ", ".join(describe(t) for t in tensors)
     buckets = _buffers.pack(tensors, _buffers.fusion_threshold())
     inline = None
-    if len(buckets) == 1 and tensors and _inline.fits(tensors[0], size, sum(map(_nbytes, tensors))):
+    if len(buckets) == 1 and tensors and _inline.fits(tensors[0], size, sum(map(nbytes, tensors))):
         with torch.no_grad():  # fused only once it is known to fit: a large group is not copied here
             inline = scaled(torch.cat([t.detach().reshape(-1) for t in tensors]), prescale_factor)
     flats, pooled = [], []
@@ -326,11 +309,11 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
         stand_in = {"z": {"kind": "all_reduce_buckets", "cuda": int(tensors[0].is_cuda),
                           "buckets": [[str(b[0].dtype).replace("torch.", ""), sum(m.numel() for m in b)]
                                       for b in buckets]}}
-    return _submit(process_set, Op(
+    return submit(process_set, Op(
         kind="grouped_allreduce", name=name, signature=f"{op.name}|{desc}|{prescale_factor}|{postscale_factor}",
         description=f"grouped_allreduce(op={op.name}: {desc})", joinable=op in (Sum, Average) and bool(stand_in),
         inline=None if inline is None else _inline.wire_bytes(inline), launch=launch,
-        nbytes=sum(map(_nbytes, tensors)), request=stand_in))
+        nbytes=sum(map(nbytes, tensors)), request=stand_in))
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -369,9 +352,9 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
                 tensor.copy_(_unwire(wire, tensor.dtype, tensor.shape))
         return tensor
 
-    return _submit(process_set, Op(
+    return submit(process_set, Op(
         kind="broadcast", name=name, signature=f"{root_rank}|{desc}", description=f"broadcast(root_rank={root_rank}: "
-        f"{desc})", problem=_root_problem(root_rank, process_set), launch=launch, nbytes=_nbytes(tensor)))
+        f"{desc})", problem=_root_problem(root_rank, process_set), launch=launch, nbytes=nbytes(tensor)))
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
@@ -419,9 +402,9 @@ def allgather_async(tensor, name=None, process_set=global_process_set, _problem=
         longest = max(out["rows"])
         return torch.cat([_unwire(g, t.dtype, (longest,) + trailing)[:n] for g, n in zip(out["gathered"], out["rows"])])
 
-    return _submit(process_set, Op(
+    return submit(process_set, Op(
         kind="allgather", name=name, signature=desc, description=f"allgather({desc})", fact=int(t.shape[0]),
-        problem=_problem, launch=launch, nbytes=_nbytes(t) * process_set.size()))
+        problem=_problem, launch=launch, nbytes=nbytes(t) * process_set.size()))
 
 
 def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set) -> Handle:
@@ -511,9 +494,9 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
             output = _unwire(output, tensor.dtype, (sum(out["received"]),) + trailing)
         return output, torch.tensor(out["received"], dtype=like.dtype, device=like.device)
 
-    return _submit(process_set, Op(
+    return submit(process_set, Op(
         kind="alltoall", name=name, signature=desc, description=f"alltoall({desc})", fact=splits, problem=problem,
-        launch=launch, nbytes=_nbytes(tensor)))
+        launch=launch, nbytes=nbytes(tensor)))
 
 
 # torch 2.13 renamed reduce_scatter_tensor (which now warns on every call) to reduce_scatter_single
@@ -575,10 +558,10 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
             _scale_after(mine, op, n, postscale_factor)
         return mine.to(tensor.dtype) if mine.dtype != tensor.dtype else mine
 
-    return _submit(process_set, Op(
+    return submit(process_set, Op(
         kind="reducescatter", name=name, signature=f"{op.name}|{desc}|{prescale_factor}|{postscale_factor}",
         description=f"reducescatter(op={op.name}: {desc})", problem=_problem or scalar, launch=launch,
-        nbytes=_nbytes(tensor)))
+        nbytes=nbytes(tensor)))
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
@@ -595,16 +578,14 @@ def check(what: str, tensors: list, process_set=global_process_set, extra: str =
     require_member(process_set, what)
     desc = ", ".join(describe(t) for t in tensors)
     text = f"{extra}: {desc}" if extra else desc
-    now(_submit, process_set, Op(kind="check", name=what, signature=text, description=f"{what}({text})",
+    now(submit, process_set, Op(kind="check", name=what, signature=text, description=f"{what}({text})",
                                  problem=problem, launch=lambda item, result: ([], None)))
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def barrier(process_set=global_process_set) -> None:
     """Wait until every rank of the set has reached this call."""
     require_member(process_set, "barrier")
-    now(_submit, process_set, Op(kind="barrier", name=None, signature="", description="barrier()",
+    now(submit, process_set, Op(kind="barrier", name=None, signature="", description="barrier()",
                                  launch=lambda item, result: ([], None)))

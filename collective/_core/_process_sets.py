@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .. import _engine
+from .._engine import communicator as _engine
 
 
 class ProcessSet:

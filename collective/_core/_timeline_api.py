@@ -1,8 +1,9 @@
-"""``start_timeline`` / ``stop_timeline`` for torch: Horovod's timeline of this rank's ops (``collective/_timeline.py``)."""
+"""``start_timeline`` / ``stop_timeline`` for torch: Horovod's timeline of this rank's ops (``collective/_engine/timeline.py``)."""
 
 from __future__ import annotations
 
-from .. import _engine, _timeline
+from .._engine import communicator as _engine
+from .._engine import timeline as _timeline
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

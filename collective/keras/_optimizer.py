@@ -6,8 +6,8 @@ import warnings
 
 import tensorflow as tf
 
-from .. import _engine
-from .._reduction import resolve_op
+from .._core._reduction import resolve_op
+from .._engine import communicator as _engine
 from ..tensorflow import Adasum, Average, Compression, Sum, grouped_allreduce
 
 

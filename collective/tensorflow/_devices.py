@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from .. import _engine
 from .._core import init as _core_init
+from .._engine import communicator as _engine
 
 
 def init(comm=None, process_sets=None) -> None:

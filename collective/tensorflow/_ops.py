@@ -13,7 +13,7 @@ import tensorflow as tf
 from .. import _core
 from .._core import Average, HorovodInternalError, Sum, global_process_set
 from .._core import synchronize as _wait
-from .._reduction import resolve_op
+from .._core._reduction import resolve_op
 from ._bridge import graph_op, run, to_tf, to_torch
 from ._compression import Compression
 

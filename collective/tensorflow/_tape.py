@@ -5,7 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from .._core import Adasum, Average, Sum, global_process_set
-from .._reduction import resolve_op
+from .._core._reduction import resolve_op
 from ._compression import Compression
 from ._ops import grouped_allreduce
 

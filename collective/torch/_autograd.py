@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import _engine
 from .._core import _ops
 from .._core._process_sets import global_process_set
+from .._engine import communicator as _engine
 from ._compression import Compression
 
 

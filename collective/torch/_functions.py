@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import _engine
 from .._core._objects import broadcast_object
 from .._core._ops import broadcast_
 from .._core._process_sets import global_process_set
+from .._engine import communicator as _engine
 
 
 def broadcast_parameters(params, root_rank: int = 0, process_set=global_process_set) -> None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .. import _engine
 from .._core._ops import Sum, allreduce_async_, now
 from .._core._process_sets import global_process_set
+from .._engine import communicator as _engine
 
 
 def _sum_all(t: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ def _model():
 def whoami():
     """Where this rank runs, as the rank itself and Horovod's API see it."""
     import sparkhvd.collective.torch as hvd
-    from sparkhvd.collective import _engine
+    from sparkhvd.collective._engine import communicator as _engine
 
     hvd.init()
     return {"hostname": socket.gethostname(), "pid": os.getpid(), "netns": os.readlink("/proc/self/ns/net"),

@@ -30,7 +30,7 @@ the message; for "join": ``x`` the rank that joined last.
 
 from __future__ import annotations
 
-from .._common.op_names import JOIN, label
+from ..._common.op_names import JOIN, label
 
 _JOINABLE_HINT = ("only allreduce and grouped_allreduce with op=Average or Sum, DistributedOptimizer and "
                   "SyncBatchNorm take part in join (as in Horovod); the joined ranks go on waiting in join().")

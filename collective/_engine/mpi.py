@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .._common.network import local_address
-from .._common.topology import Placement
+from ..._common.network import local_address
+from ..._common.topology import Placement
 
 # (launcher, rank variable, size variable), in the order they are looked for
 _LAUNCHERS = (("Open MPI's mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),

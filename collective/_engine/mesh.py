@@ -2,7 +2,7 @@
 
 ``Endpoint.star`` makes one set's links for the engine (``_background.py``): the set's coordinator
 (its first member) links to every other member, and every other member only to the coordinator.
-The engine frames those sockets with ``_channel.Channel``; this module carries no frames itself.
+The engine frames those sockets with ``_channel.PeerChannel``; this module carries no frames itself.
 
 Each rank listens on one port, whose address it puts in the rendezvous store. Of two members, the
 later one in the set connects and the earlier one accepts. A connection proves it belongs to the
@@ -34,7 +34,7 @@ import struct
 import threading
 import time
 
-from .._common.listener import GuardedListener, Handshake, RefusalTally, Refused
+from ..._common.listener import GuardedListener, Handshake, RefusalTally, Refused
 
 log = logging.getLogger("sparkhvd.mesh")
 
@@ -75,7 +75,7 @@ class Endpoint:
         self._tally = RefusalTally(f"rank {rank}'s control listener at {self._address[0]}:{self._address[1]}", log)
         self._at_exit = functools.partial(_summarise, self._tally, os.getpid())
         atexit.register(self._at_exit)  # the summary line, when the rank's process ends without hvd.shutdown()
-        self._guard = GuardedListener(self._listener, lambda sock, peer: _Greeting(self, sock), tally=self._tally,
+        self._guard = GuardedListener(self._listener, lambda sock, peer: _PeerGreeting(self, sock), tally=self._tally,
                                       timeout=lambda: _HANDSHAKE_TIMEOUT, name="sparkhvd-control-accept")
         store.set(f"{prefix}{rank}", f"{self._address[0]}:{self._address[1]}")
 
@@ -220,7 +220,7 @@ def _summarise(tally: RefusalTally, pid: int) -> None:
         tally.close("while it was open")
 
 
-class _Greeting(Handshake):
+class _PeerGreeting(Handshake):
     """The accepting side of a control handshake: a random challenge out, then the connecting
     rank's (link id, rank) and its HMAC of both under the run's key in."""
 

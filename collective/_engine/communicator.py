@@ -13,16 +13,17 @@ import datetime
 import os
 import secrets
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from .._common import context as _context
-from .._common import progress as _progress
-from .._common.network import local_address
-from .._common.topology import Placement
-from . import _mpi
-from ._mesh import Endpoint
+from ..._common import context as _context
+from ..._common import progress as _progress
+from ..._common.network import local_address
+from ..._common.topology import Placement
+from . import mpi as _mpi
+from .mesh import Endpoint
 
 _TIMEOUT = datetime.timedelta(minutes=30)
 _INIT_LINK = -2  # the stall report's number for init()'s rendezvous (process sets count from 0)
@@ -51,7 +52,16 @@ class NotInitializedError(ValueError):
     """A collective was called before ``init()``."""
 
 
-def init(mpi_comm=None) -> Topology:
+@dataclass(frozen=True)
+class EngineParts:
+    """What the core (``collective/_core``) gives the engine it starts."""
+
+    mirror: Callable  # a joined rank's part in the others' reductions, with zeros (``_core/_stand_in.py``)
+    reduce: Callable  # the reduction of small tensors that ride in the control frames (``_core/_inline.py``)
+    fusion_threshold: int  # bytes of ready ops fused into one (``HOROVOD_FUSION_THRESHOLD``)
+
+
+def init(parts: EngineParts, mpi_comm=None) -> Topology:
     """Join the job this process belongs to (idempotent); ``mpi_comm``: an mpi4py communicator to join through."""
     global _topology, _owns_group, _generation, _store, _endpoint, _master_addr, _mpi_exit_registered
     if _topology is not None:
@@ -59,7 +69,7 @@ def init(mpi_comm=None) -> Topology:
     ctx = _context.current()
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if ctx is not None:
-        from ._store import DriverStore
+        from .store import DriverStore
 
         p = ctx.placement
         store = _store = DriverStore(ctx.new_client(), prefix=f"sparkhvd/{_generation}/")
@@ -101,7 +111,7 @@ def init(mpi_comm=None) -> Topology:
         _owns_group = True
     if topology.size > 1:
         _endpoint = _control_endpoint(topology.rank, ctx)
-        _start_engine(topology)
+        _start_engine(topology, parts)
     _generation += 1
     _topology = topology
     return topology
@@ -122,11 +132,10 @@ def _control_endpoint(rank: int, ctx) -> Endpoint:
     return Endpoint(rank=rank, host=host, key=key, store=store, prefix=prefix, timeout=_TIMEOUT.total_seconds())
 
 
-def _start_engine(topology: Topology) -> None:
+def _start_engine(topology: Topology, parts: EngineParts) -> None:
     """The engine thread, with the global set's links (made now: every rank is in init())."""
     global _background_engine
-    from ._background import Engine, max_payload
-    from ._core import _buffers, _inline, _stand_in
+    from .engine import Engine, max_payload
 
     everyone = list(range(topology.size))
     waiting = _progress.begin_check("hvd.init", None, None, _INIT_LINK)
@@ -138,8 +147,8 @@ def _start_engine(topology: Topology) -> None:
         device = torch.cuda.current_device()
     else:
         device = None
-    _background_engine = Engine(topology.rank, max_payload(), mirror=_stand_in.mirror, reduce=_inline.reduce,
-                                device=device, fusion_threshold=_buffers.fusion_threshold(), cycle_time=cycle_time(),
+    _background_engine = Engine(topology.rank, max_payload(), mirror=parts.mirror, reduce=parts.reduce,
+                                device=device, fusion_threshold=parts.fusion_threshold, cycle_time=cycle_time(),
                                 cache_capacity=cache_capacity())
     _background_engine.add_link(0, everyone, sockets, None)
 
@@ -233,6 +242,7 @@ def drain() -> None:
 
 
 atexit.register(drain)  # a script under torchrun may exit without hvd.shutdown()
+_context.at_exit(drain)  # under HorovodRunner, the worker drains before it reports the result
 
 
 def shutdown() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .._common.client import ServiceClient
-from .._common.protocol import Kind
+from ..._common.client import ServiceClient
+from ..._common.protocol import Kind
 
 
 class DriverStore(dist.Store):

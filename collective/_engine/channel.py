@@ -13,7 +13,7 @@ import json
 import socket
 import struct
 
-from ._mesh import MeshError
+from .mesh import MeshError
 
 FRAME = struct.Struct("<qq")
 _encode = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: json.dumps with options builds one per call
@@ -21,7 +21,7 @@ MAX_META = 64 << 20  # a response listing every op of a large model is a few MB 
 BUFFER = 256 << 10  # bytes read at once; a larger frame gets a buffer of its own
 
 
-class Channel:
+class PeerChannel:
     """The engine's end of one link to ``peer`` (a global rank)."""
 
     frames_sent = 0  # by this process, over every link (``bench/control_scale.py`` reads them)
@@ -44,9 +44,9 @@ class Channel:
 
     def send(self, meta: dict, payload=b"") -> None:
         """Queue a frame and send what the socket takes now (``flush`` sends the rest)."""
-        Channel.frames_sent += 1
+        PeerChannel.frames_sent += 1
         data = _encode(meta).encode()
-        Channel.meta_bytes_sent += len(data)
+        PeerChannel.meta_bytes_sent += len(data)
         payload = memoryview(payload).cast("B")
         self.queued += FRAME.size + len(data) + payload.nbytes
         self._out.append(memoryview(FRAME.pack(len(data), payload.nbytes) + data))

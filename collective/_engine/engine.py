@@ -36,12 +36,12 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .._common import progress as _progress
-from .._common.op_names import JOIN
-from . import _timeline
-from ._channel import Channel
-from ._mesh import MeshError
-from ._negotiate import RequestCache, Table, pairable
+from ..._common import progress as _progress
+from ..._common.op_names import JOIN
+from . import timeline as _timeline
+from .channel import PeerChannel
+from .mesh import MeshError
+from .negotiate import RequestCache, Table, pairable
 
 _scope = threading.local()  # .prefix, .count: names for this thread's unnamed ops (``named``)
 
@@ -186,7 +186,7 @@ class _Link:
         self.members = members
         self.me = me
         self.ranks = ranks  # the set's ranks for the stall report (None: every rank)
-        self.channels = channels  # peer -> Channel: every worker on the coordinator, the coordinator elsewhere
+        self.channels = channels  # peer -> PeerChannel: every worker on the coordinator, the coordinator elsewhere
         self.coordinator = members[0]
         self.table = Table(members, fusion_threshold) if me == self.coordinator else None
         self.cache = RequestCache(cache_capacity)  # shortens this worker's requests, or expands the workers'
@@ -243,7 +243,7 @@ class Engine:
 
     def add_link(self, link_id: int, members: list, sockets: dict, ranks, group=None) -> None:
         """Hand the engine one set's links (made by ``_mesh.Endpoint``); ``group`` is its c10d group."""
-        channels = {peer: Channel(sock, peer, self._max_payload) for peer, sock in sockets.items()}
+        channels = {peer: PeerChannel(sock, peer, self._max_payload) for peer, sock in sockets.items()}
         link = _Link(link_id, list(members), self.rank, channels, ranks, self._fusion_threshold,
                      self._cache_capacity)
         link.group = group
