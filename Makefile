@@ -1,10 +1,11 @@
 # make demo: set up .venv (once) and run the demo.  make test: set up .venv (once) and run the tests.
+# make check: the fast tier alone (tests marked unit: no process, no Spark), in well under a minute.
 PYTHON ?= python3
 VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test coverage bench check-python check-java clean
+.PHONY: demo test check coverage bench check-python check-java clean
 
 demo: check-java $(STAMP)
 	$(VPY) notebooks/demo.py
@@ -12,6 +13,11 @@ demo: check-java $(STAMP)
 # Three workers: most tests wait on processes, the JVM and the network, not on the 2 cores.
 test: check-java $(STAMP)
 	$(VPY) -m pytest -n 3 $(PYTEST_ARGS)
+
+# The fast tier: pure logic against fakes (pytest -m unit; tests/conftest.py fails a unit test that starts a process,
+# a HorovodRunner or Spark). In test order, so a failure reproduces.
+check: $(STAMP)
+	$(VPY) -m pytest -m unit -q -p no:randomly $(PYTEST_ARGS)
 
 # The whole suite under coverage.py (pyproject's [tool.coverage.*]); prints the line coverage.
 coverage: check-java $(STAMP)

@@ -18,9 +18,8 @@ import secrets
 import threading
 
 from . import context as _context
+from . import settings
 from .protocol import Kind
-
-ENV_COMMIT_DIR = "SPARKHVD_COMMIT_DIR"  # the rank process's copy of HorovodRunner(commit_dir=)
 
 
 class HostUpdateResult(enum.IntFlag):
@@ -109,7 +108,7 @@ class Publisher:
         """Send one commit; returns the driver's ``[timestamp, HostUpdateResult]`` when ranks can be added."""
         blob = pickle.dumps(snapshot, protocol=pickle.HIGHEST_PROTOCOL)
         meta = dict(meta, bytes=len(blob))
-        commit_dir = os.environ.get(ENV_COMMIT_DIR)
+        commit_dir = settings.COMMIT_DIR.get()
         if commit_dir:
             fs, root = _filesystem(commit_dir)
             folder = f"{root.rstrip('/')}/{self._ctx.run_id}"

@@ -4,8 +4,9 @@ For np = 2, 4, 8 (HorovodRunner(np=-n); more ranks than this machine's cores is 
 table says so) every rank runs ``--ops`` blocking 4 KB allreduces, and reports the control
 frames it sent (``PeerChannel.frames_sent``), their JSON bytes without the data
 (``PeerChannel.meta_bytes_sent``), and the time per op. The engine's links are a star (each member
-talks only to its set's coordinator), so a job of n ranks should send 2(n-1) frames per op; the
-first design's all-to-all check sent n(n-1). The table projects both to 64 and 1024 ranks. The
+talks only to its set's coordinator), so a job of n ranks should send 2(n-1) frames per op, where
+an all-to-all check (every rank telling every other) would send n(n-1). The table projects both to
+64 and 1024 ranks. The
 JSON bytes are measured twice: with the request cache (the default) and with
 ``HOROVOD_CACHE_CAPACITY=0`` (every request whole).
 

@@ -14,7 +14,7 @@ interpreter) runs, in the same process:
 imports ``sparkhvd.collective.torch`` and calls ``hvd.init()``; the peer imports
 ``torch.distributed`` and calls ``init_process_group("gloo")`` (and destroys it). With ``--fn
 trivial`` both run ``return 1`` and import nothing. Ours forks its ranks from the warm zygote
-(runner/_zygote.py, docs/performance.md) from the second run on; run with ``SPARKHVD_WARM=0`` in
+(runner/_warm_server.py, docs/performance.md) from the second run on; run with ``SPARKHVD_WARM=0`` in
 the environment for fresh rank processes, the baseline.
 
 Each gets one warm-up run (floor first, then ours, then the peer; each is reported as that
@@ -169,7 +169,7 @@ PHASES = [
 
 def breakdown_ours(fns: dict, reps: int) -> dict[str, dict[str, list[float]]]:
     """For each launch in ``fns`` ({name: callable}), reps runs -> {name: {phase: [seconds]}}."""
-    from sparkhvd.runner import _runner, _service
+    from sparkhvd.runner import _run_policy, _service
 
     events: dict[str, list[float]] = {}
 
@@ -193,7 +193,7 @@ def breakdown_ours(fns: dict, reps: int) -> dict[str, dict[str, list[float]]]:
 
     # DriverService binds its handlers in __init__, so patching the class first is enough.
     patches = [wrap(_service.DriverService, "__init__", "service", after=True),
-               wrap(_runner, "supervise", "supervised", after=True),
+               wrap(_run_policy.RunPolicy, "_ended", "supervised"),  # the attempt's ranks are done
                wrap(_service.DriverService, "_register", "register"),
                wrap(_service.DriverService, "_fetch", "fetch"),
                wrap(_service.DriverService, "_result", "result"),
@@ -348,7 +348,7 @@ def main() -> int:
         print("- ours_init() imports sparkhvd.collective.torch and calls hvd.init(); peer_init() calls "
               'torch.distributed.init_process_group("gloo") and destroys it.')
     warm = os.environ.get("SPARKHVD_WARM", "1") != "0"
-    print(f"- ours' ranks: {'forked from the warm zygote (runner/_zygote.py)' if warm else 'fresh processes (SPARKHVD_WARM=0)'}.")
+    print(f"- ours' ranks: {'forked from the warm zygote (runner/_warm_server.py)' if warm else 'fresh processes (SPARKHVD_WARM=0)'}.")
     if parts:
         print()
         print(f"## Where ours' time goes: {args.reps} more runs each, instrumented (driver-side timestamps "
@@ -375,7 +375,7 @@ def main() -> int:
 
 def stop_zygotes() -> None:
     """End the warm zygotes this benchmark's tasks started (they would otherwise idle out)."""
-    from sparkhvd.runner._zygote import marked
+    from sparkhvd.runner._warm_client import marked
 
     for pid in marked(f"SPARKHVD_BENCH_LAUNCH={os.getpid()}"):
         try:

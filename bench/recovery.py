@@ -114,30 +114,29 @@ def read(path: str) -> dict:
 
 
 class SuperviseStamps:
-    """Driver-side: when ``supervise`` decided the run failed (it calls ``_run._stop``) and when it raised
-    (the ranks aborted, the tasks stopped). Patched in for this benchmark only, as bench/launch.py does,
-    and removed afterwards."""
+    """Driver-side: when the run's policy decided an attempt failed (it calls ``_supervise._stop``) and when the
+    attempt ended (the ranks aborted, the tasks stopped). Patched in for this benchmark only, as bench/launch.py
+    does, and removed afterwards."""
 
     def __init__(self):
-        from sparkhvd.runner import _run, _runner
+        from sparkhvd.runner import _run_policy, _supervise
 
-        self._patched = [(_runner, "supervise", _runner.supervise), (_run, "_stop", _run._stop)]
+        policy = _run_policy.RunPolicy
+        self._patched = [(policy, "_ended", policy._ended), (_supervise, "_stop", _supervise._stop)]
         self.stopping: list[float] = []
         self.raised: list[float] = []
-        supervise, stop = _runner.supervise, _run._stop
+        ended, stop = policy._ended, _supervise._stop
 
-        def stamped_supervise(*args, **kwargs):
-            try:
-                return supervise(*args, **kwargs)
-            except BaseException:
+        def stamped_ended(self_, outcome):
+            if outcome.how == _supervise.FAILED:
                 self.raised.append(time.monotonic())
-                raise
+            return ended(self_, outcome)
 
         def stamped_stop(*args, **kwargs):
             self.stopping.append(time.monotonic())
             return stop(*args, **kwargs)
 
-        _runner.supervise, _run._stop = stamped_supervise, stamped_stop
+        policy._ended, _supervise._stop = stamped_ended, stamped_stop
 
     def clear(self):
         self.stopping.clear()
@@ -495,7 +494,7 @@ def main() -> int:
     print_commits(commits, repeats)
     print()
     print("Notes:")
-    print("- ours' restart: the driver sees rank 0's exit, waits runner/_run.py's FAILURE_GRACE_S (1 s) for the other "
+    print("- ours' restart: the driver sees rank 0's exit, waits runner/_supervise.py's FAILURE_GRACE_S (1 s) for the other "
           "ranks' errors unless every rank has exited, aborts and stops the tasks, relaunches every rank; rank 0 "
           "loads the commit, state.sync() gives it to rank 1. The fresh run's ranks pay the same start-up.")
     print("- commit(): TorchState.save() deepcopies the model's and optimizer's state_dicts in the loop; rank 0's "

@@ -19,9 +19,9 @@ __all__ = [
 ]
 
 _WHERE = {
-    "HorovodRunner": "._runner",
-    "RunResult": "._runner",
-    "log_to_driver": "._runner",
+    "HorovodRunner": "._horovod_runner",
+    "RunResult": "._run_result",
+    "log_to_driver": "._horovod_runner",
     "HorovodRunError": "._errors",
     "StartTimeoutError": "._errors",
     "JavaNotFoundError": "._java",

@@ -18,11 +18,10 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
-import os
 import sys
 import warnings
 
-ENV_ALIASES = "SPARKHVD_HOROVOD_ALIASES"  # "0": no aliases, on the driver or the ranks
+from .._common import settings
 
 #: The Horovod release whose API the aliases follow (Horovod's ``horovod.__version__``).
 HOROVOD_API_VERSION = "0.28.1"
@@ -88,8 +87,8 @@ _INSTEAD = {
 
 
 def enabled() -> bool:
-    """Whether the aliases are on (``SPARKHVD_HOROVOD_ALIASES`` is not "0"): the one place that reads it."""
-    return os.environ.get(ENV_ALIASES, "1").strip() != "0"
+    """Whether the aliases are on (``SPARKHVD_HOROVOD_ALIASES`` is not "0")."""
+    return settings.HOROVOD_ALIASES.get()
 
 
 class HorovodAliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -188,8 +187,9 @@ def uninstall() -> None:
 def install_on_driver() -> bool:
     """``import sparkhvd.migrate``: install, and warn where the setting, or a real install, makes it a no-op."""
     if not install():
-        warnings.warn(f"{ENV_ALIASES}=0, so import sparkhvd.migrate installed no aliases: `import horovod...` and "
-                      f"`from sparkdl import HorovodRunner` find only real installs; unset {ENV_ALIASES} to use "
+        name = settings.HOROVOD_ALIASES.name
+        warnings.warn(f"{name}=0, so import sparkhvd.migrate installed no aliases: `import horovod...` and "
+                      f"`from sparkdl import HorovodRunner` find only real installs; unset {name} to use "
                       "sparkhvd's.", RuntimeWarning, stacklevel=3)
         return False
     for top, what in _TOPS.items():

@@ -21,6 +21,8 @@ if __name__ == "__main__" and not __package__:
 import argparse
 import signal
 
+from sparkhvd._common import settings
+
 EXIT_FAILED = 1
 EXIT_USAGE = 2  # argparse's own
 
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{-ns.np} process{'es' if ns.np < -1 else ''} on this machine without Spark: drop them, or use "
                      f"--np {-ns.np}.")
     from sparkhvd.runner._errors import HorovodRunError
-    from sparkhvd.runner._runner import HorovodRunner
+    from sparkhvd.runner._horovod_runner import HorovodRunner
     from sparkhvd.runner._script import as_payload
 
     try:
@@ -120,7 +122,7 @@ def _conf(parser: argparse.ArgumentParser, item: str) -> tuple[str, str]:
 
 def _under_spark_submit() -> bool:
     """Started by spark-submit, whose JVM (and its --master, --conf) is already up."""
-    return "PYSPARK_GATEWAY_PORT" in os.environ
+    return settings.PYSPARK_GATEWAY_PORT.raw() is not None
 
 
 def _session(master: str | None, confs: list, np: int) -> None:
@@ -132,7 +134,7 @@ def _session(master: str | None, confs: list, np: int) -> None:
         from sparkhvd.runner._java import check_java
 
         check_java()
-        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors run this interpreter
+        os.environ.setdefault(settings.PYSPARK_PYTHON.name, sys.executable)  # executors run this interpreter
         builder = builder.appName("sparkhvd").master(master or f"local[{max(np, 2)}]")
     elif master:
         builder = builder.master(master)

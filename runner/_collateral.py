@@ -3,24 +3,23 @@
 One rule, over what the driver also receives (the exception's type name and its ``str``), so that
 the rank that failed and the driver read its error the same way: the rank, to decide what its
 output shows (runner/_worker.py), and the driver, to put the cause first in the run's error
-(runner/_run.py).
+(runner/_failure_report.py). By type first; by text only where the type says nothing
+(runner/_error_text.py).
 """
 
 from __future__ import annotations
 
 from .._common.commits import RanksChanged
+from ._error_text import PEER_GONE, TF_WRAPPERS, WRAPPED, read_text, says
 
 #: The type every rank reports when it leaves at a commit for the driver to relaunch more ranks (as a name: the
 #: driver receives the rank's exception's type name).
 RESIZE = RanksChanged.__name__
 
 #: Errors a rank gets because a peer went away: never the root cause while another one is known.
-#: By type (ours and torch.distributed's), or gloo's RuntimeError by its text; a user's own OSError
-#: (a database that refuses connections) is a cause, whatever its text.
+#: By type (ours and torch.distributed's); gloo's RuntimeError only by its text (runner/_error_text.py). A user's
+#: own OSError (a database that refuses connections) is a cause, whatever its text.
 COLLATERAL_TYPES = frozenset({"MeshError", "DistBackendError", "DistNetworkError", "RunAborted", RESIZE})
-_GLOO_TEXT = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "GLHF", "pair.cc")
-#: TensorFlow's types for an error raised inside an op's Python function; its message keeps the original's type name.
-_TF_WRAPPERS = frozenset({"UnknownError", "InternalError"})
 
 HEADLINE_CHARS = 400  # a longer one-line summary of an error is cut to this
 
@@ -28,25 +27,24 @@ HEADLINE_CHARS = 400  # a longer one-line summary of an error is cut to this
 def is_collateral(type_name: str, message: str) -> bool:
     """Whether an error is what a lost peer causes (a closed control link, gloo's read error), also where
     TensorFlow wrapped it (``UnknownError: ... MeshError: ...`` from a collective inside ``model.fit``)."""
-    return type_name in COLLATERAL_TYPES or (
-        type_name == "RuntimeError" and any(text in message for text in _GLOO_TEXT)) or (
-        type_name in _TF_WRAPPERS and _wrapped(message) is not None)
+    if type_name in COLLATERAL_TYPES:
+        return True
+    readings = read_text(type_name, message, COLLATERAL_TYPES)
+    return says(readings, PEER_GONE) is not None or says(readings, WRAPPED) is not None
 
 
-def _wrapped(message: str) -> str | None:
+def _wrapped(type_name: str, message: str) -> str | None:
     """The line of a TensorFlow wrapper's message that carries a collateral error (``MeshError: ...``), if any."""
-    for line in message.splitlines():
-        for kind in COLLATERAL_TYPES:
-            at = line.find(f"{kind}: ")
-            if at >= 0:
-                return line[at:]
-    return None
+    if type_name not in TF_WRAPPERS:
+        return None
+    reading = says(read_text(type_name, message, COLLATERAL_TYPES), WRAPPED)
+    return None if reading is None else reading.text
 
 
 def headline(type_name: str, message: str) -> str:
     """An error in one line: ``Type: first line of its message`` (for a collateral error that TensorFlow
     wrapped, the wrapped error's line), cut to ``HEADLINE_CHARS``."""
-    inner = _wrapped(message) if type_name in _TF_WRAPPERS else None
+    inner = _wrapped(type_name, message)
     if inner is not None:
         text = f"{inner} (raised inside TensorFlow's {type_name})"
     else:

@@ -28,12 +28,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+from .._common import settings
 from .._common.commits import _filesystem, _safe
 
 log = logging.getLogger("sparkhvd.commits")
 
-ENV_COMMIT_MEMORY = "SPARKHVD_COMMIT_MEMORY_BYTES"
-DEFAULT_COMMIT_MEMORY = 256 << 20
 
 
 @dataclass
@@ -64,7 +63,7 @@ class CommitStore:
     """The driver's newest commit of each elastic state, across one run's restarts. Thread-safe."""
 
     def __init__(self, *, memory_bytes: int | None = None, commit_dir: str | None = None, run_id: str = ""):
-        self.memory_bytes = _memory_bytes() if memory_bytes is None else memory_bytes
+        self.memory_bytes = settings.COMMIT_MEMORY_BYTES.get() if memory_bytes is None else memory_bytes
         self.commit_dir = commit_dir
         self.run_id = run_id
         self.count = 0  # commits received in the whole run
@@ -149,19 +148,6 @@ class CommitStore:
         with open(path, "wb") as f:
             f.write(blob)
         return path
-
-
-def _memory_bytes() -> int:
-    raw = os.environ.get(ENV_COMMIT_MEMORY)
-    if raw is None:
-        return DEFAULT_COMMIT_MEMORY
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_COMMIT_MEMORY}={raw!r} is not a number of bytes; set it to e.g. "
-                         f"{DEFAULT_COMMIT_MEMORY} (commits larger than it are kept in a file on the driver).") from None
-
-
 
 
 def _remove_file(path: str | None) -> None:

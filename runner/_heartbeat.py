@@ -13,16 +13,16 @@ than the heartbeat timeout makes the rank look lost (the timeout's message says 
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from typing import Callable
 
 from .._common import progress as _progress
+from .._common import settings
 from .._common.client import ServiceClient
 from .._common.protocol import Kind
-from ._stall import ENV_HEARTBEAT, FORWARDED, HEARTBEAT_DEFAULT_S, parse_seconds
+from ._stall import FORWARDED_SETTINGS, lenient
 
 STARTING, RUNNING, FINISHING = "starting", "running", "finishing"
 _RECONNECTS = 3  # a connection the driver's listener dropped (flooded) is made again this often, then given up
@@ -40,7 +40,7 @@ class Heartbeat:
         self.state = STARTING  # set by the worker: RUNNING while the user's function runs, then FINISHING
         self._address = address
         self._secret = secret
-        self._settings = {name: os.environ[name] for name in FORWARDED if name in os.environ}
+        self._settings = {s.name: s.raw() for s in FORWARDED_SETTINGS if s.raw() is not None}
         self._wake = threading.Event()  # a change of state is sent at once, not at the next beat
         self._thread = threading.Thread(target=self._run, name="sparkhvd-heartbeat", daemon=True)
 
@@ -48,8 +48,7 @@ class Heartbeat:
     def start(cls, address: tuple[str, int], secret: bytes, rank: int,
               on_lost: Callable[[str], None] | None = None) -> "Heartbeat":
         """Start beating; ``on_lost(reason)`` runs when the driver can no longer be reached."""
-        interval, problem = parse_seconds(ENV_HEARTBEAT, os.environ.get(ENV_HEARTBEAT), HEARTBEAT_DEFAULT_S,
-                                          "this rank's environment", positive=True)
+        interval, problem = lenient(settings.HEARTBEAT, settings.HEARTBEAT.raw(), "this rank's environment")
         if problem:
             sys.stderr.write(f"sparkhvd: {problem}\n")
         beat = cls(address, secret, rank, interval, on_lost)

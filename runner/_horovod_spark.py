@@ -14,13 +14,11 @@ import numbers
 import os
 import sys
 
+from .._common import settings
+from ._horovod_runner import HorovodRunner
 from ._mlflow import shared_run
-from ._runner import HorovodRunner
 
 __all__ = ["run"]
-
-ENV_START_TIMEOUT = "HOROVOD_SPARK_START_TIMEOUT"  # Horovod's own setting, read as Horovod does
-DEFAULT_START_TIMEOUT_S = 600  # Horovod's default
 
 
 def run(fn, args=(), kwargs=None, num_proc=None, start_timeout=None, use_mpi=None, use_gloo=None,
@@ -128,14 +126,7 @@ def _one_nic(nics) -> str | None:
 
 
 def _start_timeout(start_timeout):
-    if start_timeout is not None:
-        return start_timeout
-    raw = os.environ.get(ENV_START_TIMEOUT, str(DEFAULT_START_TIMEOUT_S))
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_START_TIMEOUT}={raw!r} is not a number of seconds; set it to e.g. "
-                         f"{DEFAULT_START_TIMEOUT_S}, or pass start_timeout=.") from None
+    return settings.HOROVOD_SPARK_START_TIMEOUT.get() if start_timeout is None else start_timeout
 
 
 def _num_proc(num_proc) -> int:

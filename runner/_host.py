@@ -8,6 +8,9 @@ import os
 import socket
 import struct
 
+from .._common import settings
+from .._common.network import local_address
+
 _NAMESPACES = ("net", "uts", "ipc")  # processes that share these (and the kernel) share a host
 _SIOCGIFADDR = 0x8915
 
@@ -64,3 +67,23 @@ def address_of(interface: str) -> str:
             "the interface the hosts reach each other on, or leave network_interface unset to use the one that "
             "routes to the driver.")
     return found[interface]
+
+
+def rank_address(driver_host: str) -> str:
+    """This rank's address for its peers; gloo is pointed at the same interface.
+
+    gloo otherwise picks the address the hostname resolves to, which on many hosts is loopback
+    (Debian's 127.0.1.1): its peers on other hosts are then refused.
+    """
+    chosen = settings.NETWORK_INTERFACE.get()
+    try:
+        local = address_of(chosen) if chosen else local_address(driver_host)
+    except OSError as exc:
+        raise ValueError(f"this rank cannot tell which of its addresses reaches the driver at {driver_host} ({exc}); "
+                         "pass network_interface= with the name of the interface the hosts reach each other "
+                         "on.") from exc
+    if settings.GLOO_SOCKET_IFNAME.raw() is None:
+        interface = interface_of(local)
+        if interface is not None:
+            os.environ[settings.GLOO_SOCKET_IFNAME.name] = interface
+    return local

@@ -29,6 +29,8 @@ def java_version(java: str) -> int | None:
 
 def check_java() -> None:
     """Raise JavaNotFoundError unless Spark's java (JAVA_HOME, else PATH) is 17 or newer."""
+    # Read here, not through _common/settings.py (JAVA_HOME there): `make check-java` runs this file alone, with
+    # the system's Python, before sparkhvd is installed.
     home = os.environ.get("JAVA_HOME")
     java = os.path.join(home, "bin", "java") if home else shutil.which("java")
     where = f"JAVA_HOME={home}" if home else "PATH"

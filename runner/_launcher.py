@@ -6,8 +6,11 @@ import abc
 import socket
 import subprocess
 import threading
+import time
 
-from ._agent import TaskSpec, _kill_group, run_task
+from ._agent import run_task
+from ._rank_process import kill_group
+from ._task_spec import TaskSpec
 
 
 class Launcher(abc.ABC):
@@ -72,15 +75,13 @@ class LocalLauncher(Launcher):
             self._procs.append(proc)
             stopped = self._stopped
         if stopped:
-            _kill_group(proc)
+            kill_group(proc)
 
     def failure(self) -> str | None:
         with self._lock:
             return "; ".join(self._errors) or None
 
     def join(self, timeout: float) -> bool:
-        import time
-
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -91,4 +92,4 @@ class LocalLauncher(Launcher):
             self._stopped = True
             procs = list(self._procs)
         for proc in procs:
-            _kill_group(proc)  # also what an exited rank left running
+            kill_group(proc)  # also what an exited rank left running

@@ -21,15 +21,11 @@ import tempfile
 import threading
 import time
 
+from .._common import settings
 from .._common.protocol import FILE_ONLY
 from ._notices import notice
 
 VERBOSITIES = ("all", "log_callback_only")
-ENV_LOG_ROOT = "SPARKHVD_LOG_ROOT"
-ENV_KEEP_LOGS = "SPARKHVD_KEEP_LOGS"
-DEFAULT_KEEP_LOGS = 5
-ENV_KEEP_FAILED_LOGS = "SPARKHVD_KEEP_FAILED_LOGS"
-DEFAULT_KEEP_FAILED_LOGS = 20
 SUCCEEDED = ".succeeded"  # marks a finished, successful run's folder
 FAILED = ".failed"  # marks a finished, failed run's folder; only folders with one of these marks are ever removed
 
@@ -75,41 +71,60 @@ class LogRouter:
         with self._lock:
             if self._closed:
                 return  # a frame that arrived after the run ended
-            f = self._files.get(rank)
-            if f is None:
-                f = self._files[rank] = open(self.path(rank), "a", encoding="utf-8")
-                self._tails[rank] = collections.deque(maxlen=self._tail_lines)
+            f = self._file(rank)
             if stream == FILE_ONLY:
                 if lines:
-                    f.write("\n".join(lines) + "\n")
-                    f.flush()
+                    _write(f, lines)
                 return
             if lines:
                 self._bars.pop(key, None)  # the first line is the bar's final state
-                f.write("\n".join(lines) + "\n")
-                f.flush()
+                _write(f, lines)
                 self._tails[rank].extend(lines[-self._tail_lines:])
                 if shown:
-                    rewrite = self._open == key  # the first line is the final state of the bar on screen
-                    visible = [line for line in lines[1 if rewrite else 0:] if self._shows(stream, line)]
-                    if rewrite:  # rewrite the bar in place with its final state
-                        parts.append(f"\r[{rank}] {_padded(lines[0], self._width)}\n")
-                        self._open = None
-                    elif visible and self._open is not None:
-                        parts.append("\n")
-                        self._open = None
-                    parts.extend(f"[{rank}] {line}\n" for line in visible)
+                    parts += self._screen_lines(key, lines)
             if progress:
                 self._bars[key] = progress
                 if shown:
-                    if self._open not in (None, key):
-                        parts.append("\n")  # another stream's bar stays on its own line
-                    width = self._width if self._open == key else 0
-                    parts.append(f"\r[{rank}] {_padded(progress, width)}")
-                    self._open, self._width = key, len(progress)
+                    parts += self._screen_bar(key, progress)
             if parts:
                 out.write("".join(parts))
                 out.flush()
+
+    def _file(self, rank: int):
+        """The rank's log file, opened (and its tail started) at its first line; under the lock."""
+        f = self._files.get(rank)
+        if f is None:
+            f = self._files[rank] = open(self.path(rank), "a", encoding="utf-8")
+            self._tails[rank] = collections.deque(maxlen=self._tail_lines)
+        return f
+
+    def _screen_lines(self, key: tuple, lines: list) -> list:
+        """What the stream ``key`` = (rank, stream)'s new ``lines`` put on screen: the final state of its bar
+        rewritten in place where the cursor is at the end of it, a newline ending another stream's bar, then a
+        ``[rank] line`` per line shown; under the lock."""
+        rank, stream = key
+        parts = []
+        rewrite = self._open == key  # the first line is the final state of the bar on screen
+        visible = [line for line in lines[1 if rewrite else 0:] if self._shows(stream, line)]
+        if rewrite:  # rewrite the bar in place with its final state
+            parts.append(f"\r[{rank}] {_padded(lines[0], self._width)}\n")
+            self._open = None
+        elif visible and self._open is not None:
+            parts.append("\n")
+            self._open = None
+        parts.extend(f"[{rank}] {line}\n" for line in visible)
+        return parts
+
+    def _screen_bar(self, key: tuple, progress: str) -> list:
+        """What the stream ``key`` = (rank, stream)'s unfinished line ``progress`` puts on screen: the line
+        rewritten in place, on a line of its own if another stream's bar is open; under the lock."""
+        parts = []
+        if self._open not in (None, key):
+            parts.append("\n")  # another stream's bar stays on its own line
+        width = self._width if self._open == key else 0
+        parts.append(f"\r[{key[0]}] {_padded(progress, width)}")
+        self._open, self._width = key, len(progress)
+        return parts
 
     def _shows(self, stream: str, line: str) -> bool:
         """Whether ``line`` goes on screen: not a start-up notice (runner/_notices.py) already shown in this run."""
@@ -155,6 +170,12 @@ class LogRouter:
             self._files.clear()
 
 
+def _write(f, lines: list) -> None:
+    """Append ``lines`` to the log file ``f`` with one write, and flush it."""
+    f.write("\n".join(lines) + "\n")
+    f.flush()
+
+
 def _padded(text: str, width: int) -> str:
     """``text``, with spaces over what is left of a ``width``-character line it rewrites."""
     return text + " " * (width - len(text))
@@ -165,30 +186,17 @@ def _padded(text: str, width: int) -> str:
 
 def keep_logs() -> int:
     """How many successful runs' log folders are kept: ``$SPARKHVD_KEEP_LOGS``, default 5."""
-    return _count(ENV_KEEP_LOGS, DEFAULT_KEEP_LOGS, "successful")
+    return settings.KEEP_LOGS.get()
 
 
 def keep_failed_logs() -> int:
     """How many failed runs' log folders are kept: ``$SPARKHVD_KEEP_FAILED_LOGS``, default 20."""
-    return _count(ENV_KEEP_FAILED_LOGS, DEFAULT_KEEP_FAILED_LOGS, "failed")
-
-
-def _count(name: str, default: int, which: str) -> int:
-    raw = os.environ.get(name, str(default))
-    try:
-        keep = int(raw)
-    except ValueError:
-        keep = -1
-    if keep < 0:
-        raise ValueError(f"{name}={raw!r} is not a whole number >= 0; set it to how many {which} runs' log folders "
-                         f"to keep (default {default}; 0 keeps none), or pass log_dir= to keep a run's logs where you "
-                         "choose.")
-    return keep
+    return settings.KEEP_FAILED_LOGS.get()
 
 
 def log_root() -> str:
     """The folder every run without ``log_dir=`` keeps its logs under (made if missing)."""
-    root = os.environ.get(ENV_LOG_ROOT)
+    root = settings.LOG_ROOT.get()
     if root:
         os.makedirs(root, mode=0o700, exist_ok=True)
         return root
@@ -205,8 +213,8 @@ def log_root() -> str:
     what = ("a link" if os.path.islink(root)  # (a file there already failed makedirs, with its own clear error)
             else f"owned by uid {info.st_uid}, not by you ({os.getuid()})" if info.st_uid != os.getuid() else None)
     if what is not None:
-        raise PermissionError(f"The sparkhvd log folder {root} is {what}; remove it, set {ENV_LOG_ROOT} to a folder "
-                              "of your own, or pass log_dir=.")
+        raise PermissionError(f"The sparkhvd log folder {root} is {what}; remove it, set {settings.LOG_ROOT.name} to "
+                              "a folder of your own, or pass log_dir=.")
     return root
 
 
@@ -247,5 +255,5 @@ def end_run_logs(log_dir: str, *, succeeded: bool, given: bool) -> list:
         return removed
     except (OSError, ValueError) as exc:
         log.warning("sparkhvd: could not clean up old log folders next to %s (%s: %s); remove them by hand, or set "
-                    "%s to a folder you can write.", log_dir, type(exc).__name__, exc, ENV_LOG_ROOT)
+                    "%s to a folder you can write.", log_dir, type(exc).__name__, exc, settings.LOG_ROOT.name)
         return []

@@ -12,6 +12,8 @@ import contextlib
 import os
 import sys
 
+from .._common import settings
+
 
 def _active_run():
     mlflow = sys.modules.get("mlflow")
@@ -29,8 +31,9 @@ def tracking_env() -> dict:
     if run is None:
         return {}
     env = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}  # credentials, store options
-    env.update(MLFLOW_TRACKING_URI=_absolute(mlflow.get_tracking_uri()), MLFLOW_RUN_ID=run.info.run_id,
-               MLFLOW_EXPERIMENT_ID=str(run.info.experiment_id))
+    env.update({settings.MLFLOW_TRACKING_URI.name: _absolute(mlflow.get_tracking_uri()),
+                settings.MLFLOW_RUN_ID.name: run.info.run_id,
+                settings.MLFLOW_EXPERIMENT_ID.name: str(run.info.experiment_id)})
     return env
 
 
@@ -46,7 +49,7 @@ def shared_run():
         yield env
     finally:
         if env:
-            _reopen(env["MLFLOW_RUN_ID"])
+            _reopen(env[settings.MLFLOW_RUN_ID.name])
 
 
 def _reopen(run_id: str) -> None:

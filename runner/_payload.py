@@ -17,13 +17,13 @@ import linecache
 import pickle
 import types
 
+import cloudpickle
+
 MAX_SOURCE_BYTES = 1 << 20  # source lines sent with one payload, at most
 
 
 def dumps(obj) -> bytes:
     """``obj`` pickled by cloudpickle, with the source lines of its by-value code (read by ``loads``)."""
-    import cloudpickle
-
     files: set = set()
 
     class Pickler(cloudpickle.Pickler):
@@ -41,8 +41,6 @@ def loads(payload: bytes):
 
     Only for a payload from an authenticated frame: it is unpickled.
     """
-    import cloudpickle
-
     blob, sources = pickle.loads(payload)
     for name, lines in sources.items():
         linecache.cache[name] = (sum(map(len, lines)), None, lines, name)  # no mtime: never checked against a file
@@ -50,8 +48,6 @@ def loads(payload: bytes):
 
 
 def _code_reduce(files: set, code: types.CodeType):
-    import cloudpickle
-
     constructor, args = cloudpickle.Pickler.dispatch_table[types.CodeType](code)
     if code.co_filename:
         files.add(code.co_filename)

@@ -25,49 +25,27 @@ from dataclasses import dataclass
 from importlib.machinery import EXTENSION_SUFFIXES, SOURCE_SUFFIXES, ExtensionFileLoader, FileFinder, SourceFileLoader
 from importlib.util import decode_source
 
-ENV_SHIP = "SPARKHVD_SHIP_SCRIPT_FOLDER"  # "0": ship the script alone
-ENV_MAX_BYTES = "SPARKHVD_SCRIPT_FOLDER_MAX_BYTES"
-ENV_MAX_FILES = "SPARKHVD_SCRIPT_FOLDER_MAX_FILES"
-DEFAULT_MAX_BYTES = 10_000_000
-DEFAULT_MAX_FILES = 1000
+from .._common import settings
+
 ENTRIES_PER_FILE = 100  # the walk looks at no more than max_files * this many files and folders
 MAX_CONFIG_BYTES = 1_000_000  # a larger config-like file is data: it stays behind
 CONFIG_SUFFIXES = (".json", ".yaml", ".yml", ".toml", ".cfg", ".ini", ".txt")
 SKIPPED_FOLDERS = frozenset({"__pycache__", "site-packages", "dist-packages", "node_modules"})
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
 class FolderLimits:
     """How much of the script's folder ships (docs/cli.md); ``from_env`` reads the environment variables."""
 
-    ship: bool = True
-    max_bytes: int = DEFAULT_MAX_BYTES  # the files' total size
-    max_files: int = DEFAULT_MAX_FILES
+    ship: bool = settings.SHIP_SCRIPT_FOLDER.default
+    max_bytes: int = settings.SCRIPT_FOLDER_MAX_BYTES.default  # the files' total size
+    max_files: int = settings.SCRIPT_FOLDER_MAX_FILES.default
 
     @classmethod
     def from_env(cls, environ=None) -> FolderLimits:
-        env = os.environ if environ is None else environ
-        raw = env.get(ENV_SHIP, "1").strip().lower()
-        if raw not in _TRUE + _FALSE:
-            raise ValueError(f"{ENV_SHIP}={env[ENV_SHIP]!r} is not 1 or 0 (nor true/false, yes/no, on/off); set it "
-                             "to 0 to ship the script alone (not the modules beside it), or unset it.")
-        return cls(ship=raw in _TRUE, max_bytes=_positive(env, ENV_MAX_BYTES, DEFAULT_MAX_BYTES, "bytes"),
-                   max_files=_positive(env, ENV_MAX_FILES, DEFAULT_MAX_FILES, "files"))
-
-
-def _positive(env, name: str, default: int, unit: str) -> int:
-    raw = env.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} is not a whole number of {unit} above 0; set it to e.g. {default * 5}, "
-                         f"or unset it for the default {default}.")
-    return value
+        return cls(ship=settings.SHIP_SCRIPT_FOLDER.get(environ),
+                   max_bytes=settings.SCRIPT_FOLDER_MAX_BYTES.get(environ),
+                   max_files=settings.SCRIPT_FOLDER_MAX_FILES.get(environ))
 
 
 @dataclass(frozen=True)
@@ -90,19 +68,20 @@ def collect(folder: str, limits: FolderLimits) -> ShippedFolder:
     found, complete = _walk(folder, limits.max_files * ENTRIES_PER_FILE)
     size = sum(s for _, _, s in found)
     where = f"the script's folder {folder} holds"
+    max_files, max_bytes = settings.SCRIPT_FOLDER_MAX_FILES.name, settings.SCRIPT_FOLDER_MAX_BYTES.name
     if len(found) > limits.max_files:
         count = f"{'' if complete else 'more than '}{len(found):,}"
         raise ValueError(f"{where} {count} Python and config files to ship to the ranks, over the bound of "
-                         f"{limits.max_files:,} ({ENV_MAX_FILES}){_most(found)}; {_ways_out(ENV_MAX_FILES)}.")
+                         f"{limits.max_files:,} ({max_files}){_most(found)}; {_ways_out(max_files)}.")
     if not complete:
         raise ValueError(f"{where} more than {limits.max_files * ENTRIES_PER_FILE:,} files and folders (the bound is "
-                         f"{ENTRIES_PER_FILE} times {ENV_MAX_FILES}), too many to look through for the modules to ship "
-                         f"to the ranks; {_ways_out(ENV_MAX_FILES)}.")
+                         f"{ENTRIES_PER_FILE} times {max_files}), too many to look through for the modules to ship "
+                         f"to the ranks; {_ways_out(max_files)}.")
     if size > limits.max_bytes:
         name, _, largest = max(found, key=lambda f: f[2])
         raise ValueError(f"{where} {_size(size)} of Python and config files to ship to the ranks, over the bound of "
-                         f"{_size(limits.max_bytes)} ({ENV_MAX_BYTES}), the largest being {name} ({_size(largest)}); "
-                         f"{_ways_out(ENV_MAX_BYTES)}.")
+                         f"{_size(limits.max_bytes)} ({max_bytes}), the largest being {name} ({_size(largest)}); "
+                         f"{_ways_out(max_bytes)}.")
     with io.BytesIO() as buffer:
         with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
             for name, path, _ in found:
@@ -118,8 +97,9 @@ def collect(folder: str, limits: FolderLimits) -> ShippedFolder:
 
 def _ways_out(setting: str | None) -> str:
     return (f"move the script into a folder of its own with the modules it imports, install your code as a package "
-            f"on every host, or ship it with --py-files or sc.addPyFile and set {ENV_SHIP}=0 to ship the script "
-            f"alone" + (f"; or raise {setting}" if setting else ""))
+            f"on every host, or ship it with --py-files or sc.addPyFile and set "
+            f"{settings.SHIP_SCRIPT_FOLDER.name}=0 to ship the script alone"
+            + (f"; or raise {setting}" if setting else ""))
 
 
 def _walk(root: str, max_entries: int) -> tuple[list, bool]:
@@ -140,10 +120,8 @@ def _walk(root: str, max_entries: int) -> tuple[list, bool]:
     stack = [(root, "", None)]  # (path, name in the zip, whether it is inside a package; None: the root)
     while stack:
         path, prefix, in_package = stack.pop()
-        try:
-            with os.scandir(path) as it:
-                entries = sorted(it, key=lambda e: e.name)
-        except OSError:
+        entries = _entries(path)
+        if entries is None:
             continue  # unreadable: nothing to ship from it
         names = {e.name for e in entries}
         if in_package is not None and (_is_environment(path, names) or not _holds_code(path, entries)):
@@ -155,28 +133,53 @@ def _walk(root: str, max_entries: int) -> tuple[list, bool]:
         configs = prefix == "" or in_package
         folders = []
         for entry in entries:
-            name = entry.name
-            if name.startswith(".") or not _plain(name):
+            if entry.name.startswith(".") or not _plain(entry.name):
                 continue
             if entry.is_dir():
-                if name in SKIPPED_FOLDERS or not name.isidentifier():
-                    continue
-                if entry.is_symlink():
-                    real = os.path.realpath(entry.path)
-                    if not _inside(real, real_root) or real in followed:
-                        continue
-                    followed.add(real)
-                folders.append((entry.path, f"{prefix}{name}/", in_package))
-            elif entry.is_file() and (_is_module(name) or configs and name.endswith(CONFIG_SUFFIXES)):
-                if entry.is_symlink() and not _inside(os.path.realpath(entry.path), real_root):
-                    continue
-                if not os.access(entry.path, os.R_OK):  # not this user's to read: a fresh rank could not either
-                    continue
-                size = entry.stat().st_size
-                if _is_module(name) or size <= MAX_CONFIG_BYTES:
-                    found.append((prefix + name, entry.path, size))
+                if _follows(entry, real_root, followed):
+                    folders.append((entry.path, f"{prefix}{entry.name}/", in_package))
+            elif entry.is_file():
+                size = _shipped_size(entry, configs, real_root)
+                if size is not None:
+                    found.append((prefix + entry.name, entry.path, size))
         stack += reversed(folders)
     return found, True
+
+
+def _entries(path: str) -> list | None:
+    """The folder's entries in name order; None where it cannot be read."""
+    try:
+        with os.scandir(path) as it:
+            return sorted(it, key=lambda e: e.name)
+    except OSError:
+        return None
+
+
+def _follows(entry: os.DirEntry, real_root: str, followed: set) -> bool:
+    """Whether the walk goes into the folder ``entry``: one Python could import from, not skipped, and, for a
+    symlink, one inside the script's folder (``real_root``) not reached before (``followed``, which it joins)."""
+    if entry.name in SKIPPED_FOLDERS or not entry.name.isidentifier():
+        return False
+    if entry.is_symlink():
+        real = os.path.realpath(entry.path)
+        if not _inside(real, real_root) or real in followed:
+            return False
+        followed.add(real)
+    return True
+
+
+def _shipped_size(entry: os.DirEntry, configs: bool, real_root: str) -> int | None:
+    """The size of the file ``entry`` if it ships (a module; a config file where ``configs`` says they ship and
+    it is small enough), else None; a symlink leading out of the script's folder (``real_root``) stays behind."""
+    name = entry.name
+    if not (_is_module(name) or configs and name.endswith(CONFIG_SUFFIXES)):
+        return None
+    if entry.is_symlink() and not _inside(os.path.realpath(entry.path), real_root):
+        return None
+    if not os.access(entry.path, os.R_OK):  # not this user's to read: a fresh rank could not either
+        return None
+    size = entry.stat().st_size
+    return size if _is_module(name) or size <= MAX_CONFIG_BYTES else None
 
 
 # Extension modules by their Python-specific suffixes only: a bare ``.so`` is far more often a native library.
@@ -242,7 +245,7 @@ _unpacked: dict = {}  # the unpacked folders of this process -> their folder on 
 def shipped(folder: ShippedFolder):
     """On a rank: the shipped files in a new private (0700) folder under ``$TMPDIR``, first on ``sys.path`` and
     imported through ``_Loader``; the folder is removed at the end."""
-    tmp = os.environ.get("TMPDIR")
+    tmp = settings.TMPDIR.get()
     root = tempfile.mkdtemp(prefix="sparkhvd-script-", dir=tmp if tmp and os.path.isdir(tmp) else None)
     _unpacked[root] = folder.driver_folder
     try:

@@ -3,14 +3,20 @@
 It registers tasks and hands out ranks, serves the pickled function, serves the rendezvous
 store the process groups are built from (``_common/rendezvous.py``; a blocked get or wait
 ends when the run does), receives log lines, results and errors, and tells every worker to
-stop when the run is aborted. It decides nothing about the run's outcome: ``_run.py`` watches
-its state and decides.
+stop when the run is aborted. It decides nothing about the run's outcome: the run's policy reads
+its state as ``status()`` snapshots and decides (``_run_policy.py``, ``_supervise.py``).
 
 Until a connection's first frame header verifies under the run's secret, it costs one
 descriptor and a few bytes, never a thread: one thread reads every such handshake under a whole
 deadline (``FIRST_FRAME_TIMEOUT_S``), evicting the oldest when its slots are full, and counts
 what it refuses (``_common/listener.py``). Authenticated connections, a thread each, are
 capped at ``CONNECTIONS_PER_RANK`` per rank plus ``CONNECTIONS_EXTRA``.
+
+This file holds the listener, the greeting, the connections and the driver's side of the service; the
+requests are answered by job, in the classes ``DriverService`` is made of: ``_service_tasks.py``
+(registration, rank assignment, the function, the abort watch), ``_service_reports.py`` (output lines,
+results, errors, exits, heartbeats), ``_service_commits.py`` (elastic commits) and ``_service_store.py``
+(the rendezvous store).
 """
 
 from __future__ import annotations
@@ -20,10 +26,9 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Callable
 
-from .._common.commits import HostUpdateResult
 from .._common.listener import GuardedListener, Handshake, RefusalTally, Refused
 from .._common.protocol import (
     _HEADER,
@@ -32,14 +37,21 @@ from .._common.protocol import (
     TAG_BYTES,
     AuthenticatedChannel,
     Kind,
-    Message,
     PeerClosed,
     ProtocolError,
-    check_log_meta,
 )
-from .._common.rendezvous import RendezvousStore, StoreClosed, StoreTimeout
-from .._common.topology import Placement, assign_ranks, host_gpus
+from .._common.rendezvous import RendezvousStore
+from .._common.topology import Placement
 from ._commits import CommitStore
+from ._run_status import RunStatus
+from ._service_commits import CommitHandlers
+from ._service_reports import Failure, ReportHandlers
+from ._service_store import STORE_KINDS, StoreHandlers
+from ._service_tasks import Registration, TaskHandlers
+
+# Failure and Registration, the records the service keeps, are imported from here with DriverService.
+__all__ = ["CONNECTIONS_EXTRA", "CONNECTIONS_PER_RANK", "FIRST_FRAME_TIMEOUT_S", "DriverService", "Failure", "LogSink",
+           "Registration"]
 
 log = logging.getLogger("sparkhvd.service")
 
@@ -50,38 +62,9 @@ FIRST_FRAME_TIMEOUT_S = 30.0  # a connection's first frame header must be authen
 # hvd.init() after hvd.shutdown() and for user code that opens its own clients.
 CONNECTIONS_PER_RANK = 32
 CONNECTIONS_EXTRA = 64
-BAD_LOGS_LOGGED = 5  # malformed LOG frames logged per run; the rest are counted in bad_logs
-
-_STORE_KINDS = (Kind.STORE_SET, Kind.STORE_GET, Kind.STORE_ADD, Kind.STORE_CHECK, Kind.STORE_WAIT,
-                Kind.STORE_CAS, Kind.STORE_DELETE, Kind.STORE_NUM_KEYS)
 
 
-@dataclass
-class Registration:
-    """What a task told the driver about itself."""
-
-    task: int
-    host: str  # the hostname, for messages
-    pid: int
-    gpus: list  # Spark's GPU addresses for the task
-    peer: str  # the address the driver saw the task's connection come from
-    host_id: str = ""  # what groups ranks by host (runner/_host.py); the hostname where absent
-    devices: list = field(default_factory=list)  # its GPUs as the host names them: ``gpus`` mapped by the agent
-
-
-@dataclass
-class Failure:
-    """A rank's exception, as its worker reported it."""
-
-    rank: int
-    type: str
-    message: str
-    traceback: str
-    pickled: bytes = b""
-    arrived: float = field(default_factory=time.monotonic)
-
-
-class DriverService:
+class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers):
     """Serves one run of ``np`` tasks. Thread-safe; every state change notifies ``cv``."""
 
     def __init__(self, *, np: int, secret: bytes, payload: bytes, bind_host: str = "127.0.0.1",
@@ -90,28 +73,35 @@ class DriverService:
         self.np = np
         self.run_id = run_id
         self._secret = secret
-        self._payload = payload
-        self._on_log = on_log or (lambda rank, stream, lines, progress: None)
-        self.bad_logs = 0  # LOG frames refused as malformed (the first few are logged)
         self.cv = threading.Condition()
+        self.aborted: str | None = None
+        self.finished = False
+        # the tasks and their ranks (_service_tasks.py)
+        self._payload = payload
         self.registrations: dict[int, Registration] = {}
         self.placements: list[Placement] | None = None
         self.gpu_lists: list[list[str]] = []  # task -> its CUDA_VISIBLE_DEVICES (_common/topology.py: host_gpus)
         self.placed_at: float | None = None  # when every task had registered and the ranks were assigned
+        # what the ranks report (_service_reports.py)
+        self._on_log = on_log or (lambda rank, stream, lines, progress: None)
+        self.bad_logs = 0  # LOG frames refused as malformed (the first few are logged)
         self.results: dict[int, bytes] = {}
         self.failures: list[Failure] = []
         self.exits: dict[int, int] = {}
         self.progress: dict[int, tuple] = {}  # rank -> (its latest heartbeat's meta, when it arrived)
-        self.aborted: str | None = None
+        # elastic commits (_service_commits.py)
         self.hosts_updated: list | None = None  # [timestamp, HostUpdateResult]: told to rank 0 with each commit
-        self.finished = False
         self.commits = commits if commits is not None else CommitStore(run_id=run_id or "")
         self._on_restore = on_restore  # called once, at rank 0's first RESTORE, with the commit's meta
         self.attempt = attempt  # which launch of the run this service serves (0, then one more per relaunch)
         self._restored: set[str] = set()  # states whose commit this attempt has asked for
-        self.store = RendezvousStore(self.cv, self._over)  # the ranks' c10d rendezvous, served as STORE_*
+        self.store = RendezvousStore(self.cv, self._over)  # the ranks' c10d rendezvous (_service_store.py)
         self._conns: set[socket.socket] = set()  # authenticated connections, each served by a thread
         self.max_connections = CONNECTIONS_PER_RANK * np + CONNECTIONS_EXTRA
+        self._listen(bind_host)
+
+    def _listen(self, bind_host: str) -> None:
+        """Open the listening socket on ``bind_host`` (any free port) and start the listener's thread."""
         server = socket.create_server((bind_host, 0), backlog=128)
         self.address = (bind_host, server.getsockname()[1])
         self.tally = RefusalTally(f"the sparkhvd driver service at {bind_host}:{self.address[1]}", log)
@@ -121,7 +111,7 @@ class DriverService:
             Kind.LOG: self._log, Kind.RESULT: self._result, Kind.ERROR: self._error,
             Kind.EXIT: self._exit, Kind.PROGRESS: self._progress,
             Kind.COMMIT: self._commit, Kind.RESTORE: self._restore,
-            **{kind: self._store_request for kind in _STORE_KINDS},
+            **{kind: self._store_request for kind in STORE_KINDS},
         }
         self._listener = GuardedListener(server, self._greet, tally=self.tally, name="sparkhvd-service",
                                          timeout=lambda: FIRST_FRAME_TIMEOUT_S)
@@ -135,6 +125,32 @@ class DriverService:
             if self.aborted is None and not self.finished:
                 self.aborted = reason
             self.cv.notify_all()
+
+    def status(self, wait: float = 0.0) -> RunStatus:
+        """What the ranks have reported, copied under the lock, after waiting up to ``wait`` seconds for news."""
+        with self.cv:
+            if wait > 0:
+                self.cv.wait(wait)
+            return RunStatus(
+                np=self.np, at=time.monotonic(), registrations=MappingProxyType(dict(self.registrations)),
+                placements=None if self.placements is None else tuple(self.placements), placed_at=self.placed_at,
+                results=MappingProxyType(dict(self.results)), failures=tuple(self.failures),
+                exits=MappingProxyType(dict(self.exits)), progress=MappingProxyType(dict(self.progress)),
+                hosts_updated=None if self.hosts_updated is None else tuple(self.hosts_updated))
+
+    def wait_for_exits(self, timeout: float) -> None:
+        """Wait until every started rank's agent has reported its process's exit.
+
+        An agent reports only after reaping its rank process, so afterwards none is left running.
+        Ranks start only once all have registered: before that there is nothing to wait for.
+        """
+        deadline = time.monotonic() + timeout
+        with self.cv:
+            while self.placements is not None and len(self.exits) < self.np:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self.cv.wait(remaining)
 
     def close(self) -> None:
         """Stop serving: close the listening socket and every connection."""
@@ -244,175 +260,6 @@ class DriverService:
 
     def _abort_reply(self, channel: AuthenticatedChannel) -> None:
         channel.send(Kind.ABORT, {"reason": self.aborted or "the run has finished"})
-
-    # ---- registration, function, watch ---------------------------------------------------
-
-    def _register(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
-        task = msg.meta.get("task")
-        refusal = None
-        with self.cv:
-            if not isinstance(task, int) or not 0 <= task < self.np:
-                refusal = f"task index {task!r} is outside 0..{self.np - 1}"
-            elif task in self.registrations:
-                refusal = f"task {task} registered twice; a retried Spark task cannot join a run that has started"
-            else:
-                self._add_registration(task, msg, peer)
-        if refusal is not None:
-            return self._refuse(channel, refusal)  # never send while holding cv
-        if not self._wait(lambda: self.placements is not None, None):
-            return self._abort_reply(channel)
-        # The placement (what the rank process reads back as a Placement) and the task's GPU list beside it.
-        channel.send(Kind.ASSIGN, {**self.placements[task].as_dict(), "host_gpus": self.gpu_lists[task]})
-
-    def _add_registration(self, task: int, msg: Message, peer: str) -> None:
-        """Record a task (cv held); once all have registered, assign the ranks."""
-        self.registrations[task] = Registration(
-            task=task, host=str(msg.meta.get("host")), pid=int(msg.meta.get("pid", 0)),
-            gpus=list(msg.meta.get("gpus") or []), peer=peer,
-            host_id=str(msg.meta.get("host_id") or msg.meta.get("host")),
-            devices=[str(d) for d in msg.meta.get("devices") or []])
-        if len(self.registrations) == self.np:
-            hosts = [self.registrations[t].host_id for t in range(self.np)]
-            self.placements, self.gpu_lists = host_gpus(assign_ranks(hosts), hosts,
-                                                        [self.registrations[t].devices for t in range(self.np)])
-            self.placed_at = time.monotonic()
-        self.cv.notify_all()
-
-    def _fetch(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
-        channel.send(Kind.OK, {}, self._payload)
-
-    def _watch(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
-        with self.cv:
-            while not self._over():
-                self.cv.wait()
-            aborted = self.aborted
-        if aborted is not None:
-            channel.send(Kind.ABORT, {"reason": aborted})
-
-    # ---- logs, results, errors -----------------------------------------------------------
-
-    def _log(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
-        """Lines of a rank's output (one-way, so a malformed frame is logged and dropped, never answered:
-        an answer would be read as the reply to that connection's next request)."""
-        try:
-            rank, stream, lines, progress = check_log_meta(msg.meta, self.np)
-        except ValueError as exc:
-            with self.cv:
-                self.bad_logs += 1
-                count = self.bad_logs
-            if count <= BAD_LOGS_LOGGED:
-                log.warning("sparkhvd driver service: refused a LOG frame from %s because %s; its lines are dropped "
-                            "and the connection stays open. The task that sent it runs another sparkhvd version "
-                            "than the driver: install the same version on the driver and the executors.%s", peer,
-                            exc, " Further malformed LOG frames are counted, not logged." if count == BAD_LOGS_LOGGED
-                            else "")
-            return
-        self._on_log(rank, stream, lines, progress)
-
-    def _result(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
-        with self.cv:
-            self.results[int(msg.meta["rank"])] = msg.blob
-            self.cv.notify_all()
-        channel.send(Kind.OK)
-
-    def _error(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
-        meta = msg.meta
-        with self.cv:
-            self.failures.append(Failure(rank=int(meta["rank"]), type=str(meta.get("type")),
-                                         message=str(meta.get("message")),
-                                         traceback=str(meta.get("traceback", "")), pickled=msg.blob))
-            self.cv.notify_all()
-        channel.send(Kind.OK)
-
-    def _progress(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
-        """A rank's heartbeat (one-way): kept for the stall report, read by ``_stall.py``."""
-        rank = int(msg.meta["rank"])
-        with self.cv:
-            if 0 <= rank < self.np:
-                self.progress[rank] = (msg.meta, time.monotonic())
-
-    def _exit(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
-        with self.cv:
-            self.exits[int(msg.meta["rank"])] = int(msg.meta["code"])
-            self.cv.notify_all()
-        channel.send(Kind.OK)
-
-    # ---- elastic commits (runner/_commits.py) ------------------------------------------------
-
-    def announce_growth(self) -> None:
-        """Tell rank 0, in the answer to its next commit, that the run can have more ranks (Horovod's hosts added)."""
-        with self.cv:
-            if self.hosts_updated is None:
-                self.hosts_updated = [time.time(), int(HostUpdateResult.added)]
-
-    def _commit(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
-        key = str(msg.meta["key"])
-        with self.cv:
-            if self.finished:  # a frame received as the attempt ended: the next attempt's commits must not meet it
-                return self._refuse(channel, f"commit {msg.meta.get('seq')} of {key} arrived after this attempt had "
-                                             "ended, so it was not kept.")
-            # A restarted attempt's commit made before it loaded the previous one (a commit before hvd.elastic.run)
-            # must not replace it: the next RESTORE would resume from the start.
-            stale = key not in self._restored and self.commits.attempt_of(key) not in (None, self.attempt)
-            update = self.hosts_updated
-        if stale:
-            return channel.send(Kind.OK, {"kept": False})
-        try:
-            kept = self.commits.put(msg.meta, msg.blob, attempt=self.attempt)
-        except OSError as exc:
-            log.warning("sparkhvd driver service: could not keep commit %s of %s: %s", msg.meta.get("seq"), key, exc)
-            return self._refuse(channel, f"the driver could not keep commit {msg.meta.get('seq')} of {key} "
-                                         f"({len(msg.blob)} bytes): {exc}; free space there, or pass "
-                                         "HorovodRunner(commit_dir=URL) to keep commits on shared storage.")
-        channel.send(Kind.OK, {"kept": kept, **({"hosts_updated": update} if update else {})})
-
-    def _restore(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
-        with self.cv:
-            self._restored.add(str(msg.meta["key"]))
-        commit = self.commits.get(str(msg.meta["key"]))
-        if msg.meta.get("data", True):
-            on_restore, self._on_restore = self._on_restore, None
-            if on_restore is not None:
-                on_restore(None if commit is None else commit.meta)
-        if commit is None:
-            return channel.send(Kind.OK, {"found": False})
-        channel.send(Kind.OK, {"found": True, "commit": commit.meta},
-                     commit.data() if msg.meta.get("data", True) else b"")
-
-    # ---- the rendezvous store (_common/rendezvous.py) over this service's frames --------
-
-    def _store_request(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
-        """Answer a STORE_* request from ``self.store``: OK, or ABORT if the run ends first."""
-        try:
-            meta, blob = _call_store(self.store, msg)
-        except StoreClosed:
-            return self._abort_reply(channel)
-        except StoreTimeout as exc:
-            return self._refuse(channel, str(exc))
-        channel.send(Kind.OK, meta, blob)
-
-
-def _call_store(store: RendezvousStore, msg: Message) -> tuple[dict, bytes]:
-    """Decode a STORE_* request, call the store, and return the OK reply's meta and blob."""
-    meta = msg.meta
-    if msg.kind == Kind.STORE_SET:
-        store.set(meta["key"], msg.blob)
-        return {}, b""
-    if msg.kind == Kind.STORE_GET:
-        return {}, store.get(meta["key"], meta.get("timeout"))
-    if msg.kind == Kind.STORE_ADD:
-        return {"value": store.add(meta["key"], int(meta["amount"]))}, b""
-    if msg.kind == Kind.STORE_CHECK:
-        return {"value": store.check(meta["keys"])}, b""
-    if msg.kind == Kind.STORE_WAIT:
-        store.wait(meta["keys"], meta.get("timeout"))
-        return {}, b""
-    if msg.kind == Kind.STORE_CAS:
-        n = int(meta["expected_len"])
-        return {}, store.compare_set(meta["key"], msg.blob[:n], msg.blob[n:])
-    if msg.kind == Kind.STORE_DELETE:
-        return {"value": store.delete_key(meta["key"])}, b""
-    return {"value": store.num_keys()}, b""  # STORE_NUM_KEYS, the last of _STORE_KINDS
 
 
 class _DriverGreeting(Handshake):

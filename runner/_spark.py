@@ -1,4 +1,8 @@
-"""The Spark launcher: one barrier-mode task per rank, on the active session or an embedded one."""
+"""The Spark launcher: one barrier-mode task per rank, on the active session or an embedded one.
+
+pyspark is imported inside the functions that use it, so that ``import sparkhvd`` and runs on the
+driver (np<0) never import it.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +13,17 @@ import sys
 import threading
 import time
 
+from .._common import settings
 from ._agent import TaskSpec, run_task
+from ._error_text import SPARK_STOPPED, read_text, says
+from ._java import check_java
 from ._launcher import Launcher
+from ._preflight import check_executors
 from ._spark_info import executor_resources, spark_reason
+from ._waits import WaitNote
 
 #: How long to wait for executors to register before judging the slot count (local-cluster,
-#: a cluster still starting): the slot check then fails in seconds, not Spark's ~10 minutes.
+#: a cluster still starting): the slot check then fails in seconds, not after Spark's own wait for barrier slots.
 _SLOT_WAIT_S = 15.0
 _SLOT_SETTLE_S = 5.0  # executors that register together come within this of each other
 _embedded = None  # the SparkSession sparkhvd created, if any
@@ -32,10 +41,8 @@ def spark_context(np: int):
         sc = None
     if sc is not None:
         return sc
-    from ._java import check_java
-
     check_java()
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors run this interpreter
+    os.environ.setdefault(settings.PYSPARK_PYTHON.name, sys.executable)  # executors run this interpreter
     from pyspark.sql import SparkSession
 
     _embedded = (SparkSession.builder.master(f"local[{max(np, 2)}]").appName("sparkhvd")
@@ -70,8 +77,6 @@ def check_barrier_conf(conf) -> None:
 def preflight(sc, np: int, *, verbose: bool = True) -> None:
     """Every check before the barrier stage, each failing in seconds with one sentence: the configuration
     (dynamic allocation), the task slots, the GPU slots, and the executors' Python (``_preflight``)."""
-    from ._preflight import check_executors
-
     check_slots(sc, np, verbose=verbose)
     check_gpus(sc, np)
     check_executors(sc, np, task_slots(sc))
@@ -84,8 +89,6 @@ def check_slots(sc, np: int, *, verbose: bool = False) -> None:
     slots suffice, the most the configuration allows is below np, or (where the configuration does
     not say how many will come) no executor has joined for ``_SLOT_SETTLE_S``; at most ``_SLOT_WAIT_S``. ``verbose``: say once what it waits for.
     """
-    from ._run import WaitNote
-
     check_barrier_conf(sc.getConf())
     bound = max_slots(sc.master, sc.getConf())
     waiting = not sc.master.startswith("local[") and (bound is None or bound >= np)
@@ -161,8 +164,6 @@ def slots_for_restart(sc, want: int, least: int | None, timeout: float, *, verbo
     (a lost executor is replaced within seconds on a standalone cluster); after ``timeout`` seconds,
     what there is, if at least ``least`` (HorovodRunner's min_np); otherwise RuntimeError.
     ``verbose``: say once what it waits for."""
-    from ._run import WaitNote
-
     deadline = time.monotonic() + timeout
     note = WaitNote(verbose)
     while True:
@@ -188,7 +189,7 @@ def replace_executors(sc, hosts: set) -> list:
     """Ask Spark to kill and replace the executors on ``hosts`` (addresses or hostnames); returns their ids.
 
     Ranks there went silent: their host is cut off. Spark would count those executors' slots, and place
-    a restart's tasks on them, until it gives up on them itself (``spark.network.timeout``, 120 s).
+    a restart's tasks on them, until it gives up on them itself (``spark.network.timeout``).
     The replacements come where the cluster manager has room (on the same host once it is back).
     """
     summaries = sc._jsc.sc().statusStore().executorList(True).iterator()
@@ -252,7 +253,7 @@ class SparkLauncher(Launcher):
                 rdd = rdd.withResources(ResourceProfileBuilder().require(requests).build)
             rdd.collect()  # the outcome arrives through the driver service
         except Exception as exc:  # noqa: BLE001 - reported through failure()
-            if _stopped(sc) or "SparkContext was shut down" in str(exc):
+            if _stopped(sc) or _says_stopped(exc):
                 self.fatal = True
                 self._error = ("the SparkContext was stopped while the run was going (spark.stop(), or the "
                                "session ended); start a new SparkSession to run again")
@@ -324,6 +325,11 @@ def _barrier_task(spec: TaskSpec, _partition):
     ctx = BarrierTaskContext.get()
     gpu = ctx.resources().get("gpu")
     yield run_task(spec, ctx.partitionId(), gpus=list(gpu.addresses) if gpu is not None else [])
+
+
+def _says_stopped(exc: BaseException) -> bool:
+    """Whether a failed job's exception says the SparkContext was stopped under it (Spark gives no type for it)."""
+    return says(read_text(type(exc).__name__, str(exc)), SPARK_STOPPED) is not None
 
 
 def _stopped(sc) -> bool:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numbers
 import warnings
 
+from ._horovod_runner import HorovodRunner as _Runner
+from ._horovod_runner import log_to_driver
 from ._logs import VERBOSITIES
-from ._runner import HorovodRunner as _Runner
-from ._runner import log_to_driver
 
 __all__ = ["HorovodRunner", "log_to_driver"]
 

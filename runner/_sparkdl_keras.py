@@ -7,7 +7,7 @@ import time
 
 import keras
 
-from ._runner import log_to_driver
+from ._horovod_runner import log_to_driver
 
 __all__ = ["LogCallback"]
 

@@ -1,7 +1,7 @@
 """Stalls and lost ranks, seen from the driver: the settings and the report (pure logic).
 
-Every rank sends a heartbeat (``_heartbeat.py``) with the collectives it waits in. ``supervise``
-(``_run.py``) calls ``StallInspector.check`` (``_stall_inspector.py``) on each poll, which
+Every rank sends a heartbeat (``_heartbeat.py``) with the collectives it waits in. The supervision
+(``_supervise.py``) calls ``StallInspector.check`` (``_stall_inspector.py``) on each poll, which
 
 - prints the stall report to the driver's stderr once no rank has completed a collective for
   ``HOROVOD_STALL_CHECK_TIME_SECONDS`` while some rank waits in one, or while a rank is still
@@ -11,38 +11,29 @@ Every rank sends a heartbeat (``_heartbeat.py``) with the collectives it waits i
 - fails the run when a rank that should be alive has not been heard from for
   ``SPARKHVD_HEARTBEAT_TIMEOUT_SECONDS``: its host, or the network to it, is down.
 
-Settings (named and parsed here; a rank reads its environment in ``_heartbeat.py``, the driver
-in ``_stall_inspector.py``): each rank sends the values of the ``FORWARDED`` variables its own
-environment sets with every heartbeat, and those take precedence (the lowest such rank's);
-otherwise the driver's environment, otherwise the default. So a value in the executors'
-environment (``spark.executorEnv.*``) works as it does for Horovod, and one set on the driver
-works too. ``HOROVOD_STALL_CHECK_DISABLE=1`` turns the report and its shutdown off (not the
-lost-rank check: ``SPARKHVD_HEARTBEAT_TIMEOUT_SECONDS=0`` does). ``SPARKHVD_HEARTBEAT_SECONDS``
-is read by each rank alone (in ``np<0`` runs the ranks inherit the driver's environment). A
-rank never heard from counts from when the ranks were placed; a rank is never taken for lost
-before three of its own heartbeat intervals have passed.
+Settings (named and parsed in ``_common/settings.py``; a rank reads its environment in
+``_heartbeat.py``, the driver in ``_stall_inspector.py``): each rank sends the values of the
+``FORWARDED_SETTINGS`` its own environment sets with every heartbeat, and those take precedence (the
+lowest such rank's); otherwise the driver's environment, otherwise the default. So a value in the
+executors' environment (``spark.executorEnv.*``) works as it does for Horovod, and one set on the
+driver works too. ``HOROVOD_STALL_CHECK_DISABLE=1`` turns the report and its shutdown off (not the
+lost-rank check: ``SPARKHVD_HEARTBEAT_TIMEOUT_SECONDS=0`` does). ``SPARKHVD_HEARTBEAT_SECONDS`` is
+read by each rank alone (in ``np<0`` runs the ranks inherit the driver's environment). A rank never
+heard from counts from when the ranks were placed; a rank is never taken for lost before three of
+its own heartbeat intervals have passed.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from .._common import settings
 from .._common.op_names import JOIN, label
 
-ENV_CHECK_TIME = "HOROVOD_STALL_CHECK_TIME_SECONDS"
-ENV_CHECK_DISABLE = "HOROVOD_STALL_CHECK_DISABLE"
-ENV_SHUTDOWN_TIME = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
-ENV_HEARTBEAT = "SPARKHVD_HEARTBEAT_SECONDS"
-ENV_HEARTBEAT_TIMEOUT = "SPARKHVD_HEARTBEAT_TIMEOUT_SECONDS"
-CHECK_DEFAULT_S = 60.0  # Horovod's
-SHUTDOWN_DEFAULT_S = 0.0  # Horovod's: never
-HEARTBEAT_DEFAULT_S = 5.0
-# Twelve missed heartbeats: a GC pause or a native call holding the GIL for tens of seconds is not
-# a lost host, and it is still well under the two minutes (spark.network.timeout) Spark takes to
-# give up on an executor it cannot reach, so the run fails with this message, not Spark's.
-HEARTBEAT_TIMEOUT_DEFAULT_S = 60.0
-FORWARDED = (ENV_CHECK_TIME, ENV_CHECK_DISABLE, ENV_SHUTDOWN_TIME, ENV_HEARTBEAT_TIMEOUT)
+# What each rank's heartbeat carries when its environment sets it, and what the driver reads of its own.
+FORWARDED_SETTINGS = (settings.STALL_CHECK_TIME, settings.STALL_CHECK_DISABLE, settings.STALL_SHUTDOWN_TIME,
+                      settings.HEARTBEAT_TIMEOUT)
 
 ALIVE = ("starting", "running", "finishing")  # what a rank's heartbeat says it is doing
 RETURNED, FAILED, EXITED, SILENT = "returned", "failed", "exited", "silent"  # what the driver knows instead
@@ -50,39 +41,23 @@ RETURNED, FAILED, EXITED, SILENT = "returned", "failed", "exited", "silent"  # w
 
 # ---- settings -----------------------------------------------------------------------------
 
-def parse_seconds(name: str, raw, default: float, where: str, *, positive: bool = False):
-    """``(seconds, problem)``: the value of ``raw``, or ``default`` and a sentence saying why not."""
-    if raw is None or not str(raw).strip():
-        return default, None
+def lenient(setting: settings.Setting, raw, where: str):
+    """``(value, problem)``: ``raw`` (the variable's text in ``where``) parsed, or the setting's default and a
+    sentence saying why not; a bad stall setting is a warning, never the run's end."""
     try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if math.isfinite(value) and (value > 0 or (value == 0 and not positive)):
-        return value, None
-    need = "a positive number of seconds" if positive else "a number of seconds (0 turns it off)"
-    return default, (f"{name}={raw!r} in {where} is not {need}; using {default:g} s instead. "
-                     f"Set it to a number such as {default if default > 0 else 60:g}.")
-
-
-def parse_flag(name: str, raw, where: str):
-    """``(on, problem)`` for a Horovod-style boolean variable."""
-    text = "" if raw is None else str(raw).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True, None
-    if text in ("", "0", "false", "no", "off"):
-        return False, None
-    return False, f"{name}={raw!r} in {where} is neither 1 nor 0; the stall check stays on. Set it to 1 to turn it off."
+        return setting.value_of(None if raw is None else str(raw)), None
+    except settings.SettingError as exc:
+        return setting.default, f"{setting.name}={raw!r} in {where} {exc.problem}; {exc.fix}"
 
 
 @dataclass(frozen=True)
 class StallSettings:
     """The stall check's settings for one run, and where each came from (for messages)."""
 
-    check_time: float = CHECK_DEFAULT_S
-    shutdown_time: float = SHUTDOWN_DEFAULT_S
-    disabled: bool = False
-    heartbeat_timeout: float = HEARTBEAT_TIMEOUT_DEFAULT_S
+    check_time: float = settings.STALL_CHECK_TIME.default
+    shutdown_time: float = settings.STALL_SHUTDOWN_TIME.default
+    disabled: bool = settings.STALL_CHECK_DISABLE.default
+    heartbeat_timeout: float = settings.HEARTBEAT_TIMEOUT.default
     origin: dict = field(default_factory=dict, compare=False)  # variable -> "rank 1's environment", ...
 
     @classmethod
@@ -90,7 +65,7 @@ class StallSettings:
         """``(settings, problems)`` from the driver's environment and ``{rank: {variable: value}}``
         as the ranks sent them; a rank's value wins over the driver's, the lowest rank's over others'."""
         raw, origin = {}, {}
-        for name in FORWARDED:
+        for name in (s.name for s in FORWARDED_SETTINGS):
             for rank in sorted(rank_settings):
                 if name in (rank_settings[rank] or {}):
                     raw[name], origin[name] = rank_settings[rank][name], f"rank {rank}'s environment"
@@ -98,13 +73,14 @@ class StallSettings:
             else:
                 if driver_env.get(name) is not None:
                     raw[name], origin[name] = driver_env[name], "the driver's environment"
-        check, p1 = parse_seconds(ENV_CHECK_TIME, raw.get(ENV_CHECK_TIME), CHECK_DEFAULT_S,
-                                  origin.get(ENV_CHECK_TIME, ""), positive=True)
-        shutdown, p2 = parse_seconds(ENV_SHUTDOWN_TIME, raw.get(ENV_SHUTDOWN_TIME), SHUTDOWN_DEFAULT_S,
-                                     origin.get(ENV_SHUTDOWN_TIME, ""))
-        timeout, p3 = parse_seconds(ENV_HEARTBEAT_TIMEOUT, raw.get(ENV_HEARTBEAT_TIMEOUT),
-                                    HEARTBEAT_TIMEOUT_DEFAULT_S, origin.get(ENV_HEARTBEAT_TIMEOUT, ""))
-        disabled, p4 = parse_flag(ENV_CHECK_DISABLE, raw.get(ENV_CHECK_DISABLE), origin.get(ENV_CHECK_DISABLE, ""))
+        check, p1 = lenient(settings.STALL_CHECK_TIME, raw.get(settings.STALL_CHECK_TIME.name),
+                            origin.get(settings.STALL_CHECK_TIME.name, ""))
+        shutdown, p2 = lenient(settings.STALL_SHUTDOWN_TIME, raw.get(settings.STALL_SHUTDOWN_TIME.name),
+                               origin.get(settings.STALL_SHUTDOWN_TIME.name, ""))
+        timeout, p3 = lenient(settings.HEARTBEAT_TIMEOUT, raw.get(settings.HEARTBEAT_TIMEOUT.name),
+                              origin.get(settings.HEARTBEAT_TIMEOUT.name, ""))
+        disabled, p4 = lenient(settings.STALL_CHECK_DISABLE, raw.get(settings.STALL_CHECK_DISABLE.name),
+                               origin.get(settings.STALL_CHECK_DISABLE.name, ""))
         problems = [p for p in (p1, p2, p3, p4) if p]
         return cls(check, shutdown, disabled, timeout, origin), problems
 
@@ -121,7 +97,7 @@ class RankState:
     ops: tuple = ()  # collectives it waits in (dicts as _common/progress.py makes them), oldest first
     last: dict | None = None  # its latest finished collective: kind, name, ago, op; passed: per set, [link, op, nth]
     heard_ago: float | None = None  # its latest heartbeat; None: never heard from
-    interval: float = HEARTBEAT_DEFAULT_S
+    interval: float = settings.HEARTBEAT.default
     ended_ago: float | None = None  # RETURNED or FAILED: when
 
 
@@ -240,93 +216,134 @@ def _hosts(states) -> str:
     return f"host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)}" if hosts else "their hosts"
 
 
-def report(view: StallView, settings: StallSettings) -> tuple[str, list]:
+def report(view: StallView, stall: StallSettings) -> tuple[str, list]:
     """``(headline, lines)``: which ranks wait in which collective and what the others do instead."""
     by_rank = {s.rank: s for s in view.ranks}
     groups = _groups(view)
-    lines, missing_somewhere, cut = [], False, False
-    for title, members, in_it in groups:
-        parts = []
-        checking = sorted(r for r, op in in_it.items() if op.get("phase") != "data")
-        passed = sorted(r for r, op in in_it.items() if op.get("phase") == "data")
-        if checking:
-            parts.append(f"{_ranks(checking)} {'has' if len(checking) == 1 else 'have'} waited in it for "
-                         f"{_s(max(in_it[r]['age'] for r in checking))}")
-        if passed and members is None:
-            parts.append(f"{_ranks(passed)} {'waits' if len(passed) == 1 else 'wait'} for its data for "
-                         f"{_s(max(in_it[r]['age'] for r in passed))} (an op of a process set of one, so no other rank "
-                         "takes part in it: its own device or library does not finish it)")
-            lines.append(f"- {title}: " + "; ".join(parts) + ".")
-            continue
-        if passed:
-            parts.append(f"{_ranks(passed)} passed its check and {'waits' if len(passed) == 1 else 'wait'} for its "
-                         f"data for {_s(max(in_it[r]['age'] for r in passed))}")
-        absent = [r for r in members if r not in in_it and r in by_rank]
-        ahead = [r for r in absent if _ahead(by_rank[r], in_it)]
-        if ahead:  # they sent their frames and moved on: the ranks still in it do not receive them
-            absent = [r for r in absent if r not in ahead]
-            link = next(iter(in_it.values())).get("link")
-            by_next: dict = {}
-            for r in ahead:  # where each is now: a later op on the set, or what it does instead
-                nxt = next((op for op in by_rank[r].ops if op.get("link") == link), None)
-                key = ("in", _what(nxt)) if nxt is not None else ("doing", doing(by_rank[r], view.np))
-                by_next.setdefault(key, []).append(r)
-            for (how, what), ranks in by_next.items():
-                one = len(ranks) == 1
-                parts.append(f"{_ranks(ranks)} {'has' if one else 'have'} passed it" +
-                             (f" and {'waits' if one else 'wait'} in {what}" if how == "in" else f": {what}"))
-            if not absent and checking:
-                cut = True
-                parts.append(_network(members, in_it, by_rank, passed=True))
-                lines.append(f"- {title}: " + "; ".join(parts) + ".")
-                continue
-        by_doing: dict = {}
-        for r in absent:
-            by_doing.setdefault(doing(by_rank[r], view.np), []).append(r)
-        for what, ranks in by_doing.items():
-            if checking:
-                parts.append(f"{_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} not reached it: {what}")
-            else:  # a rank waits for the data: every member has passed the check
-                parts.append(f"{_ranks(ranks)} passed its check too: {what}")
-        # The absent ranks finished its data (not just its check, then user code such as pickling the object):
-        finished = all((by_rank[r].last or {}).get("phase") == "data" for r in absent)
-        if absent and checking:
-            missing_somewhere = True
-        elif not absent or finished:  # every member reached it or is done with it: only the network is left
-            parts.append(_network(members, in_it, by_rank))
-        lines.append(f"- {title}: " + "; ".join(parts) + ".")
+    said = [_group_line(title, members, in_it, by_rank, view.np) for title, members, in_it in groups]
+    lines = [line.text for line in said]
     returned = [s for s in view.ranks if s.status == RETURNED]
     grouped = {r for _, members, in_it in groups for r in in_it}
     late = [s for s in view.ranks if s.status in ALIVE and s.rank not in grouped]
     since = _s(min(s.ended_ago or 0 for s in returned)) if returned else ""
     if returned and late:
-        for s in late:
-            text = (f"- rank {s.rank} is still {_STILL.get(s.status, 'running')} {since} after "
-                    f"{_ranks(r.rank for r in returned)} returned")
-            if s.status == "running" and s.last:
-                text += f"; its latest collective, {_what(s.last)}, finished {_s(s.last['ago'])} ago"
-            elif s.status == "running":
-                text += "; it has not called a collective"
-            lines.append(text + ".")
-    if groups:
-        headline = (f"no collective has completed for {_s(view.stalled_for)} while ranks wait in "
-                    f"{'one' if len(groups) == 1 else len(groups)} ({ENV_CHECK_TIME}={settings.check_time:g}):")
-    else:
-        headline = (f"{_ranks(s.rank for s in late)} {'is' if len(late) == 1 else 'are'} still running {since} after "
-                    f"{_ranks(s.rank for s in returned)} returned ({ENV_CHECK_TIME}={settings.check_time:g}):")
-    if missing_somewhere and not cut:  # behind a cut, ranks lag because of it, not their own code
+        lines += _still_running(late, returned, since)
+    headline = _headline(view, stall, groups, late, returned, since)
+    # behind a cut, ranks lag because of it, not their own code
+    if any(line.missing for line in said) and not any(line.cut for line in said):
         lines.append("Every rank of a process set must call the same collectives in the same order: look at what "
                      "the ranks that have not reached it do instead (their output is in the log files named below).")
     if returned and late:
         lines.append("A rank still running after the others returned is stuck, or does work the others do not "
                      "wait for: look at its output (in the log files named below).")
-    fix = f"If the wait is expected, raise {ENV_CHECK_TIME} or set {ENV_CHECK_DISABLE}=1"
-    if settings.shutdown_time > 0:
-        fix += f"; the run fails once it has stalled for {settings.shutdown_time:g} s ({ENV_SHUTDOWN_TIME})."
-    else:
-        fix += f"; set {ENV_SHUTDOWN_TIME} to fail the run after a stall of that many seconds."
-    lines.append(fix)
+    lines.append(_fix(stall))
     return headline, lines
+
+
+class _GroupLine(NamedTuple):
+    """One collective's line of the report, and what it found."""
+
+    text: str
+    missing: bool = False  # some member has not reached it while others wait in its check
+    cut: bool = False  # every absent member has passed it: the ranks still in it do not receive its frames
+
+
+def _group_line(title: str, members, in_it: dict, by_rank: dict, np: int) -> _GroupLine:
+    """The line for the collective ``title`` that the ranks ``in_it`` wait in: who waits in its check, who
+    waits for its data, who has passed it, who has not reached it, and, when only the network is left, where
+    it is cut."""
+    checking = sorted(r for r, op in in_it.items() if op.get("phase") != "data")
+    passed = sorted(r for r, op in in_it.items() if op.get("phase") == "data")
+    parts = []
+    if checking:
+        parts.append(f"{_ranks(checking)} {'has' if len(checking) == 1 else 'have'} waited in it for "
+                     f"{_s(max(in_it[r]['age'] for r in checking))}")
+    if passed and members is None:
+        parts.append(f"{_ranks(passed)} {'waits' if len(passed) == 1 else 'wait'} for its data for "
+                     f"{_s(max(in_it[r]['age'] for r in passed))} (an op of a process set of one, so no other rank "
+                     "takes part in it: its own device or library does not finish it)")
+        return _GroupLine(f"- {title}: " + "; ".join(parts) + ".")
+    if passed:
+        parts.append(f"{_ranks(passed)} passed its check and {'waits' if len(passed) == 1 else 'wait'} for its "
+                     f"data for {_s(max(in_it[r]['age'] for r in passed))}")
+    absent = [r for r in members if r not in in_it and r in by_rank]
+    ahead = [r for r in absent if _ahead(by_rank[r], in_it)]
+    if ahead:  # they sent their frames and moved on: the ranks still in it do not receive them
+        absent = [r for r in absent if r not in ahead]
+        parts += _passed_it(ahead, in_it, by_rank, np)
+        if not absent and checking:
+            parts.append(_network(members, in_it, by_rank, passed=True))
+            return _GroupLine(f"- {title}: " + "; ".join(parts) + ".", cut=True)
+    parts += _not_reached(absent, bool(checking), by_rank, np)
+    # The absent ranks finished its data (not just its check, then user code such as pickling the object):
+    finished = all((by_rank[r].last or {}).get("phase") == "data" for r in absent)
+    missing = bool(absent and checking)
+    if not missing and (not absent or finished):  # every member reached it or is done with it: only the network
+        parts.append(_network(members, in_it, by_rank))
+    return _GroupLine(f"- {title}: " + "; ".join(parts) + ".", missing=missing)
+
+
+def _passed_it(ahead: list, in_it: dict, by_rank: dict, np: int) -> list:
+    """A clause per place the ranks ``ahead`` (members that have passed the collective) are now: a later op
+    on the set, or what they do instead."""
+    link = next(iter(in_it.values())).get("link")
+    by_next: dict = {}
+    for r in ahead:
+        nxt = next((op for op in by_rank[r].ops if op.get("link") == link), None)
+        key = ("in", _what(nxt)) if nxt is not None else ("doing", doing(by_rank[r], np))
+        by_next.setdefault(key, []).append(r)
+    parts = []
+    for (how, what), ranks in by_next.items():
+        one = len(ranks) == 1
+        parts.append(f"{_ranks(ranks)} {'has' if one else 'have'} passed it" +
+                     (f" and {'waits' if one else 'wait'} in {what}" if how == "in" else f": {what}"))
+    return parts
+
+
+def _not_reached(absent: list, checking: bool, by_rank: dict, np: int) -> list:
+    """A clause per thing the members ``absent`` from the collective do instead (``checking``: some rank
+    still waits in its check, so they have not reached it; else every member has passed the check)."""
+    by_doing: dict = {}
+    for r in absent:
+        by_doing.setdefault(doing(by_rank[r], np), []).append(r)
+    if checking:
+        return [f"{_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} not reached it: {what}"
+                for what, ranks in by_doing.items()]
+    return [f"{_ranks(ranks)} passed its check too: {what}" for what, ranks in by_doing.items()]
+
+
+def _still_running(late: list, returned: list, since: str) -> list:
+    """A line per rank still running (``late``) after the ranks ``returned`` returned."""
+    lines = []
+    for s in late:
+        text = (f"- rank {s.rank} is still {_STILL.get(s.status, 'running')} {since} after "
+                f"{_ranks(r.rank for r in returned)} returned")
+        if s.status == "running" and s.last:
+            text += f"; its latest collective, {_what(s.last)}, finished {_s(s.last['ago'])} ago"
+        elif s.status == "running":
+            text += "; it has not called a collective"
+        lines.append(text + ".")
+    return lines
+
+
+def _headline(view: StallView, stall: StallSettings, groups: list, late: list, returned: list, since: str) -> str:
+    """The report's first sentence: how long no collective has completed, or which ranks are still running."""
+    check = f"{settings.STALL_CHECK_TIME.name}={stall.check_time:g}"
+    if groups:
+        return (f"no collective has completed for {_s(view.stalled_for)} while ranks wait in "
+                f"{'one' if len(groups) == 1 else len(groups)} ({check}):")
+    return (f"{_ranks(s.rank for s in late)} {'is' if len(late) == 1 else 'are'} still running {since} after "
+            f"{_ranks(s.rank for s in returned)} returned ({check}):")
+
+
+def _fix(stall: StallSettings) -> str:
+    """The report's last line: the settings that quiet the report or end the run."""
+    shutdown = settings.STALL_SHUTDOWN_TIME.name
+    fix = (f"If the wait is expected, raise {settings.STALL_CHECK_TIME.name} or set "
+           f"{settings.STALL_CHECK_DISABLE.name}=1")
+    if stall.shutdown_time > 0:
+        return fix + f"; the run fails once it has stalled for {stall.shutdown_time:g} s ({shutdown})."
+    return fix + f"; set {shutdown} to fail the run after a stall of that many seconds."
 
 
 def _ahead(state: RankState, in_it: dict) -> bool:

@@ -1,6 +1,6 @@
 """The stall check's state across one run: Horovod's stall inspector (stall_inspector.cc) on the driver.
 
-``supervise`` (``_run.py``) calls ``StallInspector.check`` on each poll. It copies what the
+The supervision (``_supervise.py``) calls ``StallInspector.check`` on each poll. It copies what the
 driver service knows (``observe``), keeps what the copies do not say (when progress was last
 seen, when each rank returned), prints the stall report (``_stall.py``) to the driver's stderr,
 at the check time and then at twice, four times, ... that, and returns the error to fail the
@@ -10,21 +10,18 @@ run with: a stall past its shutdown time, or a rank not heard from.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 import warnings
 from dataclasses import dataclass
 
+from .._common import settings
 from ._errors import HorovodRunError
 from ._stall import (
     ALIVE,
-    ENV_HEARTBEAT,
-    ENV_HEARTBEAT_TIMEOUT,
-    ENV_SHUTDOWN_TIME,
     EXITED,
     FAILED,
-    HEARTBEAT_DEFAULT_S,
+    FORWARDED_SETTINGS,
     RETURNED,
     SILENT,
     RankState,
@@ -78,7 +75,8 @@ class StallInspector:
         self.run_id = run_id
         self.log_dir = log_dir
         self.abort_reason = ""  # with an error from check(): what the ranks are told when they are stopped
-        self._driver_env = dict(os.environ if driver_env is None else driver_env)
+        self._driver_env = (dict(driver_env) if driver_env is not None else
+                            {s.name: s.raw() for s in FORWARDED_SETTINGS if s.raw() is not None})
         self._out = out
         self._clock = clock
         self._settings_key = None
@@ -112,15 +110,11 @@ class StallInspector:
             return None
 
     def check_observation(self, seen: Observation, now: float) -> HorovodRunError | None:
+        """One check on ``seen``: the error to fail the run with (a rank lost, or a stall past its shutdown
+        time), else None, having printed the stall report when one is due."""
         if not seen.placed:
             return None
-        self._placed_at = self._placed_at or now
-        self._update_settings(seen)
-        for rank in seen.returned | seen.failed:
-            self._ended_at.setdefault(rank, now)
-        total = sum(int(meta.get("done", 0)) for meta, _ in seen.progress.values()) + len(self._ended_at)
-        if total != self._progress_total:
-            self._progress_total, self._progress_at = total, now
+        self._note(seen, now)
         view = self.view(seen, now)
         lost = self._lost(view, seen, now)
         if lost is not None:
@@ -136,22 +130,42 @@ class StallInspector:
             self._next_report, self._stall_began = self.settings.check_time, now - stalled_for
         headline, lines = report(view, self.settings)
         if 0 < self.settings.shutdown_time <= stalled_for:
-            self.abort_reason = f"the run stalled for {_s(stalled_for)}, past {ENV_SHUTDOWN_TIME}"
-            return HorovodRunError(
-                f"HorovodRunner run {self.run_id} failed after a stall of {_s(stalled_for)} "
-                f"({ENV_SHUTDOWN_TIME}={self.settings.shutdown_time:g}): {headline}\n" + "\n".join(lines)
-                + f"\n\nEach rank's full output is in {self.log_dir}/rank-<rank>.log.",
-                log_dir=self.log_dir, run_id=self.run_id, retryable=True,
-                cause=f"the run stalled for {_s(stalled_for)}: {headline}")
+            return self._shutdown_error(stalled_for, headline, lines)
         if stalled_for >= self._next_report:
-            self._print(f"[sparkhvd] run {self.run_id} stalled: {headline}\n" + "\n".join(lines)
-                        + f"\nEach rank's output is in {self.log_dir}/rank-<rank>.log.")
-            self.reports += 1
-            self._reported = True
-            self._next_report *= 2
-            while self._next_report <= stalled_for:
-                self._next_report *= 2
+            self._print_report(stalled_for, headline, lines)
         return None
+
+    def _note(self, seen: Observation, now: float) -> None:
+        """Keep what ``seen`` says that the next copies will not: when the ranks were placed, when each rank
+        ended, when progress was last made; and take up the settings the ranks sent."""
+        self._placed_at = self._placed_at or now
+        self._update_settings(seen)
+        for rank in seen.returned | seen.failed:
+            self._ended_at.setdefault(rank, now)
+        total = sum(int(meta.get("done", 0)) for meta, _ in seen.progress.values()) + len(self._ended_at)
+        if total != self._progress_total:
+            self._progress_total, self._progress_at = total, now
+
+    def _shutdown_error(self, stalled_for: float, headline: str, lines: list) -> HorovodRunError:
+        """The error that fails a run stalled past ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``."""
+        shutdown = settings.STALL_SHUTDOWN_TIME.name
+        self.abort_reason = f"the run stalled for {_s(stalled_for)}, past {shutdown}"
+        return HorovodRunError(
+            f"HorovodRunner run {self.run_id} failed after a stall of {_s(stalled_for)} "
+            f"({shutdown}={self.settings.shutdown_time:g}): {headline}\n" + "\n".join(lines)
+            + f"\n\nEach rank's full output is in {self.log_dir}/rank-<rank>.log.",
+            log_dir=self.log_dir, run_id=self.run_id, retryable=True,
+            cause=f"the run stalled for {_s(stalled_for)}: {headline}")
+
+    def _print_report(self, stalled_for: float, headline: str, lines: list) -> None:
+        """Print the stall report, and set when the next one is due: at twice, four times, ... the check time."""
+        self._print(f"[sparkhvd] run {self.run_id} stalled: {headline}\n" + "\n".join(lines)
+                    + f"\nEach rank's output is in {self.log_dir}/rank-<rank>.log.")
+        self.reports += 1
+        self._reported = True
+        self._next_report *= 2
+        while self._next_report <= stalled_for:
+            self._next_report *= 2
 
     def view(self, seen: Observation, now: float) -> StallView:
         states = []
@@ -175,7 +189,7 @@ class StallInspector:
                 last = {**last, "ago": float(last.get("ago", 0)) + late}
             status = meta.get("state") if meta.get("state") in ALIVE else "running"
             states.append(RankState(rank, status, host, ops, last, late, float(meta.get("interval") or
-                                                                              HEARTBEAT_DEFAULT_S)))
+                                                                              settings.HEARTBEAT.default)))
         return StallView(self.np, tuple(states), now - self._progress_at)
 
     def _stalled_for(self, view: StallView, now: float):
@@ -210,13 +224,14 @@ class StallInspector:
                          f"been heard from {since}")
             parts += [f"rank {s.rank}'s last heartbeat said: {doing(s, self.np, heard=False)}"
                       for s in states if s.heard_ago is not None]
-        origin = self.settings.origin.get(ENV_HEARTBEAT_TIMEOUT)
+        origin = self.settings.origin.get(settings.HEARTBEAT_TIMEOUT.name)
         self.abort_reason = f"{_ranks(s.rank for s in silent)} stopped sending heartbeats to the driver"
         error = HorovodRunError(
             f"HorovodRunner run {self.run_id} failed: " + "; ".join(parts) + ". A rank that stops sending "
             f"heartbeats has lost its host or the network to the driver, or its process is frozen (stopped, or in a "
             f"native call that holds Python's GIL). A rank sends a "
-            f"heartbeat every {silent[0].interval:g} s ({ENV_HEARTBEAT}); raise {ENV_HEARTBEAT_TIMEOUT} (now "
+            f"heartbeat every {silent[0].interval:g} s ({settings.HEARTBEAT.name}); raise "
+            f"{settings.HEARTBEAT_TIMEOUT.name} (now "
             f"{timeout:g}{f', from {origin}' if origin else ''}) if a rank can be busy that long, or set it to 0 to "
             f"turn this check off.\n\nEach rank's full output is in {self.log_dir}/rank-<rank>.log.",
             log_dir=self.log_dir, run_id=self.run_id, retryable=True, cause=parts[0])

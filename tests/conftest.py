@@ -34,9 +34,9 @@ def pytest_unconfigure(config):
 
 
 def session_zygotes() -> list:
-    """The pids of the warm zygotes (runner/_zygote.py) this test session started: they run detached,
+    """The pids of the warm zygotes (runner/_warm_server.py) this test session started: they run detached,
     with this session's mark in their environment."""
-    from sparkhvd.runner._zygote import marked
+    from sparkhvd.runner._warm_client import marked
 
     return marked(_SESSION_MARK)
 
@@ -103,3 +103,47 @@ def pytest_xdist_make_scheduler(config, log):
             return "tests/cluster/" if path.startswith("tests/cluster/") else path
 
     return ByFile(config, log)
+
+
+# ---- the fast tier (make check: pytest -m unit) ---------------------------------------------------------
+
+def _refuse_in_unit_test(what: str):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a test marked unit {what}, which the fast tier (make check) does not allow; fake it, "
+                             "or drop the unit mark so the test runs only in make test.")
+    return refuse
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under ``-m unit`` (make check), a test file without a unit mark is not even imported: importing the
+    TensorFlow tests alone would take much of the tier's minute."""
+    if (config.getoption("markexpr") == "unit" and collection_path.name.startswith("test_")
+            and collection_path.suffix == ".py" and "mark.unit" not in collection_path.read_text()):
+        return True
+    return None
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("unit") and "spark" in item.fixturenames:
+        pytest.fail("a test marked unit asks for the spark fixture, which the fast tier (make check) does not allow; "
+                    "drop the unit mark so the test runs only in make test.", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request):
+    """A test marked ``unit`` fails if it starts a process or a HorovodRunner (warm zygotes included)."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    import multiprocessing.process
+    import subprocess
+
+    from sparkhvd import HorovodRunner
+
+    with pytest.MonkeyPatch.context() as patch:
+        for owner, name in ((subprocess.Popen, "__init__"), (os, "fork"), (os, "posix_spawn"),
+                            (multiprocessing.process.BaseProcess, "start")):
+            patch.setattr(owner, name, _refuse_in_unit_test(f"started a process ({owner.__name__}.{name})"))
+        for name in ("run", "run_all"):
+            patch.setattr(HorovodRunner, name, _refuse_in_unit_test(f"started a HorovodRunner ({name})"))
+        yield

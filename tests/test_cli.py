@@ -79,6 +79,7 @@ def test_sys_exit_status_of_the_script_fails_the_run(tmp_path):
     (["run", "--np", "two", "train.py"], "argument --np: invalid int value: 'two'"),
     ([], "the following arguments are required: COMMAND"),
 ])
+@pytest.mark.unit
 def test_bad_usage_exits_2_with_the_reason(tmp_path, monkeypatch, capsys, argv, message):
     _script(tmp_path, "pass\n")
     monkeypatch.chdir(tmp_path)

@@ -45,6 +45,7 @@ def driver(tmp_path):
     store.close()
 
 
+@pytest.mark.unit
 def test_the_publisher_sends_each_states_newest_commit_however_commits_interleave(driver):
     service = driver()
     publisher = Publisher(_context.current())
@@ -57,6 +58,7 @@ def test_the_publisher_sends_each_states_newest_commit_however_commits_interleav
     assert service.commits.get("B").meta["seq"] == 20  # one state's commits never replace another's
 
 
+@pytest.mark.unit
 def test_a_broken_link_loses_one_commit_not_every_later_one(driver, capsys):
     service = driver()
     publisher = Publisher(_context.current())
@@ -71,6 +73,7 @@ def test_a_broken_link_loses_one_commit_not_every_later_one(driver, capsys):
     assert service.commits.get("A").meta["seq"] == 3  # it connected again
 
 
+@pytest.mark.unit
 def test_the_store_keeps_only_newer_commits_and_never_removes_a_kept_spill_file(tmp_path):
     store = CommitStore(run_id="test", memory_bytes=0)  # every commit spills to a file
     try:
@@ -88,6 +91,7 @@ def test_the_store_keeps_only_newer_commits_and_never_removes_a_kept_spill_file(
     assert not store.put({"key": "A", "seq": 9}, b"after the run", attempt=1)
 
 
+@pytest.mark.unit
 def test_a_restarted_attempts_commit_before_it_resumes_does_not_replace_the_newest(driver):
     first = driver(attempt=0)
     first.commits.put({"key": "ObjectState-0", "seq": 57, "fields": {"epoch": 3}}, pickle.dumps({"values": {}}),
@@ -105,6 +109,7 @@ def test_a_restarted_attempts_commit_before_it_resumes_does_not_replace_the_newe
     assert service.commits.get("ObjectState-0").meta["seq"] == 58
 
 
+@pytest.mark.unit
 def test_a_commit_that_arrives_after_its_attempt_ended_is_refused(driver):
     service = driver()
     client = _context.current().new_client()
@@ -116,6 +121,7 @@ def test_a_commit_that_arrives_after_its_attempt_ended_is_refused(driver):
     client.close()
 
 
+@pytest.mark.unit
 def test_a_commit_dir_file_that_is_not_rank_0s_is_never_unpickled(driver, tmp_path):
     service = driver()
     path = tmp_path / "A-1.pkl"

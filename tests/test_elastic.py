@@ -89,23 +89,53 @@ def _torch_state():
     return out
 
 
-def test_torch_state_syncs_commits_restores_and_resets_as_horovods():
-    v0, v1 = HorovodRunner(np=-2).run_all(_torch_state).values
+@pytest.fixture(scope="module")
+def torch_state():
+    return HorovodRunner(np=-2).run_all(_torch_state).values
+
+
+def test_torch_state_syncs_rank_0s_weights_values_and_optimizer_state(torch_state):
+    v0, v1 = torch_state
     assert v0["synced"] == v1["synced"] and v0["synced"][1:] == (10, 0)  # rank 0's weights and values
     assert v0["momentum"] == v1["momentum"] == [[[1.0, 1.0]], [1.0]]  # and rank 0's optimizer state
     assert v0["last_one"] == v1["last_one"] == [9]
+
+
+def test_torch_state_commits_the_same_on_every_rank(torch_state):
+    v0, v1 = torch_state
     assert v0["committed"] == v1["committed"] and v0["committed"][1] == 3
     assert v0["committed"][2] == {"epoch": 0, "processed_num": 4}  # 2 samples on each of 2 ranks
-    for v in (v0, v1):
+
+
+def test_torch_state_restores_the_commit(torch_state):
+    for v in torch_state:
         assert v["restored"] == (True, 3, 2)  # weights as committed, batch 3, momentum for both parameters
+
+
+def test_a_hosts_update_resets_and_syncs_the_commit(torch_state):
+    v0, v1 = torch_state
+    for v in (v0, v1):
         # the loop ran twice: the interrupt at the second commit reset (shutdown, init) and synced the commit
         assert v["calls"] == [(10, 0), (10, 3)] and v["resets"] == [2]
         assert v["result"][1] == 6
+    assert v0["result"] == v1["result"]
+
+
+def test_elastic_run_needs_a_state_first(torch_state):
+    for v in torch_state:
         assert v["not_a_state"].startswith("hvd.elastic.run: the wrapped function's first argument must be an "
                                            "hvd.elastic state (TorchState, ObjectState, ...), got str")
-        assert v["user_error"] == ("the user's own bug", 1)  # a user's exception is never retried
+
+
+def test_a_users_own_exception_is_never_retried(torch_state):
+    for v in torch_state:
+        assert v["user_error"] == ("the user's own bug", 1)
+
+
+def test_the_elastic_sampler_recuts_what_is_left_after_a_reset(torch_state):
+    v0, v1 = torch_state
+    for v in (v0, v1):
         assert v["sampler_next_epoch"] == list(range(10))
-    assert v0["result"] == v1["result"]
     # 8 samples recorded this epoch; the reset re-cut what was left after the 4 committed before it: 6, 3 a rank
     assert v0["sampler"][0] == v1["sampler"][0] == {"epoch": 0, "processed_num": 8}
     assert len(v0["sampler"][1]) == len(v1["sampler"][1]) == 3 and len(set(v0["sampler"][1] + v1["sampler"][1])) == 6
@@ -168,22 +198,41 @@ def _tensorflow_state():
     return out
 
 
-def test_tensorflow_and_keras_states_and_the_elastic_callbacks():
+@pytest.fixture(scope="module")
+def tensorflow_state():
     pytest.importorskip("tensorflow")
-    v0, v1 = HorovodRunner(np=-2).run_all(_tensorflow_state).values
-    for v in (v0, v1):
-        ones = [[[1.0, 1.0], [1.0, 1.0]], [1.0, 1.0]]
-        assert v["synced"] == (ones, 20, 10)  # rank 0's
-        assert v["restored"] == (ones, 20)
+    return HorovodRunner(np=-2).run_all(_tensorflow_state).values
+
+
+ONES = [[[1.0, 1.0], [1.0, 1.0]], [1.0, 1.0]]
+
+
+def test_tensorflow_state_syncs_restores_and_commits(tensorflow_state):
+    for v in tensorflow_state:
+        assert v["synced"] == (ONES, 20, 10)  # rank 0's
+        assert v["restored"] == (ONES, 20)
         assert v["committed"] == ([[[3.0, 3.0], [3.0, 3.0]], [3.0, 3.0]], 22)
+
+
+def test_the_keras_elastic_callbacks_commit_every_3_batches_and_at_each_epochs_end(tensorflow_state):
+    v0, v1 = tensorflow_state
+    for v in (v0, v1):
         weights, epoch, batch, commits = v["keras"]
         assert (epoch, batch) == (2, 0)
         # 4 batches an epoch; a commit every 3 batches, counted across epochs (after batch 2 of epoch 0 and batch 1
         # of epoch 1), and at each epoch's end, where state.batch is back to 0
         assert commits == [2, 0, 1, 0]
-        assert v["keras_restored"] == (True, True, 8)
-        assert v["no_variables"].startswith("hvd.elastic.TensorFlowState(variables=None): eager TensorFlow has no")
     assert v0["keras"][0] == v1["keras"][0]  # synced at the start, then averaged gradients
+
+
+def test_the_keras_state_restores(tensorflow_state):
+    for v in tensorflow_state:
+        assert v["keras_restored"] == (True, True, 8)
+
+
+def test_eager_tensorflow_state_needs_its_variables(tensorflow_state):
+    for v in tensorflow_state:
+        assert v["no_variables"].startswith("hvd.elastic.TensorFlowState(variables=None): eager TensorFlow has no")
 
 
 def _restore_twice():

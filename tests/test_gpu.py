@@ -188,7 +188,7 @@ def test_adasum_on_cuda():
         assert torch.equal(out[("allreduce", name)], x) and torch.equal(out[("async", name)], x), name
         assert torch.equal(out[("scaled", name)], x), name
         assert all(torch.equal(a, b) for a, b in zip(out[("grouped", name)], [x, x[:2]])), name
-    # float64 sums added in another order (tests/test_adasum.py's bound: 3 levels * 4 * 500 * eps * 8 |v| ~ 1e-10)
+    # float64 sums added in another order (tests/_adasum_oracle.py's bound: 3 levels * 4 * 500 * eps * 8 |v| ~ 1e-10)
     assert out["tree_diff"] < 1e-10 and out["hier_diff"] < 1e-10, out
     assert out["tree_same_bits"], out  # no atomics: every rank works out the same bits
     assert out["half_diff"] <= 2 ** -8 * 8, out  # float16: at most an ulp or so of values of about 8
@@ -217,15 +217,16 @@ def test_horovods_device_idiom_and_a_forked_rank_from_the_warm_process_use_the_g
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
     monkeypatch.delenv("SPARKHVD_WARM", raising=False)
     first = HorovodRunner(np=-1).run(_device_view)
-    from sparkhvd.runner import _zygote
+    from sparkhvd.runner import _warm_client
+    from sparkhvd.runner._warm_key import zygote_key
 
-    key = _zygote.zygote_key()
+    key = zygote_key()
     import time
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # the first run starts the warm process in the background
         try:
-            _zygote.connect(key, timeout=5.0).close()
+            _warm_client.connect(key, timeout=5.0).close()
             break
         except OSError:
             time.sleep(0.2)

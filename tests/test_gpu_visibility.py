@@ -23,6 +23,7 @@ def _pinned(hosts, devices):
     return host_gpus(assign_ranks(hosts), hosts, devices)
 
 
+@pytest.mark.unit
 def test_each_rank_sees_its_hosts_gpus_in_local_rank_order():
     # Spark's tasks come in any order over the hosts; a host's GPUs in any order over its tasks.
     hosts = ["a", "b", "a", "b", "a"]
@@ -34,6 +35,7 @@ def test_each_rank_sees_its_hosts_gpus_in_local_rank_order():
         assert visible[p.local_rank] == own[0]
 
 
+@pytest.mark.unit
 def test_a_task_with_several_gpus_keeps_them_together_and_its_first_is_its_device():
     hosts = ["a", "a", "b", "b"]
     placements, lists = _pinned(hosts, [["2", "3"], ["0", "1"], ["5", "4"], ["7", "6"]])
@@ -41,6 +43,7 @@ def test_a_task_with_several_gpus_keeps_them_together_and_its_first_is_its_devic
     assert [p.cuda_devices for p in placements] == [(0, 1), (2, 3), (0, 1), (2, 3)]  # local_rank*2, local_rank*2+1
 
 
+@pytest.mark.unit
 def test_executors_on_one_host_with_their_own_cuda_visible_devices_agree_on_the_list():
     # Two executors on host "a", each with its own CUDA_VISIBLE_DEVICES, Spark's address indexing it: each
     # task maps its own before it registers, so both ranks get the same list of the host's devices.
@@ -50,18 +53,21 @@ def test_executors_on_one_host_with_their_own_cuda_visible_devices_agree_on_the_
     assert [p.cuda_devices for p in placements] == [(0,), (1,), (0,)]
 
 
+@pytest.mark.unit
 def test_tasks_without_gpus_keep_the_executors_environment():
     placements, lists = _pinned(["a", "a"], [[], []])
     assert lists == [[], []] and [p.cuda_devices for p in placements] == [(), ()]
     assert placements == assign_ranks(["a", "a"])
 
 
+@pytest.mark.unit
 def test_the_placement_crosses_json_typed():
     placements, _ = _pinned(["a", "a"], [["0"], ["1"]])
     back = Placement(**json.loads(json.dumps(placements[1].as_dict())))  # as the rank process reads it
     assert back == placements[1] and back.cuda_devices == (1,)
 
 
+@pytest.mark.unit
 def test_a_gpu_spark_shares_between_two_ranks_is_each_ranks_own_alone():
     placements, lists = _pinned(["a", "a", "b"], [["0"], ["0"], ["0"]])
     assert lists == [["0"], ["0"], ["0"]] and [p.cuda_devices for p in placements] == [(0,), (0,), (0,)]

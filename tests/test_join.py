@@ -68,7 +68,7 @@ def _ops_while_joined():
     out["sum"] = hvd.allreduce(torch.ones(3), op=hvd.Sum)
     out["avg"] = hvd.allreduce(torch.ones(2) * 3)
     out["grouped"] = hvd.grouped_allreduce([torch.ones(2), torch.ones(1, dtype=torch.int64)], op=hvd.Sum)
-    out["large"] = hvd.allreduce(torch.ones(400_000), op=hvd.Sum)  # beyond the control frame: a mirrored op
+    out["large"] = hvd.allreduce(torch.ones(400_000), op=hvd.Sum)  # beyond the control frame: a joined rank adds zeros
     bn = hvd.SyncBatchNorm(1, affine=False)
     out["bn"] = bn(torch.tensor([[0.0], [2.0]]) + 10 * r)  # stats over ranks 1 and 2 only
     out["last"] = hvd.join()

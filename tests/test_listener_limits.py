@@ -19,7 +19,7 @@ import torch.distributed as dist
 from sparkhvd._common import listener as _listener
 from sparkhvd._common.client import ServiceClient, ServiceError
 from sparkhvd._common.listener import RefusalTally
-from sparkhvd._common.protocol import MAGIC, NONCE_BYTES, AuthenticatedChannel, Kind, new_secret
+from sparkhvd._common.protocol import MAGIC, NONCE_BYTES, AuthenticatedChannel, Kind, PeerClosed, new_secret
 from sparkhvd.collective._engine.mesh import Endpoint, MeshError
 from sparkhvd.runner import _service
 from sparkhvd.runner._service import DriverService
@@ -40,6 +40,7 @@ def small_listeners(monkeypatch):
     monkeypatch.setattr(_listener, "default_max_pending", lambda: 4)
 
 
+@pytest.mark.unit
 def test_a_first_frame_trickled_a_byte_at_a_time_is_dropped_at_its_deadline(monkeypatch):
     monkeypatch.setattr(_service, "FIRST_FRAME_TIMEOUT_S", 0.5)
     svc = DriverService(np=1, secret=new_secret(), payload=b"")
@@ -65,6 +66,7 @@ def test_a_first_frame_trickled_a_byte_at_a_time_is_dropped_at_its_deadline(monk
         svc.close()
 
 
+@pytest.mark.unit
 def test_a_real_client_slow_to_send_its_first_request_connects_again(monkeypatch):
     monkeypatch.setattr(_service, "FIRST_FRAME_TIMEOUT_S", 0.3)
     svc = DriverService(np=1, secret=new_secret(), payload=b"")
@@ -78,6 +80,7 @@ def test_a_real_client_slow_to_send_its_first_request_connects_again(monkeypatch
         svc.close()
 
 
+@pytest.mark.unit
 def test_idle_connections_beyond_the_slots_evict_the_oldest_and_a_real_client_is_served(small_listeners):
     svc = DriverService(np=1, secret=new_secret(), payload=b"")
     idle = []
@@ -98,6 +101,7 @@ def test_idle_connections_beyond_the_slots_evict_the_oldest_and_a_real_client_is
         svc.close()
 
 
+@pytest.mark.unit
 def test_an_evicted_client_is_told_why_and_its_first_request_connects_again(small_listeners):
     svc = DriverService(np=1, secret=new_secret(), payload=b"")
     idle = []
@@ -125,6 +129,7 @@ def test_an_evicted_client_is_told_why_and_its_first_request_connects_again(smal
         svc.close()
 
 
+@pytest.mark.unit
 def test_authenticated_connections_are_capped_per_rank(monkeypatch):
     monkeypatch.setattr(_service, "CONNECTIONS_PER_RANK", 2)
     monkeypatch.setattr(_service, "CONNECTIONS_EXTRA", 1)
@@ -148,6 +153,21 @@ def test_authenticated_connections_are_capped_per_rank(monkeypatch):
         svc.close()
 
 
+@pytest.mark.unit
+def test_a_frame_of_a_kind_the_service_does_not_serve_ends_the_connection_and_is_counted():
+    svc = DriverService(np=1, secret=new_secret(), payload=b"")
+    try:
+        client = ServiceClient(svc.address, svc._secret)
+        with pytest.raises(PeerClosed):  # a server's frame sent to the server: no handler, no answer
+            client.request(Kind.ASSIGN)
+        client.close()
+        assert list(svc.refusals) == ["127.0.0.1: unknown frame kind 11"]  # counted before the connection closed
+        assert svc.tally.total == 1
+    finally:
+        svc.close()
+
+
+@pytest.mark.unit
 def test_a_client_that_is_never_greeted_or_never_connected_says_what_happened():
     silent = socket.create_server(("127.0.0.1", 0))  # takes connections, never greets them
     address = silent.getsockname()
@@ -216,6 +236,7 @@ def test_running_out_of_descriptors_keeps_the_service_up_and_is_reported_once():
                         r"connection: Too many open files; from an address not yet known\.", lines[1]), lines[1]
 
 
+@pytest.mark.unit
 def test_refusals_are_grouped_logged_at_most_once_per_interval_and_summarised_once(caplog):
     log = logging.getLogger("test.tally")
     tally = RefusalTally("the test listener", log, interval=0.3)
@@ -262,6 +283,7 @@ def _link(ep, members):
     return ep.star(0, members, "test op")
 
 
+@pytest.mark.unit
 def test_a_flooded_control_port_still_lets_the_real_peer_in(small_listeners):
     store, eps = _endpoints(2)
     host, port = store.get("c/0").decode().rsplit(":", 1)
@@ -287,6 +309,7 @@ def test_a_flooded_control_port_still_lets_the_real_peer_in(small_listeners):
         ep.close()
 
 
+@pytest.mark.unit
 def test_a_listener_that_always_turns_the_link_away_is_named_as_flooded_not_failed():
     server = socket.create_server(("127.0.0.1", 0))  # answers every handshake with "full: dropped"
     stop = threading.Event()

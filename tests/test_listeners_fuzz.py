@@ -25,7 +25,7 @@ import time
 
 from sparkhvd import HorovodRunner
 from sparkhvd._common.protocol import _HEADER, MAGIC, NONCE_BYTES, AuthenticatedChannel, Kind
-from sparkhvd.runner import _runner, _service
+from sparkhvd.runner import _horovod_runner, _service
 
 ATTACK_S = 40.0  # a hard bound on every attacking loop, far above the run's few seconds
 IDLE = 1200  # idle connections held against each listener: over twice its 512 handshake slots
@@ -235,7 +235,7 @@ def test_a_run_survives_fuzzing_of_both_listeners(monkeypatch, tmp_path, caplog,
             super().__init__(**kw)
             services.append(self)
 
-    monkeypatch.setattr(_runner, "DriverService", Captured)
+    monkeypatch.setattr(_horovod_runner, "DriverService", Captured)
     stop = threading.Event()
     attacks = []
     errors = []
@@ -319,14 +319,14 @@ _LOW_FD_DRIVER = textwrap.dedent("""
     import resource, sys, time
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
     from sparkhvd import HorovodRunner
-    from sparkhvd.runner import _runner, _service
+    from sparkhvd.runner import _horovod_runner, _service
 
     class Announced(_service.DriverService):
         def __init__(self, **kw):
             super().__init__(**kw)
             print("ADDRESS", self.address[0], self.address[1], flush=True)
 
-    _runner.DriverService = Announced
+    _horovod_runner.DriverService = Announced
 
     def train():
         import torch

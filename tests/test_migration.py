@@ -21,6 +21,7 @@ import warnings
 import pytest
 
 from sparkhvd import HorovodRunError, HorovodRunner
+from sparkhvd._common.settings import HOROVOD_ALIASES
 from sparkhvd.runner import _aliases
 from sparkhvd.runner._horovod_spark import _as_keywords
 from sparkhvd.runner._horovod_spark import run as horovod_spark_run
@@ -112,15 +113,29 @@ def torch_run():
 
 
 def test_a_horovod_torch_function_runs_unmodified(torch_run):
-    import torch
-
     for rank, value in enumerate(torch_run):
         assert (value["rank"], value["size"]) == (rank, 2)
         assert value["sum"] == [6.0, 8.0, 10.0, 12.0]  # (arange(4)+1) + (arange(4)+5)
+
+
+def test_horovod_torch_is_an_alias_of_sparkhvds_torch_api(torch_run):
+    for value in torch_run:
         assert value["module"] == "<module 'horovod.torch' (alias of sparkhvd.collective.torch)>"
         assert value["same"] and value["sampler"]
-        assert value["finder"] == "HorovodAliases"  # appended: the path finders are asked first
-        assert value["warm"] == "forked"  # forked from the warm process, which imported runner/_worker.py
+
+
+def test_the_alias_finder_comes_after_the_path_finders(torch_run):
+    assert [value["finder"] for value in torch_run] == ["HorovodAliases"] * 2  # appended: the path finders first
+
+
+def test_the_ranks_of_a_function_are_forked_from_the_warm_process(torch_run):
+    # forked from the warm process, which imported runner/_worker.py
+    assert [value["warm"] for value in torch_run] == ["forked"] * 2
+
+
+def test_the_unmodified_training_step_matches_the_reference(torch_run):
+    import torch
+
     assert torch_run[0]["weights"] == torch_run[1]["weights"]
     for got, want in zip(torch_run[0]["weights"], reference_weights()):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
@@ -212,17 +227,29 @@ def tf_run():
 
 
 def test_horovod_tensorflow_and_keras_code_runs_unmodified(tf_run):
-    values, shown = tf_run
+    values, _ = tf_run
     for value in values:
         assert value["sum"] == [3.0, 6.0]
         assert value["keras_alike"]
         assert value["modules"] == ["<module 'horovod.tensorflow' (alias of sparkhvd.collective.tensorflow)>",
                                     "<module 'horovod.tensorflow.keras' (alias of sparkhvd.collective.keras)>"]
+
+
+def test_unmodified_keras_training_gives_every_rank_the_same_weights(tf_run):
+    values, _ = tf_run
     assert values[0]["weights"] == values[1]["weights"]  # broadcast from rank 0, then the same averaged steps
+
+
+def test_a_horovod_tensorflow_module_sparkhvd_lacks_is_named_with_the_fix(tf_run):
+    values, _ = tf_run
     assert values[0]["missing"] == (
         "No module named 'horovod.tensorflow.data': Horovod isn't installed here, and sparkhvd, which stands in for "
         "it, has no horovod.tensorflow.data; the tf.data service has no stand-in in sparkhvd; read the data with "
         "sparkhvd.data.")
+
+
+def test_sparkdls_log_callback_reaches_the_driver(tf_run):
+    _, shown = tf_run
     assert "[0] Epoch 1/1\n" in shown  # sparkdl's LogCallback, through log_to_driver
     assert "[0] Epoch 1 done in " in shown
 
@@ -256,17 +283,18 @@ result = HorovodRunner(np=-2, driver_log_verbosity="all").run(main, lr=0.1)
 
 
 def warm_process_serving():
-    """Start this session's warm process (runner/_zygote.py) unless one serves, and return once it answers."""
-    from sparkhvd.runner import _zygote
+    """Start this session's warm process (runner/_warm_server.py) unless one serves, and return once it answers."""
+    from sparkhvd.runner import _warm_client
+    from sparkhvd.runner._warm_key import zygote_key
 
-    key = _zygote.zygote_key()
-    _zygote.start_server(key)  # exits at once where one already holds the key
+    key = zygote_key()
+    _warm_client.start_server(key)  # exits at once where one already holds the key
     deadline = time.monotonic() + 60.0  # not a timed assertion: how long to wait for its answer
     while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError, _zygote.WarmUnavailable):
-            sock = _zygote.connect(key, timeout=5.0)
+        with contextlib.suppress(OSError, ValueError, _warm_client.WarmUnavailable):
+            sock = _warm_client.connect(key, timeout=5.0)
             try:
-                if _zygote.request(sock, {"ping": True}):
+                if _warm_client.request(sock, {"ping": True}):
                     return
             finally:
                 sock.close()
@@ -346,6 +374,7 @@ def test_the_aliases_are_sparkhvd_modules(aliases):
         horovod.run
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["horovod.torch.mpi_lib_v2", "horovod.common.basics", "sparkdl.xgboost"])
 def test_another_name_is_simply_not_found_as_a_finder_answers(aliases, name):
     assert importlib.util.find_spec(name) is None  # a probe gets None, not an exception
@@ -359,6 +388,7 @@ def test_another_name_is_simply_not_found_as_a_finder_answers(aliases, name):
     ("horovod.ray", "sparkhvd runs on Spark, not Ray"),
     ("horovod.mxnet", "sparkhvd has no MXNet API"),
 ])
+@pytest.mark.unit
 def test_a_name_without_a_stand_in_fails_naming_it(aliases, name, instead):
     top = "Horovod" if name.startswith("horovod") else "Databricks' sparkdl"
     with pytest.raises(ModuleNotFoundError, match=rf"^No module named '{name}': {top} isn't installed here, and "
@@ -400,8 +430,9 @@ def test_a_real_horovod_and_sparkdl_win_on_the_driver(installed, monkeypatch):
         said[0].message)
 
 
+@pytest.mark.unit
 def test_the_setting_turns_the_one_line_off(monkeypatch):
-    monkeypatch.setenv(_aliases.ENV_ALIASES, "0")
+    monkeypatch.setenv(HOROVOD_ALIASES.name, "0")
     with driver_aliases():
         with pytest.warns(RuntimeWarning, match=r"^SPARKHVD_HOROVOD_ALIASES=0, so import sparkhvd.migrate installed "
                                                 r"no aliases"):
@@ -428,13 +459,13 @@ def test_a_real_horovod_and_sparkdl_win_on_the_ranks(installed, monkeypatch):
 
 
 def test_the_setting_turns_the_aliases_off_on_the_ranks(monkeypatch):
-    monkeypatch.setenv(_aliases.ENV_ALIASES, "0")
+    monkeypatch.setenv(HOROVOD_ALIASES.name, "0")
     with pytest.raises(HorovodRunError, match=r"ModuleNotFoundError: No module named 'horovod'\n"):
         HorovodRunner(np=-1).run(imports_horovod)
 
 
 def test_the_drivers_setting_reaches_spark_executors(spark, monkeypatch):
-    monkeypatch.setenv(_aliases.ENV_ALIASES, "0")  # set after the executors started: the run forwards it
+    monkeypatch.setenv(HOROVOD_ALIASES.name, "0")  # set after the executors started: the run forwards it
     with pytest.raises(HorovodRunError, match=r"ModuleNotFoundError: No module named 'horovod'\n"):
         HorovodRunner(np=1).run(imports_horovod)
 
@@ -466,9 +497,9 @@ def every_rank(*values):
 def spark_runs(spark):
     shown = io.StringIO()
     with driver_aliases():
-        import horovod.spark
-
         import sparkhvd.migrate  # noqa: F401 - the one line
+        # isort: split
+        import horovod.spark
 
         values = horovod.spark.run(hello, args=(42,), kwargs={"scale": 2}, num_proc=2, env={"MIGRATION_MARK": "set"},
                                    stdout=shown, stderr=sys.stderr, verbose=2, prefix_output_with_timestamp=True)
@@ -522,12 +553,14 @@ def test_horovod_spark_run_refuses_what_cannot_apply(kwargs, message):
      r"^horovod.spark.run cannot call hello\(magic, scale=1\) with args=\(1, 2, 3\) and kwargs=\{\}: too many "),
     ({"num_proc": 2, "fn": "train.py"}, TypeError, r"^horovod.spark.run needs a function to run, got str"),
 ])
+@pytest.mark.unit
 def test_horovod_spark_run_checks_its_arguments(kwargs, error, message):
     kwargs = {"fn": hello, "args": (1,), **kwargs}
     with pytest.raises(error, match=message):
         horovod_spark_run(**kwargs)
 
 
+@pytest.mark.unit
 def test_horovod_spark_start_timeout_is_read_as_horovod_does(monkeypatch):
     monkeypatch.setenv("HOROVOD_SPARK_START_TIMEOUT", "soon")
     with pytest.raises(ValueError, match=r"^HOROVOD_SPARK_START_TIMEOUT='soon' is not a number of seconds; set it "

@@ -215,6 +215,7 @@ def test_launcher_variables_of_open_mpi_and_hydra():
     assert hydra == _mpi.Launch("MPICH's or Intel MPI's mpirun", 1, 2, "PMI_RANK=1, PMI_SIZE=2")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "b", "a", "b", "c"], ["a", "a", "a"], ["b", "a", "a"]])
 def test_placement_splits_as_horovods_mpi_controller(hosts):
     """Where ranks are grouped by host (as the runner assigns them), MPI's placement is the runner's;

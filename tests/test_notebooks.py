@@ -205,6 +205,7 @@ def test_elastic(jupyter_env):
 NAMES = ["01_quickstart_torch.ipynb", "02_keras.ipynb", "03_dataframe_to_training.ipynb", "04_elastic.ipynb"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", NAMES)
 def test_committed_notebook_carries_a_whole_run(name):
     """The committed file is valid and shows one top-to-bottom run (re-execute it after editing a cell)."""
@@ -228,6 +229,7 @@ def _outputs(nb) -> str:
     return "\n".join(parts)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", NAMES)
 def test_committed_outputs_name_no_folder_of_this_machine(name):
     """notebooks/execute.py runs the kernel in a temporary folder and writes it as $TMPDIR (see its docstring)."""

@@ -52,6 +52,7 @@ def test_java_too_old_is_one_sentence_with_the_fix(tmp_path, monkeypatch, line, 
         check_java()
 
 
+@pytest.mark.unit
 def test_java_missing_is_one_sentence_with_the_fix(tmp_path, monkeypatch):
     monkeypatch.delenv("JAVA_HOME", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
@@ -93,7 +94,7 @@ def test_spark_submit_job_succeeds(tmp_path):
         from sparkhvd import HorovodRunner
         spark = SparkSession.builder.getOrCreate()
         def train(base):
-            from sparkhvd.runner import _context
+            from sparkhvd._common import context as _context
             return base + _context.current().placement.rank
         print("JOB RESULT", HorovodRunner(np=2).run_all(train, base=40).values)
         spark.stop()

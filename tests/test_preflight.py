@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from sparkhvd import HorovodRunner
-from sparkhvd.runner import StartTimeoutError, _preflight, _run
+from sparkhvd.runner import StartTimeoutError, _preflight, _waits
 from sparkhvd.runner._spark import gpu_problem, slots_for_restart
 from sparkhvd.runner._spark_info import executor_resources
 
@@ -192,7 +192,7 @@ def test_np_above_the_gpu_slots_names_each_executor():
 
 @pytest.mark.timeout(120)
 def test_a_rank_that_does_not_register_is_said_once_with_the_numbers(spark, capsys, monkeypatch):
-    monkeypatch.setattr(_run, "WAIT_NOTE_S", 0.5)
+    monkeypatch.setattr(_waits, "WAIT_NOTE_S", 0.5)
     runner = HorovodRunner(np=2, start_timeout=5)
     runner.config._stall_tasks = frozenset({0})  # task 0 never registers
     with pytest.raises(StartTimeoutError):
@@ -206,7 +206,7 @@ def test_a_rank_that_does_not_register_is_said_once_with_the_numbers(spark, caps
 
 @pytest.mark.timeout(120)
 def test_nothing_is_said_while_waiting_with_log_callback_only(spark, capsys, monkeypatch):
-    monkeypatch.setattr(_run, "WAIT_NOTE_S", 0.5)
+    monkeypatch.setattr(_waits, "WAIT_NOTE_S", 0.5)
     runner = HorovodRunner(np=2, start_timeout=3, driver_log_verbosity="log_callback_only")
     runner.config._stall_tasks = frozenset({0})
     with pytest.raises(StartTimeoutError):
@@ -215,7 +215,7 @@ def test_nothing_is_said_while_waiting_with_log_callback_only(spark, capsys, mon
 
 
 def test_waiting_for_restart_slots_is_said_once_then_fails_with_the_fix(spark, capsys, monkeypatch):
-    monkeypatch.setattr(_run, "WAIT_NOTE_S", 0.2)
+    monkeypatch.setattr(_waits, "WAIT_NOTE_S", 0.2)
     sc = spark.sparkContext
     with pytest.raises(RuntimeError, match=r"after the failure Spark had 2 task slots free for the restart within "
                                            r"start_timeout=1.5 s, not the 3 it needs; pass min_np=<n> \(n <= 2\)"):

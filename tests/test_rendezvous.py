@@ -56,6 +56,7 @@ def _in_thread(call):
     return thread, out
 
 
+@pytest.mark.unit
 def test_c10d_semantics_under_the_prefix(service):
     store = _store(service)
     store.set("a", "text")
@@ -74,6 +75,7 @@ def test_c10d_semantics_under_the_prefix(service):
     assert service.store.snapshot() == {"run/b": b"\x00\xff", "run/n": b"2", "run/c": b"second"}
 
 
+@pytest.mark.unit
 def test_c10d_calls_the_store_through_a_prefix_store(service):
     store = _store(service, prefix="")
     wrapped = dist.PrefixStore("pg", store)  # what new_group does to the default store; it adds the "/"
@@ -85,6 +87,7 @@ def test_c10d_calls_the_store_through_a_prefix_store(service):
     assert sorted(service.store.snapshot()) == ["pg/k", "pg/n"]
 
 
+@pytest.mark.unit
 def test_a_blocked_get_and_wait_end_when_another_rank_sets_the_key(service):
     waiter, setter = _store(service), _store(service)
     getting, got = _in_thread(lambda: waiter.get("late"))
@@ -100,6 +103,7 @@ def test_a_blocked_get_and_wait_end_when_another_rank_sets_the_key(service):
     assert waited == {"value": None}
 
 
+@pytest.mark.unit
 def test_a_get_timeout_is_refused_with_the_key(service):
     store = _store(service, timeout_s=0.2)
     start = time.monotonic()
@@ -112,6 +116,7 @@ def test_a_get_timeout_is_refused_with_the_key(service):
     assert store.get("a") == b"still served"
 
 
+@pytest.mark.unit
 def test_a_blocked_get_ends_with_the_abort_reason(service):
     store = _store(service)
     getting, got = _in_thread(lambda: store.get("never"))
@@ -125,6 +130,7 @@ def test_a_blocked_get_ends_with_the_abort_reason(service):
         store.wait(["never"])
 
 
+@pytest.mark.unit
 def test_a_blocked_wait_ends_when_the_service_closes(service):
     store = _store(service)
     waiting, waited = _in_thread(lambda: store.wait(["never"]))

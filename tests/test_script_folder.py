@@ -15,10 +15,11 @@ import zipfile
 import pytest
 
 from sparkhvd import HorovodRunner
+from sparkhvd._common.settings import SCRIPT_FOLDER_MAX_BYTES, SCRIPT_FOLDER_MAX_FILES, SHIP_SCRIPT_FOLDER
 from sparkhvd.runner import HorovodRunError
 from sparkhvd.runner._cli import main as cli_main
 from sparkhvd.runner._script import as_payload
-from sparkhvd.runner._script_folder import ENV_MAX_BYTES, ENV_MAX_FILES, ENV_SHIP, FolderLimits, collect, unpack
+from sparkhvd.runner._script_folder import FolderLimits, collect, unpack
 
 WAYS_OUT = ("move the script into a folder of its own with the modules it imports, install your code as a package "
             "on every host, or ship it with --py-files or sc.addPyFile and set SPARKHVD_SHIP_SCRIPT_FOLDER=0 to ship "
@@ -170,7 +171,7 @@ def test_the_ranks_need_not_see_the_drivers_folder(tmp_path):
 
 
 def test_shipping_turned_off_imports_from_the_scripts_folder(project, tmp_path, monkeypatch):
-    monkeypatch.setenv(ENV_SHIP, "0")
+    monkeypatch.setenv(SHIP_SCRIPT_FOLDER.name, "0")
     HorovodRunner(np=-1, driver_log_verbosity="log_callback_only").run(str(project / "train.py"), "--out",
                                                                        str(tmp_path))
     report = json.loads((tmp_path / "rank-0.json").read_text())
@@ -203,7 +204,7 @@ def test_spark_ranks_import_the_shipped_copies(project, tmp_path, spark):
 
 def test_too_many_files_is_refused_with_the_count_the_bound_and_the_ways_out(tmp_path, monkeypatch):
     _write(tmp_path, {"train.py": "", **{f"lib/m{i}.py": "" for i in range(5)}})
-    monkeypatch.setenv(ENV_MAX_FILES, "2")
+    monkeypatch.setenv(SCRIPT_FOLDER_MAX_FILES.name, "2")
     with pytest.raises(ValueError) as info:
         HorovodRunner(np=-1).run(str(tmp_path / "train.py"))
     assert str(info.value) == (f"the script's folder {tmp_path} holds 6 Python and config files to ship to the ranks, "
@@ -213,7 +214,7 @@ def test_too_many_files_is_refused_with_the_count_the_bound_and_the_ways_out(tmp
 
 def test_too_large_is_refused_naming_the_largest_file(tmp_path, monkeypatch):
     _write(tmp_path, {"train.py": "x = 1\n", "model.py": "#" * 120})
-    monkeypatch.setenv(ENV_MAX_BYTES, "100")
+    monkeypatch.setenv(SCRIPT_FOLDER_MAX_BYTES.name, "100")
     with pytest.raises(ValueError) as info:
         HorovodRunner(np=-1).run(str(tmp_path / "train.py"))
     assert str(info.value) == (f"the script's folder {tmp_path} holds 126 bytes of Python and config files to ship to "
@@ -223,7 +224,7 @@ def test_too_large_is_refused_naming_the_largest_file(tmp_path, monkeypatch):
 
 def test_a_folder_too_big_to_look_through_is_refused(tmp_path, monkeypatch):
     _write(tmp_path, {"train.py": "", **{f"{i}.png": "" for i in range(210)}})
-    monkeypatch.setenv(ENV_MAX_FILES, "2")  # looks through 200 files and folders at most
+    monkeypatch.setenv(SCRIPT_FOLDER_MAX_FILES.name, "2")  # looks through 200 files and folders at most
     with pytest.raises(ValueError) as info:
         HorovodRunner(np=-1).run(str(tmp_path / "train.py"))
     assert str(info.value) == (f"the script's folder {tmp_path} holds more than 200 files and folders (the bound is "
@@ -231,18 +232,20 @@ def test_a_folder_too_big_to_look_through_is_refused(tmp_path, monkeypatch):
                                f"to ship to the ranks; {WAYS_OUT}; or raise SPARKHVD_SCRIPT_FOLDER_MAX_FILES.")
 
 
+@pytest.mark.unit
 def test_folders_without_code_are_not_looked_through_and_odd_names_stay_behind(tmp_path, monkeypatch):
     _write(tmp_path, {"train.py": "", "ns/pkg/__init__.py": "", "ns/pkg/mod.py": "",  # a namespace package
                       **{f"images/{c}/{i}.png": "" for c in ("cats", "dogs") for i in range(150)}})
     for odd in ("back\\slash.json", "caf\udce9.json"):  # unpacked as they are, neither would be the same file
         with open(os.path.join(tmp_path, odd), "w"):
             pass
-    monkeypatch.setenv(ENV_MAX_FILES, "3")  # 300 files and folders to look through: the 302 images are not counted
+    monkeypatch.setenv(SCRIPT_FOLDER_MAX_FILES.name, "3")  # 300 files and folders to look through: the 302 images are not counted
     shipped = collect(str(tmp_path), FolderLimits.from_env())
     with zipfile.ZipFile(io.BytesIO(shipped.zip)) as archive:
         assert sorted(archive.namelist()) == ["ns/pkg/__init__.py", "ns/pkg/mod.py", "train.py"]
 
 
+@pytest.mark.unit
 def test_the_filesystem_root_is_not_a_project():
     with pytest.raises(ValueError) as info:
         collect("/", FolderLimits())
@@ -250,9 +253,10 @@ def test_the_filesystem_root_is_not_a_project():
                                f"ship to the ranks; {WAYS_OUT}.")
 
 
+@pytest.mark.unit
 def test_the_cli_refuses_a_folder_above_the_bound_as_bad_usage(tmp_path, monkeypatch, capsys):
     _write(tmp_path, {"train.py": "", "model.py": ""})
-    monkeypatch.setenv(ENV_MAX_FILES, "1")
+    monkeypatch.setenv(SCRIPT_FOLDER_MAX_FILES.name, "1")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as info:
         cli_main(["run", "--np", "-1", "train.py"])
@@ -262,27 +266,30 @@ def test_the_cli_refuses_a_folder_above_the_bound_as_bad_usage(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("name, value, message", [
-    (ENV_SHIP, "maybe", "SPARKHVD_SHIP_SCRIPT_FOLDER='maybe' is not 1 or 0 (nor true/false, yes/no, on/off); set it "
+    (SHIP_SCRIPT_FOLDER.name, "maybe", "SPARKHVD_SHIP_SCRIPT_FOLDER='maybe' is not 1 or 0 (nor true/false, yes/no, on/off); set it "
                         "to 0 to ship the script alone (not the modules beside it), or unset it."),
-    (ENV_MAX_BYTES, "10MB", "SPARKHVD_SCRIPT_FOLDER_MAX_BYTES='10MB' is not a whole number of bytes above 0; set it "
+    (SCRIPT_FOLDER_MAX_BYTES.name, "10MB", "SPARKHVD_SCRIPT_FOLDER_MAX_BYTES='10MB' is not a whole number of bytes above 0; set it "
                             "to e.g. 50000000, or unset it for the default 10000000."),
-    (ENV_MAX_FILES, "0", "SPARKHVD_SCRIPT_FOLDER_MAX_FILES='0' is not a whole number of files above 0; set it to e.g. "
+    (SCRIPT_FOLDER_MAX_FILES.name, "0", "SPARKHVD_SCRIPT_FOLDER_MAX_FILES='0' is not a whole number of files above 0; set it to e.g. "
                          "5000, or unset it for the default 1000."),
 ])
+@pytest.mark.unit
 def test_bad_settings_are_sentences(name, value, message):
     with pytest.raises(ValueError) as info:
         FolderLimits.from_env({name: value})
     assert str(info.value) == message
 
 
+@pytest.mark.unit
 def test_settings_and_their_defaults():
     assert FolderLimits.from_env({}) == FolderLimits(ship=True, max_bytes=10_000_000, max_files=1000)
-    assert FolderLimits.from_env({ENV_SHIP: "off", ENV_MAX_BYTES: "5", ENV_MAX_FILES: "7"}) == FolderLimits(
+    assert FolderLimits.from_env({SHIP_SCRIPT_FOLDER.name: "off", SCRIPT_FOLDER_MAX_BYTES.name: "5", SCRIPT_FOLDER_MAX_FILES.name: "7"}) == FolderLimits(
         ship=False, max_bytes=5, max_files=7)
 
 
 # --- unpacking on a rank ------------------------------------------------------------------------------------------
 
+@pytest.mark.unit
 @pytest.mark.parametrize("member", ["../evil.py", "/tmp/evil.py", "pkg/../../evil.py", "pkg\\..\\evil.py"])
 def test_unpack_refuses_a_member_that_leaves_the_folder(tmp_path, member):
     into = tmp_path / "into"

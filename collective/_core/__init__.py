@@ -10,7 +10,7 @@ its tensors, batch norm, callbacks.
 
 from __future__ import annotations
 
-from .._engine.engine import HorovodInternalError
+from .._engine.ops import HorovodInternalError
 from ._basics import (
                       ccl_built,
                       cross_rank,

@@ -28,12 +28,13 @@ from __future__ import annotations
 import math
 import sys
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .._engine import communicator as _engine
-from .._engine.engine import Op
+from .._engine.ops import Op
 from . import _buffers
 from ._process_sets import ProcessSet, global_process_set, require_member
 from ._scale import scale_
@@ -76,8 +77,8 @@ def pair(a: torch.Tensor, b: torch.Tensor, counts: list) -> torch.Tensor:
 def _chunk(device: torch.device) -> int:
     """Elements per float64 temporary. On CPU 32768, torch's grain size: each sum then runs in one thread, in
     one order whatever the thread count, so every rank works out the same bits, and the temporaries stay in
-    the cache (a fresh 8 MB float64 copy costs more in page faults than the arithmetic). CUDA's sums do not
-    depend on threads and launches cost more there."""
+    the cache (a fresh float64 copy of a large tensor costs more in page faults than the arithmetic). CUDA's
+    sums do not depend on threads and launches cost more there."""
     return 1 << 22 if device.type == "cuda" else 1 << 15
 
 
@@ -209,16 +210,28 @@ def allreduce_async_(tensor, name, prescale_factor, postscale_factor, process_se
     desc = describe(tensor)
     target = tensor.detach()
 
-    def launch(item, result):
+    def launch(answer, result):
         reduction = _Reduction([target], prescale_factor, postscale_factor, process_set, local_size)
         return reduction.works(), lambda: _write(tensor, target, reduction, 0)
 
     return submit(process_set, Op(
         kind="allreduce", name=name, signature=f"Adasum|{desc}|{prescale_factor}|{postscale_factor}",
-        description=f"{what}(op=Adasum: {desc})", problem=dtype_problem([tensor], what), launch=launch,
-        nbytes=nbytes(tensor), fuse=f"allreduce|Adasum|{tensor.dtype}|{tensor.device}|{prescale_factor}|"
+        description=f"{what}(op=Adasum: {desc})", argument_error=dtype_problem([tensor], what), launch=launch,
+        nbytes=nbytes(tensor), fusion_key=f"allreduce|Adasum|{tensor.dtype}|{tensor.device}|{prescale_factor}|"
         f"{postscale_factor}" if fusable else None, launch_fused=_launch_fused,
-        data=(tensor, target, prescale_factor, postscale_factor, process_set, local_size)))
+        fusion_part=_FusablePart(tensor, target, prescale_factor, postscale_factor, process_set, local_size)))
+
+
+@dataclass(slots=True)
+class _FusablePart:
+    """An Adasum allreduce as ``_launch_fused`` reads it, when the coordinator fuses it with others of its key."""
+
+    tensor: torch.Tensor  # what synchronize returns
+    target: torch.Tensor  # its detached view, written in place
+    prescale_factor: float
+    postscale_factor: float
+    process_set: ProcessSet
+    local_size: int  # the ranks summed before Adasum (``hosts_per_reduction``)
 
 
 def _write(tensor, target, reduction: _Reduction, index: int):
@@ -227,12 +240,14 @@ def _write(tensor, target, reduction: _Reduction, index: int):
     return tensor
 
 
-def _launch_fused(ops: list, item) -> list:
+def _launch_fused(ops: list, answer) -> list:
     """Adasum ops the coordinator fused (one dtype, device and scaling): one allgather of their flat copy, and
     each tensor its own dot products and norms, as Horovod's fusion buffer keeps tensor boundaries."""
-    _, _, prescale_factor, postscale_factor, process_set, local_size = ops[0].data
-    reduction = _Reduction([o.data[1] for o in ops], prescale_factor, postscale_factor, process_set, local_size)
-    return [(reduction.works(), lambda o=o, i=i: _write(o.data[0], o.data[1], reduction, i)) for i, o in enumerate(ops)]
+    parts = [o.fusion_part for o in ops]
+    first = parts[0]
+    reduction = _Reduction([p.target for p in parts], first.prescale_factor, first.postscale_factor,
+                           first.process_set, first.local_size)
+    return [(reduction.works(), lambda p=p, i=i: _write(p.tensor, p.target, reduction, i)) for i, p in enumerate(parts)]
 
 
 def grouped_allreduce_async_(tensors, name, prescale_factor, postscale_factor, process_set) -> object:
@@ -243,7 +258,7 @@ def grouped_allreduce_async_(tensors, name, prescale_factor, postscale_factor, p
     desc = ", ".join(describe(t) for t in tensors)
     targets = [t.detach() for t in tensors]
 
-    def launch(item, result):
+    def launch(answer, result):
         reductions = [(members, _Reduction(members, prescale_factor, postscale_factor, process_set, local_size))
                       for members in _buffers.pack(targets, _buffers.fusion_threshold())] if targets else []
 
@@ -258,5 +273,5 @@ def grouped_allreduce_async_(tensors, name, prescale_factor, postscale_factor, p
 
     return submit(process_set, Op(
         kind="grouped_allreduce", name=name, signature=f"Adasum|{desc}|{prescale_factor}|{postscale_factor}",
-        description=f"grouped_allreduce(op=Adasum: {desc})", problem=dtype_problem(tensors, "grouped_allreduce"),
+        description=f"grouped_allreduce(op=Adasum: {desc})", argument_error=dtype_problem(tensors, "grouped_allreduce"),
         launch=launch, nbytes=sum(map(nbytes, tensors))))

@@ -8,9 +8,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..._common.op_names import JOIN
 from .._engine import communicator as _engine
 from .._engine import mpi as _mpi
-from . import _buffers, _inline, _process_sets, _stand_in
+from .._engine.ops import Op
+from . import _buffers, _inline, _joined, _process_sets
 from ._handles import synchronize
 from ._process_sets import add_process_set, global_process_set
 
@@ -32,7 +34,7 @@ def init(comm=None, process_sets=None) -> None:
             raise ValueError(f"init(process_sets={process_sets!r}): pass a list of ProcessSets or \"dynamic\".")
         process_sets = None
     mpi_comm = None if comm is None or isinstance(comm, (list, tuple, range)) else _mpi.communicator(comm)
-    _engine.init(_engine.EngineParts(mirror=_stand_in.mirror, reduce=_inline.reduce,
+    _engine.init(_engine.EngineParts(zeros_for_joined_rank=_joined.zeros_for_joined_rank, reduce=_inline.reduce,
                                      fusion_threshold=_buffers.fusion_threshold()), mpi_comm)
     if mpi_comm is not None and not _mpi.same_communicator(mpi_comm):
         how = "another communicator" if _mpi.enabled() else _JOINED_THROUGH.get(_engine.topology().source)
@@ -60,9 +62,6 @@ def join(device: int = -1) -> int:
     """
     if size() == 1:
         return 0
-    from ..._common.op_names import JOIN
-    from .._engine.engine import Op
-
     return synchronize(_engine.engine().submit(global_process_set.link_id, Op(
         kind=JOIN, name=None, signature="", description="join()"), sync=True))
 

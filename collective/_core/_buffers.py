@@ -6,37 +6,24 @@ DistributedOptimizer buckets (``collective/torch/_fusion.py``).
 
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
 
-DEFAULT_THRESHOLD = 64 * 1024 * 1024
-ENV_THRESHOLD = "HOROVOD_FUSION_THRESHOLD"
+from ..._common import settings
 
 
 def fusion_threshold() -> int:
     """Bucket size in bytes: ``$HOROVOD_FUSION_THRESHOLD`` or 64 MB."""
-    raw = os.environ.get(ENV_THRESHOLD)
-    if raw is None:
-        return DEFAULT_THRESHOLD
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_THRESHOLD}={raw!r} is not a number of bytes; set it to e.g. 67108864 "
-                         "(64 MB), or 0 to reduce each gradient on its own.") from None
-    if value < 0:
-        raise ValueError(f"{ENV_THRESHOLD}={value} must be 0 or more bytes.")
-    return value
+    return settings.FUSION_THRESHOLD.get()
 
 
 class BufferPool:
     """Flat CPU buffers kept between fused ops, so that fusing does not map fresh memory each time.
 
-    glibc serves blocks over 32 MB with a fresh mmap on every allocation, and the page faults
-    of filling one cost more than the copy itself: fusing ResNet-50's 102 MB of gradients takes
-    64 ms into new memory against 10 ms into a reused buffer, on this project's 2-core VM. The
-    pool keeps the ``keep`` largest released buffers per dtype.
+    glibc serves large blocks with a fresh mmap on every allocation, and the page faults of
+    filling one can cost more than the copy itself (docs/performance.md). The pool keeps the
+    ``keep`` largest released buffers per dtype.
     """
 
     def __init__(self, keep: int = 2):

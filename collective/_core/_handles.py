@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .._engine.engine import Handle
+from .._engine.ops import Handle
 
 
 class GroupHandle:

@@ -2,13 +2,15 @@
 
 Each member sends its bytes with its request; the coordinator reduces them in set order and
 sends every member the same result, so every rank gets the same bits and no gloo collective
-runs at all. Up to ``capacity`` bytes this is several times faster than gloo's allreduce on
-this project's machines (``bench/allreduce.py`` measures both).
+runs at all. It is for tensors small enough that a gloo allreduce's own cost dominates
+(``bench/allreduce.py`` measures both; docs/performance.md has the numbers).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .._engine.messages import Layout
 
 _BUDGET = 1 << 20  # bytes the coordinator receives for one op, over all its members
 _DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
@@ -34,11 +36,11 @@ def wire_bytes(flat: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def reduce(request: dict, payloads: list) -> memoryview:
-    """The coordinator's reduction of an inline op: the members' payloads (in set order) -> the result's bytes."""
-    spec = request["z"]
-    dtype = getattr(torch, spec["dtype"])
-    combine = _COMBINE[spec["op"]]
+def reduce(layout: Layout, payloads: list) -> memoryview:
+    """The coordinator's reduction of an inline op (``layout``: its dtype and op): the members' payloads (in set
+    order) -> the result's bytes."""
+    dtype = getattr(torch, layout.dtype)
+    combine = _COMBINE[layout.op]
     tensors = [torch.frombuffer(p, dtype=dtype) for p in payloads]  # none requires grad: no autograd here
     result = combine(tensors[0], tensors[1]) if len(tensors) > 1 else tensors[0].clone()
     for t in tensors[2:]:

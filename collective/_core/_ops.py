@@ -12,12 +12,14 @@ ops and gradients ``collective/tensorflow/_ops.py``.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .._engine.engine import Handle, Op
+from .._engine.messages import ALL_REDUCE, INLINE, Layout
+from .._engine.ops import Handle, Op
 from . import _adasum, _buffers, _inline, _submit
 from ._handles import GroupHandle, synchronize
 from ._process_sets import ProcessSet, global_process_set, require_member
@@ -63,11 +65,6 @@ def _scale_after(tensor: torch.Tensor, op: ReduceOp, size: int, postscale: float
         scale_(tensor, postscale)
     else:  # one truncation, of sum * postscale / size, as Horovod
         scale_(tensor, postscale / size if average else postscale)
-
-
-
-
-
 
 
 def now(start, *args, **kwargs):
@@ -122,9 +119,38 @@ def reduced_via_int32(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype in _REDUCED_VIA_INT32.get(device.type, ())
 
 
-def _zeros_spec(t: torch.Tensor, kind: str) -> dict:
-    """What a rank inside ``join()`` needs to mirror the op with zeros."""
-    return {"kind": kind, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "cuda": int(t.is_cuda)}
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _all_reduce_layout(buckets: list, cuda: bool) -> Layout:
+    """What a rank inside ``join()`` needs to add its zeros to the others' all_reduces of ``buckets`` (lists of
+    tensors of one dtype, each reduced as one flat tensor, in order)."""
+    return Layout(ALL_REDUCE, cuda=cuda, buckets=tuple((_dtype_name(b[0].dtype), sum(t.numel() for t in b))
+                                                      for b in buckets))
+
+
+_inline_layouts: dict = {}  # (dtype, op) -> its Layout: made once per kind of small reduction, not per op
+
+
+def _inline_layout(flat: torch.Tensor, op: ReduceOp) -> Layout:
+    """How the coordinator reduces the bytes of ``flat`` that ride inline (``_inline.reduce``)."""
+    layout = _inline_layouts.get((flat.dtype, op))
+    if layout is None:
+        layout = _inline_layouts[(flat.dtype, op)] = Layout(INLINE, dtype=_dtype_name(flat.dtype), op=op.name)
+    return layout
+
+
+@dataclass(slots=True)
+class _FusablePart:
+    """An allreduce as ``_launch_fused`` reads it, when the coordinator fuses it with others of its key."""
+
+    tensor: torch.Tensor  # what synchronize returns
+    target: torch.Tensor  # its detached view, reduced in place
+    op: ReduceOp
+    prescale_factor: float
+    postscale_factor: float
+    process_set: ProcessSet
 
 
 # ---- allreduce ----------------------------------------------------------------------------
@@ -150,7 +176,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     if _inline.fits(tensor, size):  # small: the data rides in the control frames
         inline = scaled(target, prescale_factor).reshape(-1).contiguous()
 
-    def launch(item, result):
+    def launch(answer, result):
         if inline is not None:
             target.copy_(_inline.read(result, inline.dtype).view_as(target))
             return [], finish
@@ -187,19 +213,21 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
         kind="allreduce", name=name, signature=f"{op.name}|{desc}|{prescale_factor}|{postscale_factor}",
         description=f"{_what}(op={op.name}: {desc})", joinable=op in (Sum, Average),
         inline=None if inline is None else _inline.wire_bytes(inline), launch=launch, nbytes=nbytes(tensor),
-        request={"z": _zeros_spec(tensor, "all_reduce") if inline is None else
-                 {"kind": "inline", "dtype": str(inline.dtype).replace("torch.", ""), "op": op.name}},
-        fuse=f"allreduce|{op.name}|{tensor.dtype}|{tensor.device}|{prescale_factor}|{postscale_factor}"
+        layout=_all_reduce_layout([[tensor]], tensor.is_cuda) if inline is None else _inline_layout(inline, op),
+        fusion_key=f"allreduce|{op.name}|{tensor.dtype}|{tensor.device}|{prescale_factor}|{postscale_factor}"
         if fusable else None,
-        launch_fused=_launch_fused, data=(tensor, target, op, prescale_factor, postscale_factor, process_set)))
+        launch_fused=_launch_fused,
+        fusion_part=_FusablePart(tensor, target, op, prescale_factor, postscale_factor, process_set)))
 
 
-def _launch_fused(ops: list, item) -> list:
+def _launch_fused(ops: list, answer) -> list:
     """Allreduces the coordinator fused (one dtype, device, op and scaling, on one set): one c10d op over a
     flat copy of their tensors (Horovod's fusion buffer; pooled on CPU), each op's part copied back when it is
     synchronized. The buffer goes back to the pool once every part is out."""
-    _, _, op, prescale_factor, postscale_factor, process_set = ops[0].data
-    targets = [o.data[1] for o in ops]
+    first = ops[0].fusion_part
+    op, prescale_factor, postscale_factor, process_set = (first.op, first.prescale_factor, first.postscale_factor,
+                                                          first.process_set)
+    targets = [o.fusion_part.target for o in ops]
     pooled: list = []
     flat = _fused(targets, pooled)
     scale_(flat, prescale_factor)
@@ -221,9 +249,9 @@ def _launch_fused(ops: list, item) -> list:
 
     launched, offset = [], 0
     for o in ops:
-        tensor, target = o.data[:2]
-        launched.append(([work], finisher(tensor, target, offset)))
-        offset += target.numel()
+        part = o.fusion_part
+        launched.append(([work], finisher(part.tensor, part.target, offset)))
+        offset += part.target.numel()
     return launched
 
 
@@ -279,7 +307,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
             inline = scaled(torch.cat([t.detach().reshape(-1) for t in tensors]), prescale_factor)
     flats, pooled = [], []
 
-    def launch(item, result):
+    def launch(answer, result):
         if inline is not None:
             flats.append((_inline.read(result, inline.dtype), tensors))
             return [], finish
@@ -303,17 +331,16 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
             _buffers.pool.give(buffer)
         return tuple(tensors)
 
-    stand_in = {"z": {"kind": "inline", "dtype": str(inline.dtype).replace("torch.", ""), "op": op.name}} \
-        if inline is not None else {}
-    if inline is None and tensors:
-        stand_in = {"z": {"kind": "all_reduce_buckets", "cuda": int(tensors[0].is_cuda),
-                          "buckets": [[str(b[0].dtype).replace("torch.", ""), sum(m.numel() for m in b)]
-                                      for b in buckets]}}
+    layout = None  # an empty group: nothing a joined rank could stand in for
+    if inline is not None:
+        layout = _inline_layout(inline, op)
+    elif tensors:
+        layout = _all_reduce_layout(buckets, tensors[0].is_cuda)
     return submit(process_set, Op(
         kind="grouped_allreduce", name=name, signature=f"{op.name}|{desc}|{prescale_factor}|{postscale_factor}",
-        description=f"grouped_allreduce(op={op.name}: {desc})", joinable=op in (Sum, Average) and bool(stand_in),
+        description=f"grouped_allreduce(op={op.name}: {desc})", joinable=op in (Sum, Average) and layout is not None,
         inline=None if inline is None else _inline.wire_bytes(inline), launch=launch,
-        nbytes=sum(map(nbytes, tensors)), request=stand_in))
+        nbytes=sum(map(nbytes, tensors)), layout=layout))
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -339,7 +366,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     desc = describe(tensor)
     state: dict = {}
 
-    def launch(item, result):
+    def launch(answer, result):
         wire = _wire(tensor.detach())
         state["wire"] = wire
         with torch.no_grad():
@@ -354,7 +381,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
 
     return submit(process_set, Op(
         kind="broadcast", name=name, signature=f"{root_rank}|{desc}", description=f"broadcast(root_rank={root_rank}: "
-        f"{desc})", problem=_root_problem(root_rank, process_set), launch=launch, nbytes=nbytes(tensor)))
+        f"{desc})", argument_error=_root_problem(root_rank, process_set), launch=launch, nbytes=nbytes(tensor)))
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
@@ -389,8 +416,8 @@ def allgather_async(tensor, name=None, process_set=global_process_set, _problem=
     trailing = tuple(t.shape[1:])
     out: dict = {}
 
-    def launch(item, result):
-        rows = [r or 0 for r in item["x"]]
+    def launch(answer, result):
+        rows = [r or 0 for r in answer.rank_values]  # every member's first dimension
         longest = max(rows)
         padded = t if t.shape[0] == longest else torch.cat([t, t.new_zeros((longest - t.shape[0],) + trailing)])
         wire = _wire(padded)
@@ -403,8 +430,8 @@ def allgather_async(tensor, name=None, process_set=global_process_set, _problem=
         return torch.cat([_unwire(g, t.dtype, (longest,) + trailing)[:n] for g, n in zip(out["gathered"], out["rows"])])
 
     return submit(process_set, Op(
-        kind="allgather", name=name, signature=desc, description=f"allgather({desc})", fact=int(t.shape[0]),
-        problem=_problem, launch=launch, nbytes=nbytes(t) * process_set.size()))
+        kind="allgather", name=name, signature=desc, description=f"allgather({desc})", rank_value=int(t.shape[0]),
+        argument_error=_problem, launch=launch, nbytes=nbytes(t) * process_set.size()))
 
 
 def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set) -> Handle:
@@ -474,9 +501,9 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     trailing = tuple(tensor.shape[1:])
     as_bytes = moved_as_bytes(tensor)
 
-    def launch(item, result):
+    def launch(answer, result):
         me = process_set.rank()
-        received = [int(row[me]) for row in item["x"]]
+        received = [int(row[me]) for row in answer.rank_values]  # every member's splits: what each sends here
         src = tensor.detach().contiguous()
         if as_bytes:  # gloo moves bytes: rows of bytes
             row_bytes = tensor.element_size() * math.prod(trailing)
@@ -495,8 +522,8 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         return output, torch.tensor(out["received"], dtype=like.dtype, device=like.device)
 
     return submit(process_set, Op(
-        kind="alltoall", name=name, signature=desc, description=f"alltoall({desc})", fact=splits, problem=problem,
-        launch=launch, nbytes=nbytes(tensor)))
+        kind="alltoall", name=name, signature=desc, description=f"alltoall({desc})", rank_value=splits,
+        argument_error=problem, launch=launch, nbytes=nbytes(tensor)))
 
 
 # torch 2.13 renamed reduce_scatter_tensor (which now warns on every call) to reduce_scatter_single
@@ -529,7 +556,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     n = process_set.size()
     out: dict = {}
 
-    def launch(item, result):
+    def launch(answer, result):
         me = process_set.rank()
         counts = reducescatter_rows(tensor.shape[0], n)
         longest, trailing = counts[0], tuple(tensor.shape[1:])
@@ -560,7 +587,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
 
     return submit(process_set, Op(
         kind="reducescatter", name=name, signature=f"{op.name}|{desc}|{prescale_factor}|{postscale_factor}",
-        description=f"reducescatter(op={op.name}: {desc})", problem=_problem or scalar, launch=launch,
+        description=f"reducescatter(op={op.name}: {desc})", argument_error=_problem or scalar, launch=launch,
         nbytes=nbytes(tensor)))
 
 
@@ -579,13 +606,11 @@ def check(what: str, tensors: list, process_set=global_process_set, extra: str =
     desc = ", ".join(describe(t) for t in tensors)
     text = f"{extra}: {desc}" if extra else desc
     now(submit, process_set, Op(kind="check", name=what, signature=text, description=f"{what}({text})",
-                                 problem=problem, launch=lambda item, result: ([], None)))
-
-
+                                 argument_error=problem, launch=lambda answer, result: ([], None)))
 
 
 def barrier(process_set=global_process_set) -> None:
     """Wait until every rank of the set has reached this call."""
     require_member(process_set, "barrier")
     now(submit, process_set, Op(kind="barrier", name=None, signature="", description="barrier()",
-                                 launch=lambda item, result: ([], None)))
+                                 launch=lambda answer, result: ([], None)))

@@ -8,8 +8,7 @@ import threading
 import torch
 
 from .._engine import communicator as _engine
-from .._engine import engine as _background
-from .._engine.engine import Handle, Op
+from .._engine.ops import Handle, Op, run_local
 from ._process_sets import ProcessSet
 
 _caller = threading.local()  # .blocking: this thread waits for the ops it submits at once (``now``)
@@ -25,7 +24,7 @@ def describe(t: torch.Tensor, skip_first_dim: bool = False) -> str:
 def submit(process_set: ProcessSet, op: Op) -> Handle:
     """Hand ``op`` to the engine (a set of one needs no negotiation)."""
     if process_set.size() == 1:
-        return _background.run_local(op)
+        return run_local(op)
     return _engine.engine().submit(process_set.link_id, op, sync=getattr(_caller, "blocking", False))
 
 

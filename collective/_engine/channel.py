@@ -3,7 +3,7 @@
 A frame is ``FRAME`` (two little-endian int64s: the lengths of the meta and of the payload),
 then the meta (UTF-8 JSON: what the frame says) and the payload (raw tensor bytes). Nothing is
 unpickled, and a length over the limits is refused before its body is read. The links are made
-and authenticated by ``_mesh.Endpoint``; as with gloo, the frames themselves trust the network.
+and authenticated by ``mesh.Endpoint``; as with gloo, the frames themselves trust the network.
 """
 
 from __future__ import annotations

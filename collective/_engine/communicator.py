@@ -1,8 +1,8 @@
 """The communicator: one c10d process group (gloo for CPU tensors, NCCL for CUDA tensors).
 
 ``init()`` builds it from whichever launcher started this process: HorovodRunner (the driver
-service serves ``collective``'s rendezvous store, ``_rendezvous.py``), torchrun (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT), mpirun (``_mpi.py``: through mpi4py, or MASTER_ADDR/MASTER_PORT), or
+service serves the rendezvous store, ``_common/rendezvous.py``), torchrun (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), mpirun (``mpi.py``: through mpi4py, or MASTER_ADDR/MASTER_PORT), or
 nothing (a group of one).
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import os
 import secrets
 from dataclasses import dataclass
 from typing import Callable
@@ -20,10 +19,13 @@ import torch.distributed as dist
 
 from ..._common import context as _context
 from ..._common import progress as _progress
+from ..._common import settings
 from ..._common.network import local_address
 from ..._common.topology import Placement
 from . import mpi as _mpi
+from .engine import Engine
 from .mesh import Endpoint
+from .store import DriverStore
 
 _TIMEOUT = datetime.timedelta(minutes=30)
 _INIT_LINK = -2  # the stall report's number for init()'s rendezvous (process sets count from 0)
@@ -42,10 +44,10 @@ _generation = 0  # init() count in this process: keeps each init's store keys ap
 # c10d calls a Python store's methods only while the Python object lives; torch itself does not
 # keep it alive once it is wrapped (new_group wraps the default store), so we do.
 _store = None
-_endpoint: Endpoint | None = None  # the control links between ranks (``_mesh.py``)
+_endpoint: Endpoint | None = None  # the control links between ranks (``mesh.py``)
 _master_addr: str | None = None  # where an mpirun job's store listens (the control links listen toward it)
 _mpi_exit_registered = False  # whether shutdown() runs at exit (registered by the first mpirun join)
-_background_engine = None  # the process's negotiating engine (``_background.py``), in jobs of more than one
+_engine = None  # the process's negotiating engine (``engine.py``), in jobs of more than one rank
 
 
 class NotInitializedError(ValueError):
@@ -56,7 +58,7 @@ class NotInitializedError(ValueError):
 class EngineParts:
     """What the core (``collective/_core``) gives the engine it starts."""
 
-    mirror: Callable  # a joined rank's part in the others' reductions, with zeros (``_core/_stand_in.py``)
+    zeros_for_joined_rank: Callable  # a joined rank's part in the others' reductions (``_core/_joined.py``)
     reduce: Callable  # the reduction of small tensors that ride in the control frames (``_core/_inline.py``)
     fusion_threshold: int  # bytes of ready ops fused into one (``HOROVOD_FUSION_THRESHOLD``)
 
@@ -69,8 +71,6 @@ def init(parts: EngineParts, mpi_comm=None) -> Topology:
     ctx = _context.current()
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if ctx is not None:
-        from .store import DriverStore
-
         p = ctx.placement
         store = _store = DriverStore(ctx.new_client(), prefix=f"sparkhvd/{_generation}/")
         store.set_timeout(_TIMEOUT)  # init_process_group leaves a given store at its 5-minute default
@@ -101,7 +101,7 @@ def init(parts: EngineParts, mpi_comm=None) -> Topology:
             atexit.register(shutdown)
             _mpi_exit_registered = True
     elif _torchrun_env():
-        topology = _from_torchrun(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+        topology = _from_torchrun(settings.RANK.get(), settings.WORLD_SIZE.get())
         dist.init_process_group(backend, init_method="env://", rank=topology.rank,
                                 world_size=topology.size, timeout=_TIMEOUT)
         _owns_group = True
@@ -128,15 +128,13 @@ def _control_endpoint(rank: int, ctx) -> Endpoint:
         if rank == 0:
             store.set(prefix + "key", secrets.token_hex(32))
         key = store.get(prefix + "key")
-        host = local_address(_master_addr or os.environ.get("MASTER_ADDR"))
+        host = local_address(_master_addr or settings.MASTER_ADDR.get())
     return Endpoint(rank=rank, host=host, key=key, store=store, prefix=prefix, timeout=_TIMEOUT.total_seconds())
 
 
 def _start_engine(topology: Topology, parts: EngineParts) -> None:
     """The engine thread, with the global set's links (made now: every rank is in init())."""
-    global _background_engine
-    from .engine import Engine, max_payload
-
+    global _engine
     everyone = list(range(topology.size))
     waiting = _progress.begin_check("hvd.init", None, None, _INIT_LINK)
     try:
@@ -147,68 +145,34 @@ def _start_engine(topology: Topology, parts: EngineParts) -> None:
         device = torch.cuda.current_device()
     else:
         device = None
-    _background_engine = Engine(topology.rank, max_payload(), mirror=parts.mirror, reduce=parts.reduce,
-                                device=device, fusion_threshold=parts.fusion_threshold, cycle_time=cycle_time(),
-                                cache_capacity=cache_capacity())
-    _background_engine.add_link(0, everyone, sockets, None)
-
-
-ENV_CYCLE_TIME = "HOROVOD_CYCLE_TIME"
-
-
-def cycle_time() -> float:
-    """``$HOROVOD_CYCLE_TIME`` in seconds (it is given in milliseconds, as Horovod's); 0 (answer at once) unset."""
-    raw = os.environ.get(ENV_CYCLE_TIME)
-    if raw is None:
-        return 0.0
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_CYCLE_TIME}={raw!r} is not a number of milliseconds; set it to e.g. 1 (answer ready "
-                         "ops at most once a millisecond, fusing them), or 0 to answer each at once.") from None
-    if not value >= 0:
-        raise ValueError(f"{ENV_CYCLE_TIME}={raw} must be 0 or more milliseconds.")
-    return value / 1000.0
-
-
-ENV_CACHE_CAPACITY = "HOROVOD_CACHE_CAPACITY"
-
-
-def cache_capacity() -> int:
-    """``$HOROVOD_CACHE_CAPACITY``: request definitions each link keeps (1024, as Horovod's; 0: none)."""
-    raw = os.environ.get(ENV_CACHE_CAPACITY, "1024")
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{ENV_CACHE_CAPACITY}={raw!r} is not a count of 0 or more; set it to e.g. 1024 (requests "
-                         "of a signature seen before travel as a number), or 0 to send every request whole.")
-    return value
+    _engine = Engine(topology.rank, settings.MAX_CONTROL_PAYLOAD.get(), zeros_for_joined_rank=parts.zeros_for_joined_rank,
+                     reduce=parts.reduce, device=device, fusion_threshold=parts.fusion_threshold,
+                     cycle_time=settings.CYCLE_TIME.get(), cache_capacity=settings.CACHE_CAPACITY.get())
+    _engine.add_link(0, everyone, sockets, None)
 
 
 def add_links(link_id: int, members: list, group) -> None:
     """Make a new process set's links and hand them to the engine (on every member, together)."""
-    if _background_engine is None:
+    if _engine is None:
         return
     sockets = endpoint().star(link_id, members, f"process set {members}")
-    _background_engine.add_link(link_id, members, sockets, members, group=group)
+    _engine.add_link(link_id, members, sockets, members, group=group)
 
 
 def forget_links(link_id: int) -> None:
     """Close a removed process set's control links."""
-    if _background_engine is not None:
-        _background_engine.remove_link(link_id)
+    if _engine is not None:
+        _engine.remove_link(link_id)
     if _endpoint is not None:
         _endpoint.forget(link_id)
 
 
 def engine():
     """The negotiating engine; raises unless ``init()`` ran in a job of more than one rank."""
-    if _background_engine is None:
+    if _engine is None:
         raise NotInitializedError("sparkhvd has not been initialized in a job of more than one rank; "
                                   "call hvd.init() first.")
-    return _background_engine
+    return _engine
 
 
 def endpoint() -> Endpoint:
@@ -220,14 +184,16 @@ def endpoint() -> Endpoint:
 
 
 def _torchrun_env() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    return all(s.raw() is not None for s in (settings.RANK, settings.WORLD_SIZE, settings.MASTER_ADDR))
 
 
 def _from_torchrun(rank: int, size: int) -> Topology:
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    cross_size = int(os.environ.get("GROUP_WORLD_SIZE", max(1, size // max(1, local_size))))
-    cross_rank = int(os.environ.get("GROUP_RANK", rank // max(1, local_size)))
+    local_rank = settings.LOCAL_RANK.get()
+    local_size = settings.LOCAL_WORLD_SIZE.get()
+    cross_size = settings.GROUP_WORLD_SIZE.get()
+    cross_size = max(1, size // max(1, local_size)) if cross_size is None else cross_size
+    cross_rank = settings.GROUP_RANK.get()
+    cross_rank = rank // max(1, local_size) if cross_rank is None else cross_rank
     return Topology(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
                     cross_rank=cross_rank, cross_size=cross_size, source="torchrun")
 
@@ -237,8 +203,8 @@ DRAIN_S = 10.0  # how long leaving waits for frames still owed to peers
 
 def drain() -> None:
     """Send what this rank still owes its peers before the process ends (the rank's exit calls it)."""
-    if _background_engine is not None:
-        _background_engine.drain(DRAIN_S)
+    if _engine is not None:
+        _engine.drain(DRAIN_S)
 
 
 atexit.register(drain)  # a script under torchrun may exit without hvd.shutdown()
@@ -247,13 +213,13 @@ _context.at_exit(drain)  # under HorovodRunner, the worker drains before it repo
 
 def shutdown() -> None:
     """Leave the job; ``init()`` may be called again afterwards."""
-    global _topology, _owns_group, _store, _endpoint, _background_engine, _master_addr
+    global _topology, _owns_group, _store, _endpoint, _engine, _master_addr
     if _topology is None:
         return
-    if _background_engine is not None:
-        _background_engine.drain(DRAIN_S)
-        _background_engine.close("hvd.shutdown() ran on this rank.")
-        _background_engine = None
+    if _engine is not None:
+        _engine.drain(DRAIN_S)
+        _engine.close("hvd.shutdown() ran on this rank.")
+        _engine = None
     if _endpoint is not None:
         _endpoint.close()
         _endpoint = None

@@ -1,8 +1,8 @@
 """Authenticated TCP links between the ranks of a process set: the transport of the control traffic.
 
-``Endpoint.star`` makes one set's links for the engine (``_background.py``): the set's coordinator
+``Endpoint.star`` makes one set's links for the engine (``engine.py``): the set's coordinator
 (its first member) links to every other member, and every other member only to the coordinator.
-The engine frames those sockets with ``_channel.PeerChannel``; this module carries no frames itself.
+The engine frames those sockets with ``channel.PeerChannel``; this module carries no frames itself.
 
 Each rank listens on one port, whose address it puts in the rendezvous store. Of two members, the
 later one in the set connects and the earlier one accepts. A connection proves it belongs to the
@@ -12,7 +12,7 @@ with its (link id, rank) and an HMAC-SHA256 of challenge and answer under the ru
 store itself), and the accepting side answers with one byte: accepted, turned away to make room
 (the connecting side tries again, for a while), or refused (the set was removed there, or
 ``hvd.shutdown()`` ran). As with gloo, the frames themselves trust the network. The listener
-(``_listener.py``) reads every handshake on one thread under a whole deadline, and a flood of
+(``_common/listener.py``) reads every handshake on one thread under a whole deadline, and a flood of
 connections that never authenticate evicts its own oldest, never a real peer for good.
 
 Every failure to make a link is a ``MeshError`` that names the peer and what to do: a peer that

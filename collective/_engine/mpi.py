@@ -21,12 +21,13 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ..._common import settings
 from ..._common.network import local_address
 from ..._common.topology import Placement
 
 # (launcher, rank variable, size variable), in the order they are looked for
-_LAUNCHERS = (("Open MPI's mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-              ("MPICH's or Intel MPI's mpirun", "PMI_RANK", "PMI_SIZE"))
+_LAUNCHERS = (("Open MPI's mpirun", settings.OMPI_COMM_WORLD_RANK, settings.OMPI_COMM_WORLD_SIZE),
+              ("MPICH's or Intel MPI's mpirun", settings.PMI_RANK, settings.PMI_SIZE))
 _LOOPBACK = "127.0.0.1"
 
 _comm = None  # the mpi4py communicator this process joined through; None: not through MPI
@@ -53,12 +54,14 @@ class Joined:
     master_addr: str
 
 
-def launched(environ=os.environ) -> Launch | None:
-    """The MPI launch this process belongs to, or None where no ``mpirun`` started it."""
+def launched(environ=None) -> Launch | None:
+    """The MPI launch this process belongs to (``environ``: None for this process's), or None where no ``mpirun``
+    started it."""
     for launcher, rank, size in _LAUNCHERS:
-        if rank in environ and size in environ:
-            return Launch(launcher, int(environ[rank]), int(environ[size]),
-                          f"{rank}={environ[rank]}, {size}={environ[size]}")
+        rank_raw, size_raw = rank.raw(environ), size.raw(environ)
+        if rank_raw is not None and size_raw is not None:
+            return Launch(launcher, rank.get(environ), size.get(environ),
+                          f"{rank.name}={rank_raw}, {size.name}={size_raw}")
     return None
 
 
@@ -129,7 +132,7 @@ def join(comm, timeout: datetime.timedelta) -> Joined:
     if MPI is not None:
         return _join_mpi(MPI, MPI.COMM_WORLD if comm is None else comm, timeout)
     launch = launched()
-    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+    if settings.MASTER_ADDR.raw() is not None and settings.MASTER_PORT.raw() is not None:
         return _join_env(launch, timeout)
     raise ValueError(f"This process was started by {launch.launcher} ({launch.found}), but mpi4py cannot be "
                      f"used ({why}) and MASTER_ADDR/MASTER_PORT are not both set; install it (pip install "
@@ -212,10 +215,10 @@ def reachable(host: str, multi_node: bool) -> str:
 def _store_address(placement: Placement, names: list) -> tuple[str, int]:
     """Where rank 0's store listens: MASTER_ADDR/MASTER_PORT where given, the loopback where every rank
     shares its node, else its interface toward another node (port 0: a free one)."""
-    port = int(os.environ.get("MASTER_PORT", 0))
+    port = settings.MASTER_PORT.get() or 0
     multi_node = placement.local_size < placement.size
-    if "MASTER_ADDR" in os.environ:
-        return reachable(os.environ["MASTER_ADDR"], multi_node), port
+    if settings.MASTER_ADDR.raw() is not None:
+        return reachable(settings.MASTER_ADDR.raw(), multi_node), port
     if not multi_node:
         return _LOOPBACK, port
     other = next(name for node, name in names if node != names[0][0])
@@ -234,9 +237,10 @@ def _serve(host: str, port: int, size: int, timeout: datetime.timedelta) -> dist
 
 def _join_env(launch: Launch, timeout: datetime.timedelta) -> Joined:
     """The rendezvous without mpi4py: the store at MASTER_ADDR:MASTER_PORT; host names gathered there."""
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    local_size = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or os.environ.get("MPI_LOCALNRANKS")
-    reachable(host, local_size is not None and int(local_size) < launch.size)  # every rank reads the same
+    host, port = settings.MASTER_ADDR.raw(), settings.MASTER_PORT.get()
+    local_size = settings.OMPI_COMM_WORLD_LOCAL_SIZE.get()
+    local_size = settings.MPI_LOCALNRANKS.get() if local_size is None else local_size
+    reachable(host, local_size is not None and local_size < launch.size)  # every rank reads the same
     if launch.rank == 0:
         store = _serve(host, port, launch.size, timeout)
     else:

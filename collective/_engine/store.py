@@ -1,4 +1,4 @@
-"""The ranks' side of the rendezvous store (``_rendezvous.py``, served by the driver service), as a c10d Store."""
+"""The ranks' side of the rendezvous store (``_common/rendezvous.py``, served by the driver service), as a c10d Store."""
 
 from __future__ import annotations
 

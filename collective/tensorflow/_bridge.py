@@ -46,7 +46,7 @@ def in_graph(fn):
     """``fn`` for a py_function built now: its collectives are named after this graph op (numbered in the
     order the graph is built, alike on every rank), because TensorFlow runs a graph's independent ops
     on several threads in any order, and unnamed ops would pair by the order they happened to run in."""
-    from .._engine.engine import named
+    from .._engine.ops import named
 
     prefix = f"tf.{next(_graph_ops)}"
 

@@ -30,6 +30,10 @@ _pending: dict = {}  # key -> (error code, message), from the py_function to the
 _keys = itertools.count(1)
 _lock = threading.Lock()
 _state: dict = {}  # "name": the registered op's name (None: unavailable); "callbacks": kept alive
+# the kernel's callbacks: create, compute, delete
+_CREATE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
+_COMPUTE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
+_DELETE = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
 def park(exc: tf.errors.OpError) -> int:
@@ -57,12 +61,10 @@ def _compute(lib, ctx) -> None:
         lib.TF_DeleteStatus(status)
 
 
-def _register():
+def _library():
+    """libtensorflow_framework, with the signatures of the C API functions this module calls."""
     void = ctypes.c_void_p
     lib = ctypes.CDLL(os.path.join(os.path.dirname(tf.__file__), "libtensorflow_framework.so.2"))
-    create_t = ctypes.CFUNCTYPE(void, void)
-    compute_t = ctypes.CFUNCTYPE(None, void, void)
-    delete_t = ctypes.CFUNCTYPE(None, void)
     for fn, res, args in [
         ("TF_NewStatus", void, []), ("TF_DeleteStatus", None, [void]), ("TF_GetCode", ctypes.c_int, [void]),
         ("TF_Message", ctypes.c_char_p, [void]), ("TF_SetStatus", None, [void, ctypes.c_int, ctypes.c_char_p]),
@@ -70,20 +72,25 @@ def _register():
         ("TF_OpDefinitionBuilderAddInput", None, [void, ctypes.c_char_p]),
         ("TF_OpDefinitionBuilderSetIsStateful", None, [void, ctypes.c_bool]),
         ("TF_RegisterOpDefinition", None, [void, void]),
-        ("TF_NewKernelBuilder", void, [ctypes.c_char_p, ctypes.c_char_p, create_t, compute_t, delete_t]),
+        ("TF_NewKernelBuilder", void, [ctypes.c_char_p, ctypes.c_char_p, _CREATE, _COMPUTE, _DELETE]),
         ("TF_RegisterKernelBuilder", None, [ctypes.c_char_p, void, void]),
         ("TF_GetInput", None, [void, ctypes.c_int, ctypes.POINTER(void), void]),
         ("TF_TensorData", void, [void]), ("TF_DeleteTensor", None, [void]),
         ("TF_OpKernelContext_Failure", None, [void, void]),
     ]:
         getattr(lib, fn).restype, getattr(lib, fn).argtypes = res, args
+    return lib
 
+
+def _register():
+    """Register the op and its CPU kernel; ``(its name, the callbacks to keep alive)``."""
+    lib = _library()
     from tensorflow.python.framework import op_def_registry
 
     # Registering a name twice aborts the process: another copy of this module may hold the first.
     name = next(n for n in (f"SparkhvdOpError{i or ''}" for i in itertools.count()) if op_def_registry.get(n) is None)
-    callbacks = (create_t(lambda construction: None), compute_t(lambda kernel, ctx: _compute(lib, ctx)),
-                 delete_t(lambda kernel: None))
+    callbacks = (_CREATE(lambda construction: None), _COMPUTE(lambda kernel, ctx: _compute(lib, ctx)),
+                 _DELETE(lambda kernel: None))
     status = lib.TF_NewStatus()
     try:
         builder = lib.TF_NewOpDefinitionBuilder(name.encode())

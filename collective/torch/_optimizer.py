@@ -191,9 +191,32 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     ``op=Adasum`` (with more than one rank): Horovod's Adasum optimizer, which reduces each
     parameter's change after a local step instead of the gradients (``_adasum_optimizer.py``).
     """
+    op, backward_passes_per_step = _check_arguments(optimizer, op, gradient_predivide_factor,
+                                                    backward_passes_per_step)
+    compression = compression or Compression.none
+    names = _parameter_names(optimizer, named_parameters)
+    _check_step_not_patched(optimizer)
+    # op=Adasum: Horovod's Adasum optimizer with more than one rank (alone, as in Horovod, the plain one); what
+    # Horovod refuses is refused before the optimizer changes class
+    adasum = op == Adasum and (_job_size() > 1 or process_set is not global_process_set)
+    if adasum:
+        hosts_per_reduction([p for group in optimizer.param_groups for p in group["params"] if p.requires_grad],
+                            process_set, "DistributedOptimizer")
+    _subclass(optimizer, _AdasumMixin if adasum else _DistributedMixin)
+    if adasum:
+        optimizer._hvd_adasum_setup(names, compression, backward_passes_per_step, process_set,
+                                    next(_serials[process_set.link_id]))
+    else:
+        optimizer._hvd_setup(names, op, gradient_predivide_factor, backward_passes_per_step,
+                             compression, sparse_as_dense, process_set)
+    return optimizer
+
+
+def _check_arguments(optimizer, op, gradient_predivide_factor: float, backward_passes_per_step: int):
+    """``(op, backward_passes_per_step)`` resolved; ValueError for what ``DistributedOptimizer`` cannot wrap or
+    reduce with."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-    compression = compression or Compression.none
     op = _resolve_op(op, None)
     if op not in (Average, Sum, Adasum):
         raise ValueError(f"DistributedOptimizer reduces gradients with op=hvd.Average, hvd.Sum or hvd.Adasum, got "
@@ -203,28 +226,23 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     backward_passes_per_step = _check_passes(backward_passes_per_step)
     if isinstance(optimizer, (_DistributedMixin, _AdasumMixin)):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the original optimizer once.")
-    names = _parameter_names(optimizer, named_parameters)
+    return op, backward_passes_per_step
+
+
+def _check_step_not_patched(optimizer) -> None:
+    """ValueError if the optimizer object carries its own ``step`` (not an LR scheduler's wrapper of the class's)."""
     patched = optimizer.__dict__.get("step")
     if patched is not None and not getattr(patched, "_wrapped_by_lr_sched", False):
         raise ValueError(f"this {type(optimizer).__name__} has its own step attribute ({patched!r}), which would "
                          "bypass gradient averaging; wrap the optimizer with DistributedOptimizer before patching it.")
+
+
+def _subclass(optimizer, mixin: type) -> None:
+    """Make ``optimizer``'s class a subclass of its own class with ``mixin`` first."""
     base = type(optimizer)
-    # op=Adasum: Horovod's Adasum optimizer with more than one rank (alone, as in Horovod, the plain one); what
-    # Horovod refuses is refused before the optimizer changes class
-    adasum = op == Adasum and (_job_size() > 1 or process_set is not global_process_set)
-    if adasum:
-        hosts_per_reduction([p for group in optimizer.param_groups for p in group["params"] if p.requires_grad],
-                            process_set, "DistributedOptimizer")
-    cls = type(base.__name__, (_AdasumMixin if adasum else _DistributedMixin, base), {})
+    cls = type(base.__name__, (mixin, base), {})
     optimizer.__class__ = cls  # one object: schedulers, load_state_dict and references all see it
     _repoint_scheduler_step(optimizer, cls)
-    if adasum:
-        optimizer._hvd_adasum_setup(names, compression, backward_passes_per_step, process_set,
-                                    next(_serials[process_set.link_id]))
-    else:
-        optimizer._hvd_setup(names, op, gradient_predivide_factor, backward_passes_per_step,
-                             compression, sparse_as_dense, process_set)
-    return optimizer
 
 
 def _parameter_names(optimizer, named_parameters) -> dict:

@@ -169,6 +169,7 @@ def test_the_cache_dir_comes_from_the_spark_conf(spark, tmp_path, key):
     converter.delete()
 
 
+@pytest.mark.unit
 def test_row_group_rule():
     mib = 1024 * 1024
     assert choose_row_group_bytes(None, DEFAULT_ROW_GROUP_BYTES) == DEFAULT_ROW_GROUP_BYTES  # size unknown: the cap

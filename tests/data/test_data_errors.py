@@ -8,6 +8,8 @@ import pytest
 from sparkhvd.data import DatasetNotFoundError, EmptyShardError, ReadError, SchemaError, make_batch_reader
 from sparkhvd.data._arrow import rebatch
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from sparkhvd.data._plan import Piece, epoch_order, plan_epoch, rows_to_read, shard_range, slices_in_range
 
+pytestmark = pytest.mark.unit
+
 piece_sizes = st.lists(st.integers(0, 40), min_size=1, max_size=30)
 
 

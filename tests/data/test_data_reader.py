@@ -12,6 +12,8 @@ import pytest
 
 from sparkhvd.data import make_batch_reader, make_reader
 
+pytestmark = pytest.mark.unit
+
 
 def ids(batches):
     return [i for b in batches for i in b.id.tolist()]

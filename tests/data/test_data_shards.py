@@ -6,10 +6,13 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparkhvd.data import make_batch_reader
+
+pytestmark = pytest.mark.unit
 
 layouts = st.lists(st.lists(st.integers(1, 30), min_size=1, max_size=6), min_size=1, max_size=5)
 shard_counts = st.integers(1, 12)

@@ -48,6 +48,7 @@ def _ids(batches):
     return [int(i) for b in batches for i in b["id"]]
 
 
+@pytest.mark.unit
 def test_signature_values_and_two_shards(url):
     shards = [_read(make_tf_dataset(url, batch_size=8, cur_shard=k, shard_count=2, num_epochs=1)) for k in range(2)]
     spec = make_tf_dataset(url, batch_size=8).element_spec
@@ -66,6 +67,7 @@ def test_signature_values_and_two_shards(url):
     assert [int(i) for i in batch["label"]] == [int(i) % 10 for i in batch["id"]]
 
 
+@pytest.mark.unit
 def test_list_lengths_give_a_static_shape_and_are_checked(url):
     dataset = make_tf_dataset(url, batch_size=10, list_lengths={"vec": 3}, num_epochs=1)
     assert dataset.element_spec["vec"].shape.as_list() == [None, 3]
@@ -79,6 +81,7 @@ def test_list_lengths_give_a_static_shape_and_are_checked(url):
         make_tf_dataset(url, list_lengths={"vec": -1})
 
 
+@pytest.mark.unit
 def test_each_iteration_of_a_url_dataset_reads_afresh_in_a_new_order(url):
     dataset = make_tf_dataset(url, batch_size=10, num_epochs=1, cur_shard=0, shard_count=1)
     first, second = _ids(_read(dataset)), _ids(_read(dataset))  # as Keras iterates once per epoch
@@ -92,6 +95,7 @@ def test_each_iteration_of_a_url_dataset_reads_afresh_in_a_new_order(url):
     (dict(batch_size=8, num_epochs=2, equal_steps=False), tf.data.UNKNOWN_CARDINALITY),
     (dict(batch_size=8, num_epochs=2, resume_from=(0, 3)), tf.data.UNKNOWN_CARDINALITY),
 ])
+@pytest.mark.unit
 def test_the_batch_count_is_the_datasets_cardinality_where_the_plan_fixes_it(url, kwargs, count):
     dataset = make_tf_dataset(url, **kwargs)
     if count == tf.data.INFINITE_CARDINALITY:  # read forever: nothing to count, tf.data says unknown
@@ -105,6 +109,7 @@ def test_the_batch_count_is_the_datasets_cardinality_where_the_plan_fixes_it(url
     assert len(_read(dataset)) == batches  # the second iteration (another seed) has as many: Keras' next epoch
 
 
+@pytest.mark.unit
 def test_a_reader_dataset_is_read_once(url):
     dataset = make_tf_dataset(make_batch_reader(url, batch_size=10), batch_size=None)
     assert sorted(_ids(_read(dataset))) == list(range(100))
@@ -112,6 +117,7 @@ def test_a_reader_dataset_is_read_once(url):
         _read(dataset)
 
 
+@pytest.mark.unit
 def test_reader_options_with_an_existing_reader_are_refused(url):
     reader = make_batch_reader(url, batch_size=10)
     with pytest.raises(ValueError, match=r"make_tf_dataset\(batch_size=32\) was given a Reader built with batch_size=10"):
@@ -121,6 +127,7 @@ def test_reader_options_with_an_existing_reader_are_refused(url):
     reader.stop()
 
 
+@pytest.mark.unit
 def test_leaving_the_context_stops_the_readers_still_running(url, no_leaked_threads):
     with TFDatasetContext(url, batch_size=10, num_epochs=None) as dataset:
         iterator = iter(dataset)  # an endless iteration, left unfinished and still referenced
@@ -142,18 +149,21 @@ def test_leaving_the_context_stops_the_readers_still_running(url, no_leaked_thre
         (pa.array([[1.0, None], [2.0, 3.0]], pa.list_(pa.float32())), r"Column 'c' has null values in a batch"),
     ],
 )
+@pytest.mark.unit
 def test_data_that_tf_cannot_hold_is_an_error_that_names_the_column(tmp_path, column, match):
     pq.write_table(pa.table({"c": column}), tmp_path / "part.parquet")
     with pytest.raises(tf.errors.InvalidArgumentError, match=match):
         _read(make_tf_dataset(str(tmp_path), batch_size=2))
 
 
+@pytest.mark.unit
 def test_nan_in_a_float_column_is_data_not_a_null(tmp_path):
     pq.write_table(pa.table({"c": pa.array([1.5, float("nan")], pa.float64())}), tmp_path / "part.parquet")
     (batch,) = _read(make_tf_dataset(str(tmp_path), batch_size=2))
     assert batch["c"][0] == 1.5 and np.isnan(batch["c"][1])
 
 
+@pytest.mark.unit
 def test_a_type_tf_cannot_hold_is_refused_when_the_dataset_is_made(tmp_path):
     pq.write_table(pa.table({"t": pa.array([1, 2], pa.timestamp("us"))}), tmp_path / "part.parquet")
     with pytest.raises(TypeError, match=r"Column 't' has Arrow type timestamp\[us\], which tf.data cannot hold; cast it in Spark"):
@@ -183,6 +193,7 @@ def test_converter_make_tf_dataset_has_static_shapes_and_feeds_keras(spark, tmp_
     converter.delete()
 
 
+@pytest.mark.unit
 def test_resume_from_continues_the_uninterrupted_dataset_and_its_later_iterations(url):
     kwargs = dict(batch_size=8, cur_shard=1, shard_count=2, seed=2, shuffle_rows=True, num_epochs=1)
     uninterrupted = make_tf_dataset(url, **kwargs)

@@ -16,6 +16,8 @@ from sparkhvd.data import ReadError, make_batch_reader
 from sparkhvd.data._checks import _default_shard
 from sparkhvd.data.torch import make_torch_loader
 
+pytestmark = pytest.mark.unit
+
 
 def reader_threads():
     return [t for t in threading.enumerate() if t.name.startswith("sparkhvd-data")]

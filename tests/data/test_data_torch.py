@@ -8,6 +8,8 @@ import torch
 from sparkhvd.data import make_batch_reader
 from sparkhvd.data.torch import make_torch_loader
 
+pytestmark = pytest.mark.unit
+
 
 def test_loader_collates_to_tensors_with_equal_steps(dataset):
     loaders = [make_torch_loader(dataset, batch_size=8, cur_shard=k, shard_count=2, seed=1) for k in range(2)]

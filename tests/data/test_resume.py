@@ -18,6 +18,8 @@ from sparkhvd.data import ReadError, SparkDatasetConverter, make_batch_reader, m
 from sparkhvd.data._plan import Piece, plan_epoch
 from sparkhvd.data.torch import make_torch_loader
 
+pytestmark = pytest.mark.unit
+
 
 def _ids(batch) -> list[int]:
     return batch.id.tolist()

@@ -1,0 +1,96 @@
+"""The pair path: in a set of two, each member works out small reductions itself.
+
+The coordinator sends its own small reductions' requests and bytes to the other member as it takes
+them (``send_to_other``). The other member reduces the two itself, in set order with the same
+function as the coordinator, wherever the two requests agree (``pairable``), so both get the same
+bits; the coordinator sends it no answer for them. Each member waits for the other's bytes only:
+one trip instead of two. Where the two disagree, the coordinator's answer decides, as for any op.
+
+The other member may send a name's next op before the coordinator has decided the first; the
+coordinator's table holds it back until then (``negotiate.Table``).
+"""
+
+from __future__ import annotations
+
+from .messages import OK, Answer, Request, encode_frame
+from .ops import Handle, fail, settle
+
+
+def pairable(first: Request | None, second: Request | None) -> bool:
+    """Whether two requests of a set of two make a small reduction that each member can work out alone: both
+    inline, of one kind and signature, without an argument error. Then the coordinator's answer, once it has
+    both, is OK with both payloads in set order, and it sends none."""
+    return (first is not None and second is not None and bool(first.inline) and bool(second.inline)
+            and first.kind == second.kind and first.signature == second.signature and not first.argument_error
+            and not second.argument_error)
+
+
+def worked_out_by_other(ready) -> bool:
+    """Whether the other member works out the coordinator's ``Ready`` answer itself (so it is not sent)."""
+    answer = ready.answer
+    return (answer.action == OK and len(answer.names) == 1 and len(ready.requests) == 2
+            and pairable(*ready.requests))
+
+
+def send_to_other(link, ready: list, results: list) -> None:
+    """On the coordinator: the other member gets the coordinator's new small reductions (requests and bytes),
+    and the answers it does not work out itself."""
+    own, link.peer_out = link.peer_out, []
+    theirs = [(item.answer, result) for item, result in zip(ready, results) if not worked_out_by_other(item)]
+    if own or theirs:  # a copy of the bytes: carrying out the answers afterwards writes the tensors they view
+        payload = bytearray().join([*(data for _, data in own), *(r for _, r in theirs if r is not None)])
+        meta = encode_frame([link.peer_cache.encode(request) for request, _ in own], [a for a, _ in theirs])
+        link.channels[link.members[1]].send(meta, payload)
+
+
+def take_from_coordinator(link, requests: list, payload) -> int:
+    """On the other member: the coordinator's small reductions, each claimed now or once this rank submits its
+    own op of the name. Returns where the answers' results start in ``payload``."""
+    offset = 0
+    for wire in requests:
+        request = link.peer_cache.decode(link.coordinator, wire)
+        data, offset = payload[offset:offset + request.inline], offset + request.inline
+        handle = link.waiting.get(request.name)
+        if handle is None:  # not submitted here yet: ``claim`` runs when it is
+            link.peer_in[request.name] = (request, data)
+        else:
+            claim(link, handle, request, data)
+    return offset
+
+
+def claim(link, handle: Handle, request: Request, data) -> None:
+    """The other member holds the coordinator's request and its own for one name: where the two agree, the op is
+    this rank's to work out, once its own request has left (the coordinator needs its bytes, and carrying the op
+    out writes the tensor they view); else the coordinator's answer decides."""
+    if pairable(request, handle.request):
+        link.waiting.pop(handle.request.name, None)  # the name's next request from the coordinator is its next op
+        link.pair_now.append((handle, request, data))
+
+
+def work_out_claimed(link, channel, reduce) -> int:
+    """Work out each claimed op whose own request has left through ``channel`` (not this rank's later requests,
+    which the coordinator may not read before this op is done). Returns how many were worked out."""
+    done, i = 0, 0
+    while i < len(link.pair_now):
+        handle, request, data = link.pair_now[i]
+        if channel.sent >= handle._out_at:
+            del link.pair_now[i]
+            done += _work_out(handle, request, data, reduce)
+        else:
+            i += 1
+    return done
+
+
+def _work_out(handle: Handle, request: Request, data, reduce) -> bool:
+    """Reduce the coordinator's bytes and this rank's, as the coordinator does (``coordinator.inline_results``):
+    the same function, in set order. True when the op started."""
+    mine = handle.request
+    answer = Answer([mine.name], OK, [request.rank_value, mine.rank_value])
+    try:
+        result = reduce(request.layout, [data, handle.op.inline])
+        works, finish = handle.op.launch(answer, result)
+    except BaseException as exc:  # noqa: BLE001 - the caller's synchronize raises it
+        fail(handle, exc)
+        return False
+    settle(handle, works, finish)
+    return True

@@ -1,0 +1,79 @@
+"""``HorovodRunner``'s settings as one dataclass, each checked on creation with a sentence that says the fix."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+
+from .._common import settings
+from ._commits import check_commit_dir
+from ._logs import VERBOSITIES
+
+
+@dataclass
+class RunnerConfig:
+    """HorovodRunner's settings, validated on creation."""
+
+    np: int
+    driver_log_verbosity: str = "all"
+    start_timeout: float | None = None  # None: $SPARKHVD_START_TIMEOUT, else 120
+    log_dir: str | None = None
+    network_interface: str | None = None
+    max_restarts: int = 0
+    min_np: int | None = None
+    max_np: int | None = None
+    commit_dir: str | None = None
+    _stall_tasks: frozenset = field(default=frozenset(), repr=False)  # fault tests only
+
+    def __post_init__(self):
+        self._check_np()
+        if self.driver_log_verbosity not in VERBOSITIES:
+            raise ValueError(f"driver_log_verbosity={self.driver_log_verbosity!r} is not one of "
+                             f"{', '.join(map(repr, VERBOSITIES))}.")
+        if self.start_timeout is None:
+            self.start_timeout = settings.START_TIMEOUT.get()
+        if not self.start_timeout > 0:
+            raise ValueError(f"start_timeout={self.start_timeout!r} must be a positive number of seconds.")
+        self._check_network_interface()
+        self._check_elastic()
+        if self.commit_dir is not None:
+            check_commit_dir(self.commit_dir)
+
+    def _check_np(self) -> None:
+        if isinstance(self.np, bool) or not isinstance(self.np, numbers.Integral):
+            raise ValueError(f"np must be a non-zero integer, got {self.np!r} ({type(self.np).__name__}); "
+                             "use np=2 for 2 Spark tasks or np=-1 for one process on the driver.")
+        self.np = int(self.np)
+        if self.np == 0:
+            raise ValueError("np=0 runs nothing; use np>0 for that many Spark tasks (one per GPU), "
+                             "or np<0 for -np processes on the driver (np=-1 to debug).")
+
+    def _check_network_interface(self) -> None:
+        name = self.network_interface
+        if name is not None and (not isinstance(name, str) or not name.strip() or any(c in name for c in ", \t")):
+            raise ValueError(f"network_interface={name!r} must be the name of one network "
+                             "interface, such as 'eth0', present on every host that runs a rank; leave it unset to "
+                             "use the interface that routes to the driver.")
+
+    def _check_elastic(self) -> None:
+        """max_restarts, min_np and max_np."""
+        if not _whole(self.max_restarts) or self.max_restarts < 0:
+            raise ValueError(f"max_restarts={self.max_restarts!r} must be a whole number >= 0: how many times an "
+                             "infrastructure failure (a lost rank, executor or host) restarts the run from its last "
+                             "commit.")
+        if self.min_np is not None and (not _whole(self.min_np) or not 1 <= self.min_np <= abs(self.np)):
+            raise ValueError(f"min_np={self.min_np!r} must be a whole number from 1 to {abs(self.np)} (np={self.np}): "
+                             "the fewest ranks a restart may go on with when Spark cannot give all np slots back.")
+        if self.max_np is not None:
+            if self.np < 0:
+                raise ValueError(f"max_np={self.max_np!r} grows a Spark run when its cluster has free task slots; np="
+                                 f"{self.np} runs a fixed {-self.np} process{'es' if self.np < -1 else ''} on the driver: "
+                                 "leave max_np unset, or use np>0.")
+            if not _whole(self.max_np) or self.max_np < self.np:
+                raise ValueError(f"max_np={self.max_np!r} must be a whole number >= np={self.np}: the most ranks the "
+                                 "run grows to at a commit when Spark has free task slots.")
+
+
+def _whole(value) -> bool:
+    """An integer, and not a bool."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
