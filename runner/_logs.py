@@ -13,6 +13,7 @@ runs still going (or whose driver died) carry no mark and are kept. A folder giv
 from __future__ import annotations
 
 import collections
+import getpass
 import logging
 import os
 import shutil
@@ -201,8 +202,6 @@ def log_root() -> str:
         os.makedirs(root, mode=0o700, exist_ok=True)
         return root
     try:
-        import getpass
-
         user = getpass.getuser()
     except (KeyError, OSError, ImportError):  # no passwd entry (some containers)
         user = str(os.getuid())

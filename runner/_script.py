@@ -13,6 +13,7 @@ import linecache
 import os
 import sys
 import types
+from importlib.util import decode_source
 
 from ._script_folder import FolderLimits, ShippedFolder, collect, shipped
 
@@ -51,8 +52,6 @@ def as_payload(main, args: tuple, kwargs: dict):
 
 def read_script(path: str) -> str:
     """The script's source, read and compiled on the driver; ValueError, with the fix, when it cannot run."""
-    from importlib.util import decode_source
-
     if not os.path.exists(path):
         raise ValueError(f"the script {path!r} does not exist (looked in {os.getcwd()}); pass the path of a Python "
                          "file on the driver, absolute or relative to the current directory.")

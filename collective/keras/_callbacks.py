@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from .._core import rank, size
 from ..tensorflow import allgather_object, broadcast_variables
 from ._optimizer import turn_off_xla
 
@@ -112,8 +113,6 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     """
 
     def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None, verbose=0):
-        from .._core import size
-
         def multiplier(epoch):
             epoch += 1.0 / self._steps()  # end each epoch on a round value, as Horovod does
             return 1.0 / size() * (epoch * (size() - 1) / warmup_epochs + 1)
@@ -124,8 +123,6 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
-        from .._core import rank
-
         if epoch == self.end_epoch - 1 and self.verbose > 0 and rank() == 0:  # Horovod's line, on rank 0
             new_lr = float(np.asarray(self.model.optimizer.learning_rate))
             print("\nEpoch %d: finished gradual learning rate warmup to %g." % (epoch + 1, new_lr))
@@ -139,8 +136,6 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
                          save_freq=save_freq)
 
     def _save_model(self, *args, **kwargs):
-        from .._core import rank
-
         if rank() == 0:
             return super()._save_model(*args, **kwargs)
         return None

@@ -17,6 +17,7 @@ import tensorflow as tf
 import torch
 from torch.utils import dlpack as torch_dlpack
 
+from .._engine.ops import named
 from . import _op_error
 
 ALIGNMENT = 64  # bytes; TF's Tensor::IsAligned (EIGEN_MAX_ALIGN_BYTES)
@@ -46,8 +47,6 @@ def in_graph(fn):
     """``fn`` for a py_function built now: its collectives are named after this graph op (numbered in the
     order the graph is built, alike on every rank), because TensorFlow runs a graph's independent ops
     on several threads in any order, and unnamed ops would pair by the order they happened to run in."""
-    from .._engine.ops import named
-
     prefix = f"tf.{next(_graph_ops)}"
 
     def named_fn(*args):

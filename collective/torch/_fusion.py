@@ -19,6 +19,7 @@ import weakref
 
 import torch
 
+from .._core._ops import Sum, allreduce_async_
 from .._core._scale import scale_
 
 
@@ -164,8 +165,6 @@ def write_back(p: torch.Tensor, reduced: torch.Tensor) -> None:
 def launch_allreduce(flat: torch.Tensor, label: str, *, op_is_average: bool, predivide: float, compression,
                      process_set):
     """Start one bucket's reduction: returns (work, context for finish_allreduce)."""
-    from .._core._ops import Sum, allreduce_async_
-
     wire, ctx = compression.compress(flat)
     if op_is_average:
         scale_(wire, 1.0 / predivide)
