@@ -114,7 +114,7 @@ def read(path: str) -> dict:
 
 
 class SuperviseStamps:
-    """Driver-side: when the run's policy decided an attempt failed (it calls ``_supervise._stop``) and when the
+    """Driver-side: when the run's policy decided an attempt failed (it calls ``_supervise.stop``) and when the
     attempt ended (the ranks aborted, the tasks stopped). Patched in for this benchmark only, as bench/launch.py
     does, and removed afterwards."""
 
@@ -122,10 +122,10 @@ class SuperviseStamps:
         from sparkhvd.runner import _run_policy, _supervise
 
         policy = _run_policy.RunPolicy
-        self._patched = [(policy, "_ended", policy._ended), (_supervise, "_stop", _supervise._stop)]
+        self._patched = [(policy, "_ended", policy._ended), (_supervise, "stop", _supervise.stop)]
         self.stopping: list[float] = []
         self.raised: list[float] = []
-        ended, stop = policy._ended, _supervise._stop
+        ended, stop = policy._ended, _supervise.stop
 
         def stamped_ended(self_, outcome):
             if outcome.how == _supervise.FAILED:
@@ -136,7 +136,7 @@ class SuperviseStamps:
             self.stopping.append(time.monotonic())
             return stop(*args, **kwargs)
 
-        policy._ended, _supervise._stop = stamped_ended, stamped_stop
+        policy._ended, _supervise.stop = stamped_ended, stamped_stop
 
     def clear(self):
         self.stopping.clear()

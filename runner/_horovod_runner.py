@@ -157,6 +157,7 @@ class _Cluster:
                                     every_value=self.every_value, attempt=attempt, commit_dir=cfg.commit_dir,
                                     env=self.env))
         except BaseException:
+            launcher.stop()  # whatever it started before the exception (Ctrl-C in the middle of the launch)
             service.close()
             raise
         return service, launcher

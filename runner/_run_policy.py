@@ -128,14 +128,19 @@ class RunPolicy:
         self.service: Service | None = None
         self.launcher: Launcher | None = None
         self.watch: Watch | None = None
+        self._abandoned = -1  # the attempt an exception already ended (``_abandon``)
 
     def run(self) -> RunStatus:
         """Go from state to state until DONE (return the last attempt's status) or FAILED (raise its error)."""
         handlers = {RunState.START: self._start, RunState.WAIT: self._wait, RunState.SUPERVISE: self._supervise,
                     RunState.RESTART: self._restart, RunState.GROW: self._grow, RunState.SHRINK: self._shrink}
-        while self.state not in (RunState.DONE, RunState.FAILED):
-            self.state = handlers[self.state]()
-            self.history.append(self.state)
+        try:
+            while self.state not in (RunState.DONE, RunState.FAILED):
+                self.state = handlers[self.state]()
+                self.history.append(self.state)
+        except BaseException as exc:
+            self._abandon(exc)
+            raise
         if self.state is RunState.FAILED:
             raise self.error from self._error_cause
         return self.status
@@ -146,6 +151,7 @@ class RunPolicy:
         self.attempt += 1
         event = self.restarts[-1] if self.restarts else None
         on_restore = None if event is None else functools.partial(resumed, event, self.run_id)
+        self.service = self.watch = None  # the previous attempt's, closed
         self.service, self.launcher = self.cluster.start(self.n, self.attempt, on_restore)
         can_grow = None if self.n >= self.target else (lambda: self.cluster.free_slots() > 0)
         self.watch = Watch(self.service, self.launcher, self.logs, np=self.n, start_timeout=self.start_timeout,
@@ -180,12 +186,24 @@ class RunPolicy:
         try:
             yield
         except BaseException as exc:
-            try:
-                if isinstance(exc, KeyboardInterrupt):
-                    self.watch.interrupted()
-            finally:
-                self.service.close()
+            self._abandon(exc)
             raise
+
+    def _abandon(self, exc: BaseException) -> None:
+        """An exception ends the current attempt, in whichever state it came (Ctrl-C may come while START has
+        launched the ranks but not yet watches them): Ctrl-C stops its ranks first; its service is closed, or
+        its listener would keep the driver's process alive. Once per attempt."""
+        if self.service is None or self._abandoned == self.attempt:
+            return
+        self._abandoned = self.attempt
+        try:
+            if isinstance(exc, KeyboardInterrupt):
+                if self.watch is not None:
+                    self.watch.interrupted()
+                else:
+                    _supervise.stop(self.service, self.launcher, _supervise.INTERRUPTED)
+        finally:
+            self.service.close()
 
     def _ended(self, ended: Ended) -> RunState:
         """The attempt is over: close its service, and choose the next state."""

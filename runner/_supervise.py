@@ -120,7 +120,7 @@ class Watch:
 
     def interrupted(self) -> None:
         """Ctrl-C on the driver: stop every rank before the KeyboardInterrupt goes on."""
-        _stop(self.service, self.launcher, "the run was interrupted on the driver (KeyboardInterrupt)")
+        stop(self.service, self.launcher, INTERRUPTED)
 
     def _ask_lost(self, status: RunStatus, now: float) -> None:
         """Ask the launcher, at most every ``_LOST_POLL_S``, whether Spark lost the executors of the ranks not done."""
@@ -147,12 +147,12 @@ class Watch:
         error = failure_error(self.service, self.logs, failures, dead, launch_failure, self.lost, self.run_id,
                               self.launcher)
         error.failed_at = self.first_problem_at
-        _stop(self.service, self.launcher, "another rank failed")
+        stop(self.service, self.launcher, "another rank failed")
         return Ended(FAILED, error)
 
     def _start_timeout(self, registered: frozenset) -> Ended:
         missing = sorted(set(range(self.np)) - registered)
-        _stop(self.service, self.launcher, "the run did not start in time")
+        stop(self.service, self.launcher, "the run did not start in time")
         return Ended(FAILED, StartTimeoutError(
             f"{len(missing)} of {self.np} ranks (task{'s' if len(missing) > 1 else ''} "
             f"{_ranks(missing)}) did not register with the driver "
@@ -161,7 +161,7 @@ class Watch:
 
     def _stalled(self, error: HorovodRunError, now: float) -> Ended:
         error.failed_at = now
-        _stop(self.service, self.launcher, self.stalls.abort_reason)
+        stop(self.service, self.launcher, self.stalls.abort_reason)
         return Ended(FAILED, error)
 
     def _exiting(self, status: RunStatus) -> Ended | None:
@@ -172,7 +172,7 @@ class Watch:
         warnings.warn(f"sparkhvd run {self.run_id}: every rank returned but ranks "
                       f"{_ranks(sorted(set(range(self.np)) - set(status.exits)))} did not exit within "
                       f"{EXIT_WAIT_S:g} s; they were stopped.", RuntimeWarning, stacklevel=6)
-        _stop(self.service, self.launcher, "the run has finished")
+        stop(self.service, self.launcher, "the run has finished")
         return Ended(RETURNED)
 
     def _registering(self, registered: frozenset) -> str:
@@ -185,7 +185,11 @@ class Watch:
                 f"{self.launcher.description}{stage}; will wait up to {self.start_timeout:g} s (start_timeout)")
 
 
-def _stop(service, launcher, reason: str) -> None:
+INTERRUPTED = "the run was interrupted on the driver (KeyboardInterrupt)"
+
+
+def stop(service, launcher, reason: str) -> None:
+    """Abort the attempt's ranks, let them leave, then stop what is left by force."""
     # Ctrl-C again while cleaning up would leave processes behind: hold it off briefly.
     previous = _ignore_sigint()
     try:

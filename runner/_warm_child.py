@@ -2,8 +2,8 @@
 
 The warm process (``runner/_warm_server.py``) forks; the child calls ``become_rank``, which takes the
 agent's pipes as its stdin, stdout and stderr, the rank's working directory and whole environment, its
-own session, the command line ``ps`` shows, the rank's CPU thread counts and a fresh random seed, and
-never returns.
+own session (before the zygote tells the agent its pid), the command line ``ps`` shows, the rank's CPU
+thread counts and a fresh random seed, and never returns.
 """
 
 from __future__ import annotations
@@ -27,15 +27,20 @@ _BLAS_SET_THREADS = ("openblas_set_num_threads", "openblas_set_num_threads64_",
 _PR_SET_PDEATHSIG = 1
 
 
-def become_rank(zygote: int, fds: list, env: dict, cwd: str, argv: list, start_dir: str | None) -> None:
+def become_rank(zygote: int, fds: list, env: dict, cwd: str, argv: list, start_dir: str | None,
+                ready: int | None = None) -> None:
     """In the forked rank (``zygote``: its parent's pid; ``start_dir``: the warm process's working directory
-    when it started): become ``python <argv>`` with these pipes, directory and environment; never returns."""
+    when it started; ``ready``: a pipe's write end, closed once this process leads its own session and process
+    group, which the zygote waits for before it tells the agent the pid): become ``python <argv>`` with these
+    pipes, directory and environment; never returns."""
     code = 70
     try:
         os.setsid()
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the zygote
         if os.getppid() != zygote:
             os._exit(75)
+        if ready is not None:
+            os.close(ready)  # killing the group (pid) now reaches this process: the zygote may reply
         for target, fd in enumerate(fds):
             os.dup2(fd, target)  # dup2 makes 0, 1, 2 inheritable
         for fd in fds:

@@ -6,7 +6,8 @@ through ``runner/_warm_client.py``.
 
 Protocol (SOCK_SEQPACKET, one JSON message each way, never pickle): a request
 ``{"env": {...}, "cwd": "...", "argv": ["-m", "sparkhvd.runner._worker"]}`` carries the rank's
-stdin, stdout and stderr pipe ends as file descriptors; the warm process answers ``{"pid": n}`` and,
+stdin, stdout and stderr pipe ends as file descriptors; the warm process answers ``{"pid": n}`` once the
+rank leads a process group of its own (so that killing group ``n`` reaches it) and,
 when the rank has exited, ``{"exit": code}`` on the same connection. If the agent's end of that
 connection closes first (a killed Spark task), the rank's process group is killed. ``{"ping": true}``
 is answered with ``{"pid": n, "key": key}``, ``{"stop": true}`` with ``{"stopping": true}``, and a bad

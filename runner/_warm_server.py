@@ -209,10 +209,14 @@ class _Server:
         return False
 
     def _fork(self, conn: socket.socket, fds: list, env: dict, cwd: str, argv: list) -> None:
-        """Fork the rank this connection asked for, and answer with its pid."""
+        """Fork the rank this connection asked for, and answer with its pid once the rank leads a session and
+        process group of its own: before that, killing its group (what this server does when the agent's
+        connection closes, and what the agent does) would find no group and miss the rank."""
+        ready, ready_w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the rank
             try:
+                os.close(ready)
                 self.listener.close()
                 for c in self.conns:
                     c.close()
@@ -220,9 +224,11 @@ class _Server:
                     os.close(fd)
             except BaseException:  # noqa: BLE001
                 os._exit(70)
-            become_rank(self.me, fds, env, cwd, argv, self.start_dir)  # never returns
+            become_rank(self.me, fds, env, cwd, argv, self.start_dir, ready_w)  # never returns
+        os.close(ready_w)
         for fd in fds:
             os.close(fd)
+        _wait_closed(ready)  # the rank closes its end in its own session (or dies): its group exists, or it ended
         try:
             pidfd = os.pidfd_open(pid)
             self.pidfds[pidfd] = pid
@@ -234,6 +240,15 @@ class _Server:
             conn.send(json.dumps({"pid": pid}).encode())
         except OSError:
             pass
+
+
+def _wait_closed(fd: int) -> None:
+    """Block until every writer of pipe ``fd`` has closed it (the forked rank, or its death), then close it."""
+    try:
+        while os.read(fd, 64):
+            pass
+    finally:
+        os.close(fd)
 
 
 def _message(data: bytes, flags: int) -> dict:

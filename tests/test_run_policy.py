@@ -372,6 +372,25 @@ def test_ctrl_c_stops_every_rank_and_goes_on(tmp_path, at, state):
     assert cluster.launchers[0].stopped == 1 and policy.state is state
 
 
+@pytest.mark.unit
+def test_ctrl_c_after_the_launch_but_before_the_watch_still_stops_every_rank_and_closes_the_service(tmp_path):
+    """START has launched the ranks; Ctrl-C lands before the attempt is watched (on a loaded driver, the ranks may
+    be running by then): the ranks are stopped and the service closed, or its listener keeps the driver alive."""
+    clock = Clock()
+    cluster = FakeCluster(clock, [ok(at=1e9)])
+
+    def stalls(**kwargs):
+        raise KeyboardInterrupt  # Watch() builds the attempt's stall inspector: the last step before WAIT
+
+    policy = RunPolicy(cluster, LogRouter(str(tmp_path), "all"), np=2, start_timeout=10.0, run_id=RUN,
+                       stalls=stalls, clock=clock)
+    with pytest.raises(KeyboardInterrupt):
+        policy.run()
+    service = cluster.services[0]
+    assert service.aborted == "the run was interrupted on the driver (KeyboardInterrupt)" and service.closed == 1
+    assert cluster.launchers[0].stopped == 1 and policy.state is S.START
+
+
 # ---- SUPERVISE -> RESTART -> START ------------------------------------------------------------------------
 
 def test_a_killed_rank_restarts_every_rank(run, capsys):

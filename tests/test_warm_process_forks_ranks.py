@@ -303,6 +303,9 @@ def test_killing_a_forked_rank_group_reports_minus_nine(zygote):
     zygote()
     proc = _warm_client.spawn({"PATH": os.environ.get("PATH", "")}, key=zygote.key,
                          argv=["-c", "import time; time.sleep(600)"])
+    # The pid comes back only once the rank leads its own session and group: killing the group at once reaches it
+    # (without that, a killed agent could leave its rank running; without the zygote's wait, 94 in 100 spawns failed).
+    assert (os.getsid(proc.pid), os.getpgid(proc.pid)) == (proc.pid, proc.pid)
     proc.stdin.close()
     with pytest.raises(subprocess.TimeoutExpired):
         proc.wait(0.1)

@@ -22,7 +22,7 @@ class ProcessSet:
             raise ValueError(f"process set ranks {list(ranks)} contain duplicates; list each rank once.")
         self.process_set_id: int | None = None
         self.group = None  # the c10d group; None means the default (global) group
-        self.link_id = 0  # names the set's control links (``_mesh.py``); never reused within a job
+        self.link_id = 0  # names the set's control links (``collective/_engine/mesh.py``); never reused within a job
 
     def _check(self) -> None:
         """Raise unless the job is initialized and this set is registered."""
