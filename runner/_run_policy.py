@@ -128,7 +128,7 @@ class RunPolicy:
         self.service: Service | None = None
         self.launcher: Launcher | None = None
         self.watch: Watch | None = None
-        self._abandoned = -1  # the attempt an exception already ended (``_abandon``)
+        self._ended_attempt = -1  # the last attempt whose service is closed: an exception has nothing of it to stop
 
     def run(self) -> RunStatus:
         """Go from state to state until DONE (return the last attempt's status) or FAILED (raise its error)."""
@@ -191,11 +191,11 @@ class RunPolicy:
 
     def _abandon(self, exc: BaseException) -> None:
         """An exception ends the current attempt, in whichever state it came (Ctrl-C may come while START has
-        launched the ranks but not yet watches them): Ctrl-C stops its ranks first; its service is closed, or
-        its listener would keep the driver's process alive. Once per attempt."""
-        if self.service is None or self._abandoned == self.attempt:
+        launched the ranks but not yet watches them): Ctrl-C stops its ranks first; its service is closed. Once
+        per attempt, and not at all once the attempt has ended (its ranks stopped, its service closed)."""
+        if self.service is None or self._ended_attempt == self.attempt:
             return
-        self._abandoned = self.attempt
+        self._ended_attempt = self.attempt
         try:
             if isinstance(exc, KeyboardInterrupt):
                 if self.watch is not None:
@@ -218,6 +218,7 @@ class RunPolicy:
             return RunState.DONE
         finally:
             self.service.close()
+            self._ended_attempt = self.attempt
 
     def _failed(self, error: HorovodRunError) -> RunState:
         if isinstance(error, StartTimeoutError) and self.grew_from is not None:

@@ -257,6 +257,11 @@ def _alive(pids, wait: float = 0.5) -> list:
 def test_ctrl_c_on_the_driver_stops_every_rank(tmp_path):
     """SIGINT to a driver process mid-run: KeyboardInterrupt, and the rank processes are gone."""
     proc, rank_pids = _driver_with_two_sleeping_ranks(tmp_path, """
+        import signal
+        # Ctrl-C reaches a driver in a terminal, where Python handles SIGINT. A suite started in the background
+        # (`make test &`, nohup) ignores SIGINT, every process it starts inherits that, and Python keeps it ignored:
+        # give the driver a terminal's handler, as the user who presses Ctrl-C has.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             HorovodRunner(np=-2).run(train)
         except KeyboardInterrupt:

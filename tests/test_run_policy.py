@@ -375,7 +375,7 @@ def test_ctrl_c_stops_every_rank_and_goes_on(tmp_path, at, state):
 @pytest.mark.unit
 def test_ctrl_c_after_the_launch_but_before_the_watch_still_stops_every_rank_and_closes_the_service(tmp_path):
     """START has launched the ranks; Ctrl-C lands before the attempt is watched (on a loaded driver, the ranks may
-    be running by then): the ranks are stopped and the service closed, or its listener keeps the driver alive."""
+    be running by then): the ranks are stopped and the service closed, as a Ctrl-C while polling would."""
     clock = Clock()
     cluster = FakeCluster(clock, [ok(at=1e9)])
 
@@ -389,6 +389,26 @@ def test_ctrl_c_after_the_launch_but_before_the_watch_still_stops_every_rank_and
     service = cluster.services[0]
     assert service.aborted == "the run was interrupted on the driver (KeyboardInterrupt)" and service.closed == 1
     assert cluster.launchers[0].stopped == 1 and policy.state is S.START
+
+
+def test_ctrl_c_after_an_attempt_ended_leaves_it_as_its_failure_stopped_it(tmp_path):
+    """A rank was killed: its failure stopped the attempt's ranks and closed its service. Ctrl-C while RESTART waits
+    for Spark's task slots ends the run without stopping or closing that attempt a second time."""
+    clock = Clock()
+    cluster = FakeCluster(clock, [killed(), ok()])
+
+    def slots_for_restart(want, least, timeout):
+        raise KeyboardInterrupt
+
+    cluster.slots_for_restart = slots_for_restart
+    policy = RunPolicy(cluster, LogRouter(str(tmp_path), "all"), np=2, start_timeout=10.0, run_id=RUN,
+                       stalls=cluster.stall_inspector, clock=clock, max_restarts=1)
+    with pytest.raises(KeyboardInterrupt):
+        policy.run()
+    service, launcher = cluster.services[0], cluster.launchers[0]
+    assert policy.state is S.RESTART and len(cluster.services) == 1
+    assert service.aborted == "another rank failed" and service.waited_for_exits == [_supervise.ABORT_GRACE_S]
+    assert service.closed == 1 and launcher.stopped == 1
 
 
 # ---- SUPERVISE -> RESTART -> START ------------------------------------------------------------------------
