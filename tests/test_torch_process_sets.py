@@ -99,7 +99,7 @@ def _process_sets():
     evens = hvd.ProcessSet([0, 2])
     hvd.init(process_sets=[evens])
     result = run_cases(SETS, hvd, hvd.rank(), {"evens": evens})
-    hvd.barrier()  # the last case leaves rank 0 out of its set: no rank ends the job while the others still work
+    hvd.barrier()  # every rank leaves the cases together
     return result
 
 

@@ -250,7 +250,7 @@ class Engine:
             return True
         sending = False
         for link in list(self._links.values()):
-            if link.broken is None:
+            if link.broken is None and link.registered:  # a set added since ``_take``: its channels on the next turn
                 self._progress(link)
                 sending = sending or any(channel.pending() for channel in link.channels.values())
         self._sending = sending
@@ -276,6 +276,7 @@ class Engine:
                 for channel in link.channels.values():
                     self._selector.register(channel.sock, selectors.EVENT_READ, link)
                     channel.events = selectors.EVENT_READ
+                link.registered = True
             elif handle == "remove":
                 self._break(link, "its process set was removed", notify=False)
                 for channel in link.channels.values():

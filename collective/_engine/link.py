@@ -29,6 +29,7 @@ class Link:
         self.joined_works: list = []  # works this rank started while joined (its zeros in the others' reductions)
         self.broken: str | None = None
         self.group = None
+        self.registered = False  # its channels are in the engine's selector (the engine thread's next turn)
         self.unnamed = collections.defaultdict(itertools.count)  # kind -> numbers for its unnamed ops
         self.in_flight: set = set()  # names submitted and not yet synchronized (a name is one op at a time)
         self.next_answer = 0.0  # on the coordinator with a cycle time: the earliest time of its next answer
