@@ -68,6 +68,20 @@ def message_of(call, kind: type = Exception) -> str:
     return "no error"
 
 
+def error_of(call):
+    """On a rank: the type and message of what ``call()`` raises, or "no error"."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test compares type and message
+        return type(exc).__name__, str(exc)
+    return "no error"
+
+
+def rows_to_each(n: int) -> list:
+    """Rows each rank sends to rank k in the alltoall cases: k + 1."""
+    return [k + 1 for k in range(n)]
+
+
 def named(*cases: tuple) -> list:
     """Parameters for pytest.mark.parametrize, each with its first item (the case's name) as its id."""
     return [pytest.param(*case, id=case[0]) for case in cases]

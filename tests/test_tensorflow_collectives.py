@@ -10,21 +10,13 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from _cases import add_to, named, run_cases, values  # noqa: E402
+from _cases import add_to, error_of, named, rows_to_each, run_cases, values  # noqa: E402
 
 from sparkhvd import HorovodRunner  # noqa: E402
 
 OPS: dict = {}
 op = add_to(OPS)
 
-
-def _error(call):
-    """The type and message of what ``call()`` raises, or "no error"."""
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - the test compares type and message
-        return type(exc).__name__, str(exc)
-    return "no error"
 
 
 def _in_session(build):
@@ -38,9 +30,6 @@ def _in_session(build):
 def _x(r):
     return tf.constant([1.0, 2.0, 3.0]) + r
 
-
-def _splits(n):
-    return [k + 1 for k in range(n)]  # rank r sends k + 1 rows to rank k
 
 
 # ---- eager ops ------------------------------------------------------------------------------------------------
@@ -97,7 +86,7 @@ def alltoall_even(hvd, r, n):
 
 @op
 def alltoall_splits(hvd, r, n):
-    splits = _splits(n)
+    splits = rows_to_each(n)
     sent, received = hvd.alltoall(tf.fill([sum(splits), 2], r), splits=splits)
     return sent.numpy(), received.numpy(), received.dtype
 
@@ -145,7 +134,7 @@ def in_tf_function(hvd, r, n):
 
 @op
 def alltoall_reducescatter_grouped_in_tf_function(hvd, r, n):
-    splits, rows, static = _splits(n), 2 * n + 1, {}
+    splits, rows, static = rows_to_each(n), 2 * n + 1, {}
 
     @tf.function
     def graph_more(v):
@@ -196,7 +185,7 @@ def topology_ops(hvd, r, n):
 
 @op
 def size_op_of_a_process_set_id(hvd, r, n):
-    return _error(lambda: hvd.size_op(process_set_id=5))
+    return error_of(lambda: hvd.size_op(process_set_id=5))
 
 
 @op
@@ -263,12 +252,12 @@ def allgather_object(hvd, r, n):
 
 @op
 def broadcast_in_place_of_a_tensor(hvd, r, n):
-    return _error(lambda: hvd.broadcast_([tf.constant(1.0)], 0))
+    return error_of(lambda: hvd.broadcast_([tf.constant(1.0)], 0))
 
 
 @op
 def broadcast_global_variables_eagerly(hvd, r, n):
-    return _error(lambda: hvd.broadcast_global_variables(0))
+    return error_of(lambda: hvd.broadcast_global_variables(0))
 
 
 # ---- grouped allgather and sparse tensors ---------------------------------------------------------------------
@@ -327,13 +316,13 @@ def indexed_slices_in_tf_function(hvd, r, n):
 
 @op
 def indexed_slices_with_max(hvd, r, n):
-    return _error(lambda: hvd.allreduce(tf.IndexedSlices(tf.ones([1, 3]), tf.constant([r])), op=hvd.Max))
+    return error_of(lambda: hvd.allreduce(tf.IndexedSlices(tf.ones([1, 3]), tf.constant([r])), op=hvd.Max))
 
 
 @op
 def indexed_slices_scaled(hvd, r, n):
     one = tf.IndexedSlices(tf.ones([1, 3]), tf.constant([r]))
-    return _error(lambda: hvd.grouped_allreduce([one], op=hvd.Sum, prescale_factor=0.5))
+    return error_of(lambda: hvd.grouped_allreduce([one], op=hvd.Sum, prescale_factor=0.5))
 
 
 # ---- Horovod's TF error types: ranks that disagree, and an argument problem on one rank ------------------------
@@ -353,7 +342,7 @@ _FAILURES = {
 
 def _failure(call):
     def case(hvd, r, n):
-        return _error(lambda: call(hvd, r))
+        return error_of(lambda: call(hvd, r))
     return case
 
 

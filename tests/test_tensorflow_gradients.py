@@ -10,7 +10,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from _cases import add_to, message_of, named, run_cases, values  # noqa: E402
+from _cases import add_to, error_of, message_of, named, rows_to_each, run_cases, values  # noqa: E402
 
 from sparkhvd import HorovodRunner  # noqa: E402
 
@@ -18,17 +18,6 @@ GRADS: dict = {}
 grad = add_to(GRADS)
 
 
-def _error(call):
-    """The type and message of what ``call()`` raises, or "no error"."""
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - the test compares type and message
-        return type(exc).__name__, str(exc)
-    return "no error"
-
-
-def _splits(n):
-    return [k + 1 for k in range(n)]  # rank r sends k + 1 rows to rank k
 
 
 # ---- each collective's gradient: each rank's loss weights the op's output by (r + 1) ---------------------------
@@ -44,7 +33,7 @@ def allreduce_sum(hvd, r, n):
 _OPS = {
     "allgather": lambda hvd, t, n: hvd.allgather(t),
     "broadcast": lambda hvd, t, n: hvd.broadcast(t, root_rank=1),
-    "alltoall": lambda hvd, t, n: hvd.alltoall(t, splits=_splits(n))[0],
+    "alltoall": lambda hvd, t, n: hvd.alltoall(t, splits=rows_to_each(n))[0],
     "reducescatter_sum": lambda hvd, t, n: hvd.reducescatter(t, op=hvd.Sum),
     "reducescatter_average": lambda hvd, t, n: hvd.reducescatter(t, op=hvd.Average),
     "reducescatter_scaled": lambda hvd, t, n: hvd.reducescatter(t, op=hvd.Sum, prescale_factor=3.0,
@@ -54,7 +43,7 @@ _OPS = {
 
 def _gradient_of(key):
     def case(hvd, r, n):
-        t = tf.Variable(tf.ones([sum(_splits(n)) if key == "alltoall" else 2 * n + 1]))
+        t = tf.Variable(tf.ones([sum(rows_to_each(n)) if key == "alltoall" else 2 * n + 1]))
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(_OPS[key](hvd, t, n) * (r + 1.0))
         return tape.gradient(loss, t).numpy()
@@ -67,7 +56,7 @@ for _key in _OPS:
 
 @grad
 def alltoall_in_tf_function(hvd, r, n):
-    splits = _splits(n)
+    splits = rows_to_each(n)
 
     @tf.function
     def graph_grad(t):
@@ -246,12 +235,12 @@ def tape_as_its_own_context_manager(hvd, r, n):
 @grad
 def local_layers_that_are_not_layers(hvd, r, n):
     first, _, _ = _two_layers(r)
-    return _error(lambda: hvd.PartialDistributedGradientTape(tf.GradientTape(), local_layers=[first, "x"]))
+    return error_of(lambda: hvd.PartialDistributedGradientTape(tf.GradientTape(), local_layers=[first, "x"]))
 
 
 @grad
 def predivide_with_sum(hvd, r, n):
-    return _error(lambda: hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Sum, gradient_predivide_factor=2.0))
+    return error_of(lambda: hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Sum, gradient_predivide_factor=2.0))
 
 
 # ---- SyncBatchNormalization on uneven batches (rank r: 3 + 2r rows) --------------------------------------------
@@ -285,7 +274,7 @@ def sync_batch_normalization(hvd, r, n):
 
 @grad
 def sync_batch_normalization_fused(hvd, r, n):
-    return _error(lambda: hvd.SyncBatchNormalization(fused=True))
+    return error_of(lambda: hvd.SyncBatchNormalization(fused=True))
 
 
 def _gradients():
