@@ -29,6 +29,7 @@ other load shows: compare ours with the peer of the same table, measured alongsi
     python bench/recovery.py --repeats 5
     python bench/recovery.py --quick      # one repeat of each, no warm-up restarts (about 80 s)
     python bench/recovery.py --no-spark   # recovery at np=-2 only, no SparkSession
+    python bench/recovery.py --cluster    # np=8 on a 4-host testbed, a killed rank and executor, stage by stage
 """
 
 from __future__ import annotations
@@ -453,9 +454,16 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (default 3)")
     parser.add_argument("--quick", action="store_true", help="one repeat of each, no warm-up restarts")
     parser.add_argument("--no-spark", action="store_true", help="recovery at np=-2 only (no SparkSession)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="recovery at np=8 on a 4-host namespace testbed, stage by stage (bench/recovery_cluster.py)")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.cluster:
+        import recovery_cluster
+
+        recovery_cluster.main(1 if args.quick else args.repeats, table)
+        return 0
     repeats, warmup = (1, False) if args.quick else (args.repeats, True)
     wall = time.perf_counter()
 

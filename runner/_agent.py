@@ -33,8 +33,9 @@ PUMP_DRAIN_S = 5.0  # after the rank's process group is gone, its pipes close at
 
 
 def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[str] | None = None,
-             on_spawn: Callable[[subprocess.Popen], None] | None = None) -> dict:
-    """Run rank ``task``'s process to the end; returns a small status row.
+             on_spawn: Callable[[subprocess.Popen], None] | None = None, spark_task: tuple | None = None) -> dict:
+    """Run rank ``task``'s process to the end; returns a small status row. ``spark_task``: ``(stage id, task id)``
+    of the Spark task it runs in, by which the driver finds its executor in Spark's status store.
 
     Never raises for the user's failure: that reaches the driver through the service, so a
     Spark barrier stage never retries a training run on its own.
@@ -55,7 +56,7 @@ def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[s
     try:
         answer = client.request(Kind.REGISTER, {
             "task": task, "host": host, "host_id": host_id(), "pid": os.getpid(),
-            "gpus": list(gpus or []), "devices": devices}).meta
+            "gpus": list(gpus or []), "devices": devices, "spark_task": spark_task}).meta
     except (RunAborted, ServiceError) as exc:
         client.close()
         return {"task": task, "rank": None, "exit": None, "note": str(exc)}

@@ -140,11 +140,12 @@ class _Cluster:
         self.verbose = cfg.driver_log_verbosity == "all"
         self.secret = new_secret()  # one per run: every attempt's service and ranks share it
         self.bind_host = "127.0.0.1" if sc is None else _driver_bind_host(sc)
+        self.replaced: set[str] = set()  # executors this run asked Spark to replace: never a later attempt's cause
 
     def start(self, n: int, attempt: int, on_restore):
         """A driver service for ``n`` ranks, and a launcher that has started them."""
         cfg = self.cfg
-        launcher = LocalLauncher(n) if self.sc is None else _spark.SparkLauncher(self.sc, n)
+        launcher = LocalLauncher(n) if self.sc is None else _spark.SparkLauncher(self.sc, n, replaced=self.replaced)
         if not attempt and self.verbose:
             print(f"[sparkhvd] run {self.run_id}: np={cfg.np} on {launcher.description}; function pickled to "
                   f"{size(len(self.payload))}; logs in {self.logs.log_dir}", flush=True)
@@ -172,7 +173,7 @@ class _Cluster:
 
     def replace_executors(self, hosts: frozenset) -> None:
         if self.sc is not None:
-            _replace_executors(self.sc, set(hosts), self.run_id)
+            self.replaced.update(_replace_executors(self.sc, set(hosts), self.run_id))
 
 
 def _free_slots(sc) -> int:
@@ -185,17 +186,19 @@ def _free_slots(sc) -> int:
     return _spark.task_slots(sc) - running
 
 
-def _replace_executors(sc, hosts: set, run_id: str) -> None:
+def _replace_executors(sc, hosts: set, run_id: str) -> list:
+    """Ask Spark to replace the executors on ``hosts``; returns their ids (none where Spark cannot be asked)."""
     try:
         ids = _spark.replace_executors(sc, hosts)
     except Exception as exc:  # noqa: BLE001 - a Spark without this API: Spark notices the lost host itself, later
         warnings.warn(f"sparkhvd run {run_id}: could not ask Spark to replace the executors on {sorted(hosts)}, whose "
                       f"ranks went silent ({type(exc).__name__}: {exc}); the restart waits until Spark gives up on "
                       "them (spark.network.timeout).", RuntimeWarning, stacklevel=3)
-        return
+        return []
     if ids:
         print(f"[sparkhvd] run {run_id}: asked Spark to replace executor{'s' if len(ids) > 1 else ''} "
               f"{', '.join(ids)} on {', '.join(sorted(hosts))}, whose ranks went silent.", flush=True)
+    return ids
 
 
 def _result(status: RunStatus, logs: LogRouter, run_id: str, payload: bytes, started: float, every_value: bool,

@@ -29,8 +29,8 @@ class Launcher(abc.ABC):
     def failure(self) -> str | None:
         """Why the launch itself failed (a Spark job failure, say), or None."""
 
-    def lost(self, peers: dict) -> str | None:
-        """Why the tasks at these addresses (``address -> (hostname, ranks)``) may have vanished, if known."""
+    def lost(self, unfinished: list) -> str | None:
+        """Why these ranks (``(rank, Registration)``) may have vanished, if known."""
         return None
 
     @abc.abstractmethod

@@ -101,6 +101,7 @@ class Ending:
     failed_at: float  # when the driver saw it
     counted: bool = True  # one of max_restarts (SHRINK's relaunch is not)
     cut_off: frozenset = frozenset()  # hosts whose ranks went silent: Spark is asked to replace their executors
+    stamps: tuple = ()  # (step, time.monotonic()) of the failed attempt's end: RestartEvent.stamps
 
 
 class RunPolicy:
@@ -153,6 +154,8 @@ class RunPolicy:
         on_restore = None if event is None else functools.partial(resumed, event, self.run_id)
         self.service = self.watch = None  # the previous attempt's, closed
         self.service, self.launcher = self.cluster.start(self.n, self.attempt, on_restore)
+        if event is not None:
+            event.stamps["launched"] = self.clock()
         can_grow = None if self.n >= self.target else (lambda: self.cluster.free_slots() > 0)
         self.watch = Watch(self.service, self.launcher, self.logs, np=self.n, start_timeout=self.start_timeout,
                            run_id=self.run_id, can_grow=can_grow, clock=self.clock,
@@ -207,6 +210,8 @@ class RunPolicy:
 
     def _ended(self, ended: Ended) -> RunState:
         """The attempt is over: close its service, and choose the next state."""
+        if self.attempt and self.restarts:  # this attempt's start-up steps, on the restart that launched it
+            self.restarts[-1].stamps.update(getattr(self.service, "milestones", {}))
         try:
             if ended.how == FAILED:
                 return self._failed(ended.error)
@@ -232,8 +237,10 @@ class RunPolicy:
         self.errors.append(error)
         if not error.retryable or len(self.errors) == self.attempts:
             return self._fail(error.__cause__)
-        self.ending = Ending(error.cause, getattr(error, "failed_at", self.clock()),
-                             cut_off=frozenset(self.status.hosts_of(getattr(error, "silent_ranks", ()))))
+        failed_at = getattr(error, "failed_at", self.clock())
+        self.ending = Ending(error.cause, failed_at,
+                             cut_off=frozenset(self.status.hosts_of(getattr(error, "silent_ranks", ()))),
+                             stamps=(("failed", failed_at), *self.watch.stamps.items()))
         return RunState.RESTART
 
     def _fail(self, cause: BaseException | None) -> RunState:
@@ -250,7 +257,7 @@ class RunPolicy:
             n = self.cluster.slots_for_restart(self.np, self.min_np, self.start_timeout)
         except RuntimeError as exc:
             return self._no_slots(exc)
-        return self._relaunch(n)
+        return self._relaunch(n, slots=self.clock())
 
     def _grow(self) -> RunState:
         self.grew_from = None
@@ -270,10 +277,11 @@ class RunPolicy:
                                            log_dir=self.logs.log_dir, run_id=self.run_id))
         return self._fail(None)
 
-    def _relaunch(self, n: int) -> RunState:
+    def _relaunch(self, n: int, **stamps: float) -> RunState:
         ending = self.ending
         event = RestartEvent(attempt=len(self.errors) + 1, attempts=self.attempts, lost=ending.lost,
-                             np_before=self.n, np_after=n, failed_at=ending.failed_at, counted=ending.counted)
+                             np_before=self.n, np_after=n, failed_at=ending.failed_at, counted=ending.counted,
+                             stamps={**dict(ending.stamps), **stamps})
         self.restarts.append(event)
         self.logs.note(f"----- sparkhvd: {event.what()} -----")
         self.n = n

@@ -52,6 +52,11 @@ class RestartEvent:
     commit: dict | None = None
     seconds: float | None = None
     counted: bool = True  # False: not one of max_restarts (a grown stage that could not start, run again smaller)
+    #: ``time.monotonic()`` of each step from the failure to the resumed training, on the driver: ``failed``
+    #: (seen), ``exited`` (the ranks' processes), ``cancelled`` (the tasks ended), ``slots`` (Spark had them),
+    #: ``launched`` (the next attempt started), ``registered`` (its first task), ``placed`` (its last),
+    #: ``fetched`` (every rank's process asked for the function), ``resumed`` (rank 0 asked for the commit)
+    stamps: dict = field(repr=False, default_factory=dict)
 
     def line(self, run_id: str) -> str:
         if self.commit is None:
@@ -80,6 +85,8 @@ def resumed(event: RestartEvent | None, run_id: str, commit: dict | None, *, at:
     """The restart's ranks resumed (rank 0 asked for its commit, or ``at``: they started): say so, once."""
     if event is None or event.seconds is not None:
         return
-    event.seconds = (time.monotonic() if at is None else at) - event.failed_at
+    at = time.monotonic() if at is None else at
+    event.seconds = at - event.failed_at
+    event.stamps["resumed"] = at
     event.commit = None if commit is None else dict(commit.get("fields") or {})
     print(event.line(run_id), flush=True)

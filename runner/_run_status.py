@@ -55,17 +55,12 @@ class RunStatus:
         failed = self.failed
         return {r: c for r, c in self.exits.items() if r not in self.results and r not in failed}
 
-    def unfinished_peers(self) -> dict:
-        """``address -> (hostname, ranks)`` of the ranks that have neither exited, returned nor reported an error."""
+    def unfinished(self) -> list:
+        """``(rank, Registration)`` of the ranks that have neither exited, returned nor reported an error."""
         if self.placements is None:
-            return {}
+            return []
         reported = self.failed | set(self.exits) | set(self.results)
-        peers: dict[str, tuple[str, list[int]]] = {}
-        for task, placement in enumerate(self.placements):
-            if placement.rank not in reported:
-                reg = self.registrations[task]
-                peers.setdefault(reg.peer, (reg.host, []))[1].append(placement.rank)
-        return peers
+        return [(p.rank, self.registrations[task]) for task, p in enumerate(self.placements) if p.rank not in reported]
 
     def silent_ranks(self, also_done=()) -> list:
         """Ranks that have neither returned, failed nor exited (nor are in ``also_done``), and whose heartbeats

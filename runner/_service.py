@@ -82,6 +82,12 @@ class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers)
         self.placements: list[Placement] | None = None
         self.gpu_lists: list[list[str]] = []  # task -> its CUDA_VISIBLE_DEVICES (_common/topology.py: host_gpus)
         self.placed_at: float | None = None  # when every task had registered and the ranks were assigned
+        #: ``time.monotonic()`` of the attempt's start-up steps: ``registered`` (the first task), ``placed`` (the
+        #: last: ranks assigned), ``fetched`` (every rank's process asked for the function: all processes are up)
+        self.milestones: dict[str, float] = {}
+        self._fetches = 0
+        self._agents: dict[socket.socket, int] = {}  # each task agent's connection (its REGISTER's) -> its task
+        self.agents_gone: set[int] = set()  # tasks whose agent's connection closed: no exit will come from them
         # what the ranks report (_service_reports.py)
         self._on_log = on_log or (lambda rank, stream, lines, progress: None)
         self.bad_logs = 0  # LOG frames refused as malformed (the first few are logged)
@@ -139,14 +145,15 @@ class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers)
                 hosts_updated=None if self.hosts_updated is None else tuple(self.hosts_updated))
 
     def wait_for_exits(self, timeout: float) -> None:
-        """Wait until every started rank's agent has reported its process's exit.
+        """Wait until every started rank's agent has reported its process's exit, or is gone.
 
-        An agent reports only after reaping its rank process, so afterwards none is left running.
-        Ranks start only once all have registered: before that there is nothing to wait for.
+        An agent reports only after reaping its rank process, so afterwards none is left running. An agent whose
+        connection closed first (its executor was lost) reports nothing: it is not waited for. Ranks start only
+        once all have registered: before that there is nothing to wait for.
         """
         deadline = time.monotonic() + timeout
         with self.cv:
-            while self.placements is not None and len(self.exits) < self.np:
+            while self.placements is not None and len(self.exits) < self.np and not self._exits_or_gone():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return
@@ -170,6 +177,10 @@ class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers)
 
     def _over(self) -> bool:
         return self.aborted is not None or self.finished
+
+    def _exits_or_gone(self) -> bool:
+        """Every rank has reported its exit or its agent is gone (cv held; ranks placed)."""
+        return all(p.rank in self.exits or task in self.agents_gone for task, p in enumerate(self.placements))
 
     # ---- connections ---------------------------------------------------------------------
 
@@ -237,6 +248,10 @@ class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers)
         finally:
             with self.cv:
                 self._conns.discard(sock)
+                task = self._agents.pop(sock, None)
+                if task is not None:
+                    self.agents_gone.add(task)
+                    self.cv.notify_all()
             try:
                 sock.close()
             except OSError:

@@ -24,11 +24,12 @@ class Registration:
     peer: str  # the address the driver saw the task's connection come from
     host_id: str = ""  # what groups ranks by host (runner/_host.py); the hostname where absent
     devices: list = field(default_factory=list)  # its GPUs as the host names them: ``gpus`` mapped by the agent
+    spark_task: tuple | None = None  # (stage id, task id) of its Spark task, which Spark's status store knows
 
 
 class TaskHandlers:
     """REGISTER, FETCH and WATCH. Uses ``DriverService``'s ``cv``, ``np``, ``registrations``, ``placements``,
-    ``gpu_lists``, ``placed_at``, ``aborted`` and ``_payload``."""
+    ``gpu_lists``, ``placed_at``, ``milestones``, ``_agents``, ``aborted`` and ``_payload``."""
 
     def _register(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
         task = msg.meta.get("task")
@@ -40,6 +41,7 @@ class TaskHandlers:
                 refusal = f"task {task} registered twice; a retried Spark task cannot join a run that has started"
             else:
                 self._add_registration(task, msg, peer)
+                self._agents[channel.sock] = task  # the agent reports its rank's exit on this connection
         if refusal is not None:
             return self._refuse(channel, refusal)  # never send while holding cv
         if not self._wait(lambda: self.placements is not None, None):
@@ -49,19 +51,24 @@ class TaskHandlers:
 
     def _add_registration(self, task: int, msg: Message, peer: str) -> None:
         """Record a task (cv held); once all have registered, assign the ranks."""
+        self.milestones.setdefault("registered", time.monotonic())
         self.registrations[task] = Registration(
             task=task, host=str(msg.meta.get("host")), pid=int(msg.meta.get("pid", 0)),
             gpus=list(msg.meta.get("gpus") or []), peer=peer,
             host_id=str(msg.meta.get("host_id") or msg.meta.get("host")),
-            devices=[str(d) for d in msg.meta.get("devices") or []])
+            devices=[str(d) for d in msg.meta.get("devices") or []], spark_task=_spark_task(msg.meta.get("spark_task")))
         if len(self.registrations) == self.np:
             hosts = [self.registrations[t].host_id for t in range(self.np)]
             self.placements, self.gpu_lists = host_gpus(assign_ranks(hosts), hosts,
                                                         [self.registrations[t].devices for t in range(self.np)])
-            self.placed_at = time.monotonic()
+            self.placed_at = self.milestones["placed"] = time.monotonic()
         self.cv.notify_all()
 
     def _fetch(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
+        with self.cv:
+            self._fetches += 1
+            if self._fetches == self.np:
+                self.milestones["fetched"] = time.monotonic()
         channel.send(Kind.OK, {}, self._payload)
 
     def _watch(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
@@ -71,3 +78,10 @@ class TaskHandlers:
             aborted = self.aborted
         if aborted is not None:
             channel.send(Kind.ABORT, {"reason": aborted})
+
+
+def _spark_task(value) -> tuple | None:
+    """A REGISTER frame's ``spark_task``: ``(stage id, task id)``, or None where absent or malformed."""
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(type(v) is int for v in value):
+        return tuple(value)
+    return None

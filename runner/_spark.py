@@ -216,24 +216,27 @@ def max_slots(master: str, conf) -> int | None:
 
 
 class SparkLauncher(Launcher):
-    """Runs the task agents as one Spark barrier stage, in a job group of its own."""
+    """Runs the task agents as one Spark barrier stage, in a job group of its own.
 
-    def __init__(self, sc, np: int):
+    ``replaced``: the ids of the executors that the run asked Spark to replace (shared by its attempts): their
+    removal, which lands whenever Spark gets to it, is never a later attempt's cause. ``status``: Spark's
+    status store (``SparkStatus``), or a stand-in for it.
+    """
+
+    def __init__(self, sc, np: int, *, replaced: set | None = None, status: "SparkStatus | None" = None):
         self.sc = sc
         self.np = np
         self.description = f"a Spark barrier stage on {sc.master}"
+        self.status = status if status is not None else SparkStatus(sc)
+        self.replaced = replaced if replaced is not None else set()
         self._group = None
         self._thread = None
         self._error: str | None = None
         self._stopped = False
-        self._lost_before: set | None = None
+        self._executors: dict = {}  # (stage id, task id) -> the executor it ran on, as found
 
     def start(self, spec: TaskSpec) -> None:
         self._group = f"sparkhvd-{spec.run_id}-{spec.attempt}"
-        try:  # executors lost before this run are not this run's cause
-            self._lost_before = {executor_id for executor_id, _, _ in _removed_executors(self.sc)}
-        except Exception:  # noqa: BLE001 - a Spark without this private API: lost() says nothing
-            self._lost_before = None
         self._thread = threading.Thread(target=self._job, args=(spec,), daemon=True,
                                         name=f"sparkhvd-job-{spec.run_id}")
         self._thread.start()
@@ -285,26 +288,31 @@ class SparkLauncher(Launcher):
             return not self._thread.is_alive()
         return True
 
-    def lost(self, peers: dict) -> str | None:
-        """Executors at these addresses (``address -> (hostname, ranks)``) that Spark has removed, and why."""
-        if self.sc._jsc is None or self._lost_before is None:
-            return None
+    def lost(self, unfinished: list) -> str | None:
+        """The executors that Spark removed while these ranks (``(rank, Registration)``) ran on them, and why.
+
+        Matched by executor id, through the Spark task each rank's agent ran in, never by host: a removal that
+        lands late, of an executor this attempt did not use (one the run asked Spark to replace, say), or of
+        another executor on the same host, is not this attempt's cause.
+        """
         try:
-            removed = _removed_executors(self.sc)
-        except Exception:  # noqa: BLE001 - a Spark without this private API: no executor detail
+            removed = {executor_id: reason for executor_id, _, reason in self.status.removed_executors()
+                       if executor_id not in self.replaced}
+            tasks = {reg.spark_task for _, reg in unfinished if reg.spark_task is not None}
+            if not removed or not tasks:
+                return None
+            if tasks - set(self._executors):
+                self._executors.update(self.status.task_executors(tasks - set(self._executors)))
+        except Exception:  # noqa: BLE001 - a Spark without this private API, or one stopping: no executor detail
             return None
-        found = []
-        by_name = {hostname: (address, ranks) for address, (hostname, ranks) in peers.items()}
-        for executor_id, where, reason in removed:
-            if executor_id in self._lost_before:
-                continue
-            if where in peers:  # Spark names executors by address (standalone) or hostname (YARN)
-                address, (hostname, ranks) = where, peers[where]
-            else:
-                hostname, (address, ranks) = where, by_name.get(where, ("", []))
-            if ranks:
-                found.append(f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, sorted(ranks)))} ran on "
-                             f"executor {executor_id} on host {hostname} ({address}), which Spark lost: {reason}")
+        ran: dict[str, tuple] = {}  # executor id -> (a registration there, its ranks)
+        for rank, reg in unfinished:
+            executor_id = self._executors.get(reg.spark_task)
+            if executor_id in removed:
+                ran.setdefault(executor_id, (reg, []))[1].append(rank)
+        found = [f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, sorted(ranks)))} ran on executor "
+                 f"{executor_id} on host {reg.host} ({reg.peer}), which Spark lost: {removed[executor_id]}"
+                 for executor_id, (reg, ranks) in sorted(ran.items(), key=lambda item: min(item[1][1]))]
         return "; ".join(found) or None
 
     def stop(self) -> None:
@@ -324,7 +332,8 @@ def _barrier_task(spec: TaskSpec, _partition):
 
     ctx = BarrierTaskContext.get()
     gpu = ctx.resources().get("gpu")
-    yield run_task(spec, ctx.partitionId(), gpus=list(gpu.addresses) if gpu is not None else [])
+    yield run_task(spec, ctx.partitionId(), gpus=list(gpu.addresses) if gpu is not None else [],
+                   spark_task=(ctx.stageId(), ctx.taskAttemptId()))
 
 
 def _says_stopped(exc: BaseException) -> bool:
@@ -339,16 +348,37 @@ def _stopped(sc) -> bool:
         return True
 
 
-def _removed_executors(sc) -> list:
-    """``(id, host, reason)`` for each executor Spark has removed from this application."""
-    seq = sc._jsc.sc().statusStore().executorList(False)
-    it = seq.iterator()
-    removed = []
-    while it.hasNext():
-        summary = it.next()
-        if summary.isActive() or summary.id() == "driver":
-            continue
-        reason = summary.removeReason()
-        reason = reason.get() if reason.isDefined() else "no reason given"
-        removed.append((summary.id(), summary.hostPort().rsplit(":", 1)[0], reason))
-    return removed
+class SparkStatus:
+    """What Spark's status store (``SparkContext.statusStore``, private to Spark, reached through py4j) says
+    of the application's executors and tasks. Each call may raise where the API differs or the context stops."""
+
+    def __init__(self, sc):
+        self.sc = sc
+
+    def removed_executors(self) -> list:
+        """``(id, host, reason)`` for each executor Spark has removed from this application."""
+        it = self.sc._jsc.sc().statusStore().executorList(False).iterator()
+        removed = []
+        while it.hasNext():
+            summary = it.next()
+            if summary.isActive() or summary.id() == "driver":
+                continue
+            reason = summary.removeReason()
+            reason = reason.get() if reason.isDefined() else "no reason given"
+            removed.append((summary.id(), summary.hostPort().rsplit(":", 1)[0], reason))
+        return removed
+
+    def task_executors(self, tasks: set) -> dict:
+        """``(stage id, task id) -> executor id`` of those of ``tasks`` that the store has seen start."""
+        store, tracker = self.sc._jsc.sc().statusStore(), self.sc.statusTracker()
+        wanted = {task for _, task in tasks}
+        found = {}
+        for stage in {stage for stage, _ in tasks}:
+            info = tracker.getStageInfo(stage)
+            for attempt in range((info.currentAttemptId if info is not None else 0) + 1):
+                it = store.taskList(stage, attempt, 1 << 30).iterator()
+                while it.hasNext():
+                    task = it.next()
+                    if task.taskId() in wanted:
+                        found[(stage, task.taskId())] = task.executorId()
+        return found

@@ -68,6 +68,7 @@ class Watch:
         self.all_results_at: float | None = None
         self.lost: str | None = None  # Spark's word on lost executors, asked while a failure is unexplained
         self.lost_checked_at = 0.0
+        self.stamps: dict[str, float] = {}  # when a failed attempt's ranks had exited and its tasks ended (stop)
 
     def registering(self, status: RunStatus) -> Ended | None:
         """One poll while tasks register (the WAIT state): a failure, the start timeout, or None to go on."""
@@ -125,7 +126,7 @@ class Watch:
     def _ask_lost(self, status: RunStatus, now: float) -> None:
         """Ask the launcher, at most every ``_LOST_POLL_S``, whether Spark lost the executors of the ranks not done."""
         if now - self.lost_checked_at >= _LOST_POLL_S:
-            self.lost, self.lost_checked_at = self.launcher.lost(status.unfinished_peers()), now
+            self.lost, self.lost_checked_at = self.launcher.lost(status.unfinished()), now
 
     def _problem(self, status: RunStatus, dead: dict, launch_failure) -> Ended | None:
         """A rank failed or died, or the launch failed: the run's error once the grace period has collected the
@@ -142,17 +143,17 @@ class Watch:
         if not (waited >= (FAILURE_GRACE_S if known else UNEXPLAINED_GRACE_S) or len(exits) == self.np
                 or launch_failure or (known and len(everyone) == self.np)):
             return None
-        if self.lost is None and (unfinished := status.unfinished_peers()):
+        if self.lost is None and (unfinished := status.unfinished()):
             self.lost = self.launcher.lost(unfinished)  # Spark's word on where the silent ranks ran
         error = failure_error(self.service, self.logs, failures, dead, launch_failure, self.lost, self.run_id,
                               self.launcher)
         error.failed_at = self.first_problem_at
-        stop(self.service, self.launcher, "another rank failed")
+        stop(self.service, self.launcher, "another rank failed", self.stamps)
         return Ended(FAILED, error)
 
     def _start_timeout(self, registered: frozenset) -> Ended:
         missing = sorted(set(range(self.np)) - registered)
-        stop(self.service, self.launcher, "the run did not start in time")
+        stop(self.service, self.launcher, "the run did not start in time", self.stamps)
         return Ended(FAILED, StartTimeoutError(
             f"{len(missing)} of {self.np} ranks (task{'s' if len(missing) > 1 else ''} "
             f"{_ranks(missing)}) did not register with the driver "
@@ -161,7 +162,7 @@ class Watch:
 
     def _stalled(self, error: HorovodRunError, now: float) -> Ended:
         error.failed_at = now
-        stop(self.service, self.launcher, self.stalls.abort_reason)
+        stop(self.service, self.launcher, self.stalls.abort_reason, self.stamps)
         return Ended(FAILED, error)
 
     def _exiting(self, status: RunStatus) -> Ended | None:
@@ -188,15 +189,19 @@ class Watch:
 INTERRUPTED = "the run was interrupted on the driver (KeyboardInterrupt)"
 
 
-def stop(service, launcher, reason: str) -> None:
-    """Abort the attempt's ranks, let them leave, then stop what is left by force."""
+def stop(service, launcher, reason: str, stamps: dict | None = None) -> None:
+    """Abort the attempt's ranks, let them leave, then stop what is left by force. ``stamps`` gets the
+    ``time.monotonic()`` when the ranks had exited (``exited``) and when the tasks had ended (``cancelled``)."""
     # Ctrl-C again while cleaning up would leave processes behind: hold it off briefly.
     previous = _ignore_sigint()
+    stamps = {} if stamps is None else stamps
     try:
         service.abort(reason)
         service.wait_for_exits(ABORT_GRACE_S)  # gracefully first: the ranks leave on ABORT
+        stamps["exited"] = time.monotonic()
         launcher.stop()  # then by force: cancel the Spark job group, kill local processes
         launcher.join(STOP_WAIT_S)
+        stamps["cancelled"] = time.monotonic()
     finally:
         _restore_sigint(previous)
 

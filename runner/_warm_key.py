@@ -16,9 +16,10 @@ import sys
 # TMPDIR (TEMP, TMP): a zygote and the ranks it forks belong to one temp folder; where a job has a folder of its
 # own (a sandbox removed when the job ends, a test session), its ranks do not fork from another's zygote.
 _KEY_ENV = ("PYTHONPATH", "PYTHONHOME", "LD_LIBRARY_PATH", "LD_PRELOAD", "VIRTUAL_ENV", "TMPDIR", "TEMP", "TMP")
-# Read once when a library loads (libgomp, OpenBLAS, MKL) or when Python starts: a rank forked from
-# the zygote has the zygote's, so they are part of the key. OMP_NUM_THREADS is not: the fork applies it.
-_KEY_ENV_PREFIXES = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_")
+# Read once when a library loads (libgomp, OpenBLAS, MKL, torch and the torch._dynamo it preloads: TORCH_LOGS,
+# TORCHDYNAMO_*, TORCHINDUCTOR_*, PYTORCH_*) or when Python starts: a rank forked from the zygote has the
+# zygote's, so they are part of the key. OMP_NUM_THREADS is not: the fork applies it.
+_KEY_ENV_PREFIXES = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_", "TORCH", "PYTORCH_")
 _KEY_ENV_SKIP = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS")
 # CPython's own variables are PYTHON<NAME> (PYTHONPATH, PYTHONHASHSEED, ...) and these PYTHON_<NAME>s. Other
 # PYTHON_ names are other programs': Spark gives its Python workers PYTHON_WORKER_FACTORY_SECRET (and, by

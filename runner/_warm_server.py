@@ -26,6 +26,9 @@ from ._warm_key import cwd_refusal
 from ._warm_protocol import MAX_REQUEST_BYTES, SERVER_MODULE, address, peer_uid
 
 _PRELOAD = ("torch", "sparkhvd.collective.torch")  # what every rank imports first, imported once here
+# What a rank's first torch.optim optimizer imports (torch._dynamo: about 830 modules, a second of CPU each rank,
+# four seconds of a restart at np=8 on 2 cores): where torch has it. Starts no thread (_unsafe_to_fork checks).
+_PRELOAD_AFTER = ("torch._dynamo",)
 _REQUEST_TIMEOUT_S = 5.0  # a client that connects and says nothing does not hold the zygote up
 _POLL_EXITS_S = 0.05  # where pidfd_open is missing, how often exited ranks are looked for
 
@@ -40,6 +43,11 @@ def _preload() -> str | None:
     try:  # the worker and cloudpickle came with this module (runner/_warm_child.py imports the worker)
         for name in _PRELOAD:  # by name: the runner does not depend on the collectives, it warms what ranks load
             importlib.import_module(name)
+        for name in _PRELOAD_AFTER:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - a torch without it, or one that refuses it here: ranks import it
+                pass
     except ImportError:  # no torch here: ranks import what they need themselves
         pass
     finally:

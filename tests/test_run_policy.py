@@ -100,8 +100,8 @@ class FakeLauncher:
     def failure(self):
         return self._failure if self._failure and self.clock.now - self.start >= self._failure_at else None
 
-    def lost(self, peers: dict):
-        self.asked_lost.append(peers)
+    def lost(self, unfinished: list):
+        self.asked_lost.append(unfinished)
         return self._lost if self._lost and self.clock.now - self.start >= self._lost_at else None
 
     def join(self, timeout: float) -> bool:
@@ -331,7 +331,7 @@ def test_spark_losing_an_executor_explains_the_collateral_errors(run):
                "launcher": {"lost": lost, "lost_at": 2.0}}
     policy, cluster, error = run([attempt])
     assert str(error).startswith(f"HorovodRunner run r1 failed: {lost}\nthen, as a consequence, rank 0: MeshError")
-    assert cluster.launchers[0].asked_lost[0] == {"h": ("h", [1])}  # the ranks not done, by address
+    assert [(rank, reg.task) for rank, reg in cluster.launchers[0].asked_lost[0]] == [(1, 1)]  # the ranks not done
     assert cluster.clock.now - error.failed_at < _supervise.UNEXPLAINED_GRACE_S
 
 
@@ -568,7 +568,42 @@ def test_dead_unfinished_and_silent_ranks_are_read_from_the_snapshot():
     status = RunStatus(np=3, at=100.0, registrations=regs, placements=tuple(assign_ranks(hosts)),
                        results={0: b""}, exits={0: 0, 1: -9}, failures=(),
                        progress={2: ({"interval": 5}, 80.0)})
-    assert status.dead() == {1: -9} and status.unfinished_peers() == {"10.0.0.2": ("b", [2])}
+    assert status.dead() == {1: -9} and status.unfinished() == [(2, regs[2])]
     assert status.silent_ranks() == [2]  # not heard from for 20 s, over twice its 5 s interval and a second
     assert status.hosts_of([2]) == {"b", "10.0.0.2"} and not status.finished()
 
+
+
+def test_stopping_an_attempt_does_not_wait_for_the_exit_of_ranks_whose_agent_is_gone():
+    """An executor killed with its task agent: no exit will come from its ranks, so the graceful part of a stop
+    (ABORT_GRACE_S, 5 s) does not wait for them; the ranks that still have an agent are waited for."""
+    import threading
+
+    from sparkhvd._common.client import ServiceClient
+    from sparkhvd._common.protocol import Kind
+
+    secret = b"k" * 32
+    service = DriverService(np=3, secret=secret, payload=b"")
+    agents = [ServiceClient(service.address, secret) for _ in range(3)]
+    try:
+        registering = [threading.Thread(target=agent.request, args=(Kind.REGISTER, {"task": t, "host": "h", "pid": t}))
+                       for t, agent in enumerate(agents)]
+        for thread in registering:
+            thread.start()
+        for thread in registering:
+            thread.join(60)
+        ranks = [p.rank for p in service.placements]
+        agents[0].request(Kind.EXIT, {"rank": ranks[0], "code": 0})
+        agents[1].close()  # its executor was lost, with the agent in it
+        waiting = threading.Thread(target=service.wait_for_exits, args=(600,), daemon=True)
+        waiting.start()
+        waiting.join(2.0)
+        assert waiting.is_alive()  # task 2's agent is alive: its rank's exit is still to come
+        assert service.agents_gone == {1}
+        agents[2].close()
+        waiting.join(60)  # not the 600 s: nothing more can come
+        assert not waiting.is_alive() and service.agents_gone == {1, 2} and set(service.exits) == {ranks[0]}
+    finally:
+        for agent in agents:
+            agent.close()
+        service.close()

@@ -86,7 +86,7 @@ def _parent_and_env():
     return {"ppid": os.getppid(), "pid": os.getpid(), "rank": hvd.rank(), "size": hvd.size(),
             "placement": json.loads(os.environ["SPARKHVD_PLACEMENT"])["rank"],
             "var": os.environ.get("SPARKHVD_TEST_ZYGOTE_VAR"), "warm": os.environ.get("SPARKHVD_WARM"),
-            "torch_preloaded": "torch" in sys.modules}
+            "torch_preloaded": "torch" in sys.modules, "dynamo_preloaded": "torch._dynamo" in sys.modules}
 
 
 def test_second_run_forks_ranks_from_the_zygote_with_their_own_env(monkeypatch):
@@ -100,6 +100,8 @@ def test_second_run_forks_ranks_from_the_zygote_with_their_own_env(monkeypatch):
     assert [(v["rank"], v["size"], v["placement"]) for v in values] == [(0, 2, 0), (1, 2, 1)]
     assert [v["var"] for v in values] == ["second", "second"]  # the agent's env, not the zygote's
     assert [v["warm"] for v in values] == ["forked", "forked"]
+    # what a rank's first torch.optim optimizer imports is there already (about a second of CPU per rank)
+    assert all(v["torch_preloaded"] and v["dynamo_preloaded"] for v in values), values
     assert len({v["pid"] for v in values}) == 2
     for v in values:
         assert v["ppid"] != os.getpid()
@@ -277,6 +279,8 @@ def test_key_changes_when_sparkhvd_or_the_environment_changes(tmp_path):
     assert key(TMPDIR="/sandbox-of-another-job") != before  # its ranks fork from a zygote of their own
     assert key(PYTHONHASHSEED="0") != before  # a forked rank hashes strings with the zygote's seed
     assert key(PYTHON_GIL="0") != before  # CPython's own PYTHON_ names count too
+    for name in ("TORCH_LOGS", "TORCHDYNAMO_VERBOSE", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_CUDA_ALLOC_CONF"):
+        assert key(**{name: "x"}) != before, name  # read when torch and the torch._dynamo it preloads load
     spark_per_application = {  # what one Spark application's Python workers see and the next one's do not
         "PYTHON_WORKER_FACTORY_SECRET": "1436191ff3fbe5ff", "PYTHON_WORKER_FACTORY_PORT": "40123",
         "PYTHON_WORKER_FACTORY_SOCK_DIR": "/tmp/spark-1/sock", "PYTHON_FAULTHANDLER_DIR": "/tmp/spark-1/fault",

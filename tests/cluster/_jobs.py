@@ -132,3 +132,51 @@ def elastic_train(epochs: int = 3, batches: int = 40, commit_every: int = 5, ste
         return [p.detach().clone() for p in model.parameters()], state.steps
 
     return loop(state)
+
+
+def recovery_train(marks: str, steps: int = 200, commit_every: int = 5, step_seconds: float = 0.05):
+    """bench/recovery.py's training under ``hvd.elastic.run``: ``elastic_train``'s loop, where rank 0 also writes
+    ``time.monotonic()`` (every host shares this machine's clock) of its start-up steps to ``marks``: entered the
+    function, ``hvd.init()`` returned, the first step done (and the step it resumed from)."""
+    import json
+    import time
+
+    entered = time.monotonic()
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+    from sparkhvd._common import commits as _commits
+
+    hvd.init()
+    initialised = time.monotonic()
+    print(f"rank {hvd.rank()} pid {os.getpid()} on {socket.gethostname()}", flush=True)
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, steps=0)
+    first = [True]
+
+    @hvd.elastic.run
+    def loop(state):
+        while state.steps < steps:
+            resumed_from = state.steps
+            g = torch.Generator().manual_seed(state.steps * 10 + hvd.rank())
+            x = torch.randn(16, 4, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True).sin()).backward()
+            opt.step()
+            state.steps += 1
+            if first[0] and hvd.rank() == 0:
+                first[0] = False
+                with open(os.path.join(marks, f"rank0-{os.getpid()}.json"), "w") as f:
+                    json.dump({"entered": entered, "init": initialised, "step": time.monotonic(),
+                               "from": resumed_from}, f)
+            time.sleep(step_seconds)
+            if state.steps % commit_every == 0:
+                state.commit()
+                if state.steps == 2 * commit_every and hvd.rank() == 0:
+                    _commits.flush(60)
+                    print(f"commit of step {state.steps} is on the driver", flush=True)  # the benchmark's cue
+        return state.steps
+
+    return loop(state)

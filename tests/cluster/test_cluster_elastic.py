@@ -1,6 +1,6 @@
 """Restarts on the 2-host cluster: a training run under ``hvd.elastic.run`` with ``max_restarts`` goes on
-after its host B loses a rank process or its executor JVM, and ends with the weights of the same run
-uninterrupted, bit for bit.
+after its host B loses a rank process, after a frozen rank on host A and then host B's executor JVM
+killed, and after host B is cut off; it ends with the weights of the same run uninterrupted, bit for bit.
 
 np=4 (ranks 0,1 on host A, 2,3 on host B); the fault lands mid-training, after some commits. Each
 test prints the seconds from the fault to the run's end and the driver's restart line.
@@ -8,6 +8,8 @@ test prints the seconds from the fault to the run's end and the driver's restart
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import signal
 import time
@@ -69,11 +71,48 @@ def test_a_rank_killed_on_host_b_restarts_from_the_last_commit(cluster, referenc
     assert event["lost"].startswith(f"rank 3's process on host {b.hostname} ({b.address}) was killed by signal 9")
 
 
-def test_an_executor_killed_on_host_b_restarts_once_spark_replaces_it(cluster, reference):
-    pending, b = _training(cluster)
+def test_a_frozen_rank_on_host_a_then_an_executor_killed_on_host_b_each_restart_naming_only_their_own_cause(
+        cluster, reference):
+    """The first fault makes sparkhvd ask Spark to replace host A's executor (its rank went silent); Spark removes
+    that executor whenever it gets to it. The second fault's restart line names host B's killed executor alone:
+    the executor sparkhvd replaced is never a later attempt's cause, whenever its removal lands."""
+    pending = cluster.driver.submit("elastic_train", NP, runner={"max_restarts": 2})
+    for r in range(NP):
+        pending.wait_for_output(f"[{r}] rank {r} pid", timeout=120)
+    ranks = _faults.wait_for_ranks(cluster, NP, timeout=30)
+    pending.wait_for_output("[0] commit of step 10 is on the driver", timeout=120)
+    (a, frozen), b = ranks[1], ranks[3][0]
+    faulted = time.monotonic()
+    os.kill(frozen, signal.SIGSTOP)  # silent past SPARKHVD_HEARTBEAT_TIMEOUT_SECONDS (8 s here)
+    try:
+        pending.wait_for_output("restart 1 of 2 after", timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(frozen, signal.SIGCONT)  # gone with its executor, or it finds its attempt over and leaves
+    _faults.wait_for_ranks(cluster, NP, timeout=60)
+    time.sleep(1.0)  # training again, from the commit
     _faults.kill_executor(cluster, b)
-    event = _finished(cluster, pending, reference, "kill -9 of host B's executor JVM")
-    assert b.hostname in event["lost"] or b.address in event["lost"] or "ExecutorLostFailure" in event["lost"], event
+    outcome = pending.result(300)
+    seconds = time.monotonic() - faulted
+    assert outcome.ok, f"the run did not survive a frozen rank then a killed executor: {outcome.error}"
+    weights, steps = outcome.values[0]
+    assert _same(weights, reference[0]) and steps == reference[1] == STEPS  # bit for bit, no step counted twice
+    assert [e["lost"] is not None for e in outcome.restarts] == [True, True], outcome.restarts
+    first, second = outcome.restarts
+    assert re.match(rf"rank 1 on host {a.hostname} \({re.escape(a.address)}\) has not been heard from", first["lost"]), first
+    assert "asked Spark to replace executor" in outcome.output and f"on {a.address}" in outcome.output
+    assert a.hostname not in second["lost"] and a.address not in second["lost"], second  # not the replaced executor
+    assert ("ranks 2,3 ran on executor" in second["lost"] and f"on host {b.hostname} ({b.address}), which Spark "
+            "lost: Command exited with code 137" in second["lost"]) or "ExecutorLostFailure" in second["lost"], second
+    lines = [line for line in outcome.output.splitlines() if re.search(r"restart [12] of 2 after", line)]
+    print(f"\n[cluster] a frozen rank on host A, then host B's executor killed: the run ended {seconds:.1f} s after "
+          f"the first fault; {first['seconds']:.1f} s and {second['seconds']:.1f} s from each failure to training "
+          "resumed\n" + "\n".join(f"[cluster]   {line}" for line in lines))
+    assert not cluster.wait_no_ranks(timeout=30)
+    # the replacement executors forked their ranks from the warm process their host already had: after the
+    # restarts, at most one idle warm process per task slot of a host (one per host, by the key)
+    warm = {h.hostname: len(cluster.processes(h, "sparkhvd.runner._warm_server")) for h in cluster.hosts}
+    assert all(n <= cluster.slots // len(cluster.hosts) for n in warm.values()), warm
 
 
 def _executors(cluster) -> set:

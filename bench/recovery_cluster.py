@@ -1,0 +1,152 @@
+"""Benchmark (not a test): recovery at np=8 over 4 hosts, stage by stage (``python bench/recovery.py --cluster``).
+
+A Spark standalone cluster of 4 namespace hosts (tests/cluster's testbed: root, iproute2 and Java), 2 task
+slots each, runs tests/cluster/_jobs.py's ``recovery_train`` (``import torch``, ``hvd.init()``, an MLP with
+``hvd.DistributedOptimizer`` under ``hvd.elastic.run``, a commit every 5 steps) with ``max_restarts=1``. Once
+rank 0's commit of step 10 is on the driver, a fault hits the host of the last rank:
+
+  rank      SIGKILL of that rank's process
+  executor  kill -9 of that host's executor JVM (Spark replaces it)
+
+Each stage of the restart, from one clock (every host is this machine): the driver's
+``RunResult.restarts[0].stamps`` and rank 0's own marks (``entered``, ``init``, ``step``). The total is what
+the driver's restart line says ("training resumed X s after the failure": failure seen -> rank 0 asks for
+the commit). Peer, in the same run: a fresh ``HorovodRunner(np=8).run`` of the same function, from the call
+to rank 0's first completed step, against the restart's failure seen -> first completed step. Fault runs and
+fresh runs alternate, after one fresh warm-up run (the warm processes start on every host).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NP, HOSTS = 8, 4
+KINDS = ("rank", "executor")
+
+#: (label, from stamp, to stamp): driver stamps, the fault's time ("fault") and rank 0's marks ("r0.*")
+STAGES = [
+    ("1. the failure is seen", "fault", "failed"),
+    ("2. the survivors are stopped (their processes exited)", "failed", "exited"),
+    ("3. the stage is cancelled (its tasks ended)", "exited", "cancelled"),
+    ("4a. Spark has the task slots again", "cancelled", "slots"),
+    ("4b. the new stage is submitted", "slots", "launched"),
+    ("5. the tasks start (first registered)", "launched", "registered"),
+    ("5b. every task registered (ranks placed)", "registered", "placed"),
+    ("6. the rank processes are up (every one asked for the function)", "placed", "fetched"),
+    ("6b. rank 0 enters the function", "fetched", "r0.entered"),
+    ("7. rendezvous (rank 0's hvd.init() returns)", "r0.entered", "r0.init"),
+    ("8. the commit is loaded (rank 0 asks for it)", "r0.init", "resumed"),
+    ("8b. the first step after it is done", "resumed", "r0.step"),
+]
+
+
+def _marks(folder: str) -> dict:
+    """Rank 0's marks of its last process (the restarted one)."""
+    found = []
+    for name in os.listdir(folder):
+        if name.startswith("rank0-"):
+            with open(os.path.join(folder, name)) as f:
+                found.append(json.load(f))
+    last = max(found, key=lambda m: m["entered"])
+    return {f"r0.{k}": v for k, v in last.items()}
+
+
+def _wait_executors(cluster, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while len(cluster.driver.executors()) < len(cluster.hosts) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def fault_once(cluster, faults, kind: str, scratch: str) -> dict:
+    marks = tempfile.mkdtemp(dir=scratch)
+    pending = cluster.driver.submit("recovery_train", NP, runner={"max_restarts": 1}, marks=marks)
+    pending.wait_for_output("[0] commit of step 10 is on the driver", timeout=240)
+    ranks = faults.wait_for_ranks(cluster, NP, timeout=30)
+    host, pid = ranks[NP - 1]
+    fault = time.monotonic()
+    if kind == "rank":
+        os.kill(pid, signal.SIGKILL)
+    else:
+        faults.kill_executor(cluster, host)
+    outcome = pending.result(300)
+    if not outcome.ok or len(outcome.restarts) != 1:
+        raise RuntimeError(f"the {kind} fault's run did not end in one restart: {outcome.error or outcome.restarts}")
+    event = outcome.restarts[0]
+    stamps = {"fault": fault, **event["stamps"], **_marks(marks)}
+    line = next(line for line in outcome.output.splitlines() if "restart 1 of 1 after" in line)
+    if kind == "executor":
+        _wait_executors(cluster)
+    return {"stamps": stamps, "seconds": event["seconds"], "to_step": stamps["r0.step"] - stamps["failed"],
+            "line": line}
+
+
+def fresh_once(cluster, scratch: str) -> float:
+    marks = tempfile.mkdtemp(dir=scratch)
+    called = time.monotonic()
+    outcome = cluster.driver.run("recovery_train", NP, timeout=300, marks=marks, steps=12)
+    if not outcome.ok:
+        raise RuntimeError(f"the fresh run failed: {outcome.error}")
+    return _marks(marks)["r0.step"] - called
+
+
+def run(repeats: int) -> dict:
+    sys.path.insert(0, ROOT)
+    from tests.cluster import _faults
+    from tests.cluster._cluster import Cluster
+    from tests.cluster._netns import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        raise SystemExit(f"bench/recovery.py --cluster needs the namespace testbed: {reason}")
+    scratch = tempfile.mkdtemp(prefix="sparkhvd-bench-recovery-")
+    cluster = Cluster(HOSTS, python=sys.executable)
+    out = {kind: [] for kind in KINDS}
+    out["fresh"] = []
+    try:
+        cluster.start(timeout=300)
+        print(f"{HOSTS} hosts up in {cluster.start_seconds:.0f} s; warm-up run", file=sys.stderr, flush=True)
+        fresh_once(cluster, scratch)
+        for rep in range(repeats):
+            for kind in KINDS:
+                sample = fault_once(cluster, _faults, kind, scratch)
+                out[kind].append(sample)
+                out["fresh"].append(fresh_once(cluster, scratch))
+                print(f"rep {rep + 1}/{repeats} {kind}: restart line {sample['seconds']:.2f} s, failure -> first "
+                      f"step {sample['to_step']:.2f} s; fresh run -> first step {out['fresh'][-1]:.2f} s\n  "
+                      f"{sample['line']}", file=sys.stderr, flush=True)
+    finally:
+        problems = cluster.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+        if problems:
+            print(f"cluster cleanup problems: {problems}", file=sys.stderr)
+    return out
+
+
+def report(out: dict, repeats: int, table) -> None:
+    print()
+    print(f"## Recovery at np={NP} over {HOSTS} hosts (2 slots each): seconds, median of {repeats}")
+    print()
+    rows = []
+    for label, start, end in STAGES:
+        rows.append([label] + [f"{statistics.median(s['stamps'][end] - s['stamps'][start] for s in out[k]):.2f}"
+                               for k in KINDS])
+    rows.append(["total: the restart line (failure seen -> rank 0 asks for the commit)"]
+                + [f"{statistics.median(s['seconds'] for s in out[k]):.2f}" for k in KINDS])
+    fresh = statistics.median(out["fresh"])
+    rows.append(["failure seen -> first step done; peer: a fresh run, call -> first step done"]
+                + [f"{statistics.median(s['to_step'] for s in out[k]):.2f} / {fresh:.2f} = "
+                   f"{statistics.median(s['to_step'] for s in out[k]) / fresh:.2f}" for k in KINDS])
+    print(table(["stage", *(f"{k} killed" for k in KINDS)], rows))
+
+
+def main(repeats: int, table) -> None:
+    out = run(repeats)
+    report(out, repeats, table)
