@@ -297,7 +297,7 @@ HOROVOD_SPARK_START_TIMEOUT = Setting("HOROVOD_SPARK_START_TIMEOUT", 600.0, seco
     "horovod.spark.run(start_timeout=None): seconds for the ranks to start, as Horovod's.")
 
 
-section("Spark and Java on the driver (runner/_cli.py, runner/_java.py, runner/_spark.py)")
+section("Spark and Java on the driver (runner/_cli.py, runner/_java.py, runner/_spark.py, runner/_spark_connect.py)")
 
 # runner/_java.py reads JAVA_HOME itself: `make check-java` runs that file alone, before sparkhvd is installed.
 JAVA_HOME = Setting("JAVA_HOME", None, text,
@@ -309,6 +309,12 @@ PYSPARK_PYTHON = Setting("PYSPARK_PYTHON", None, text,
 PYSPARK_GATEWAY_PORT = Setting("PYSPARK_GATEWAY_PORT", None, text,
                                "Set by spark-submit: `sparkhvd run` then uses its SparkSession (its --master and "
                                "--conf).")
+SPARK_REMOTE = Setting("SPARK_REMOTE", None, text,
+                       "A Spark Connect server (`sc://host:port`; Databricks Connect sets it): runs go through a "
+                       "Connect session there, never an embedded one.")
+SPARK_CONNECT_MODE_ENABLED = Setting("SPARK_CONNECT_MODE_ENABLED", None, text,
+                                     "Set by pyspark once the process has a Spark Connect session: runs use it.",
+                                     internal=True)
 
 
 section("MLflow (runner/_mlflow.py)")

@@ -1,6 +1,7 @@
 """``sparkhvd run``: run a training script on np ranks from the shell (scheduled jobs, spark-submit).
 
-    sparkhvd run --np 4 [--master URL] [--conf k=v ...] [--log-dir DIR] [--max-restarts N] train.py [args...]
+    sparkhvd run --np 4 [--master URL | --remote sc://HOST:PORT] [--conf k=v ...] [--log-dir DIR] [--max-restarts N]
+                 train.py [args...]
 
 Everything after the script path goes to the script. Exit status: 0 when every rank succeeded, 1 when
 the run failed (the error on stderr), 2 for bad usage, 130 / 143 when stopped by SIGINT / SIGTERM (every
@@ -38,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--np", type=int, required=True,
                      help="ranks: N>0 for N Spark barrier tasks, -N for N processes on this machine without Spark")
     run.add_argument("--master", help="Spark master URL (default: an embedded local[np] session, or spark-submit's)")
+    run.add_argument("--remote", metavar="sc://HOST:PORT",
+                     help="a Spark Connect server to run on, as pyspark --remote (default: $SPARK_REMOTE, if set)")
     run.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                      help="a Spark setting for the session; repeat for more")
     run.add_argument("--log-dir", help="where each rank's log (rank-<r>.log) goes (default: a new temp folder)")
@@ -57,10 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     parser = ns.usage
     confs = [_conf(parser, item) for item in ns.conf]
-    if ns.np < 0 and (ns.master or confs):
-        parser.error(f"--master and --conf configure the Spark session that --np N>0 runs on; --np {ns.np} runs "
-                     f"{-ns.np} process{'es' if ns.np < -1 else ''} on this machine without Spark: drop them, or use "
-                     f"--np {-ns.np}.")
+    if ns.np < 0 and (ns.master or ns.remote or confs):
+        parser.error(f"--master, --remote and --conf configure the Spark session that --np N>0 runs on; --np {ns.np} "
+                     f"runs {-ns.np} process{'es' if ns.np < -1 else ''} on this machine without Spark: drop them, or "
+                     f"use --np {-ns.np}.")
+    if ns.master and ns.remote:
+        parser.error(f"--master {ns.master} and --remote {ns.remote} both say where to run: a Spark Connect server "
+                     "has its own master; give one of them.")
     from sparkhvd.runner._errors import HorovodRunError
     from sparkhvd.runner._horovod_runner import HorovodRunner
     from sparkhvd.runner._script import as_payload
@@ -75,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     stopping = _StopOnSignal()
     try:
-        if ns.np > 0 and (ns.master or confs or _under_spark_submit()):
+        if ns.np > 0 and ns.remote:
+            _remote_session(ns.remote, confs)
+        elif ns.np > 0 and (ns.master or confs or _under_spark_submit()):
             _session(ns.master, confs, ns.np)
         runner.run(main_fn, **kwargs)
         return 0
@@ -143,9 +151,29 @@ def _session(master: str | None, confs: list, np: int) -> None:
     builder.getOrCreate()
 
 
+def _remote_session(url: str, confs: list) -> None:
+    """Open the Spark Connect session that HorovodRunner then finds (runner/_spark_connect.py: remote_session)."""
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.remote(url)
+    for key, value in confs:
+        builder = builder.config(key, value)
+    builder.getOrCreate()
+
+
 def _stop_spark() -> None:
     if "pyspark" not in sys.modules:
         return
+    if settings.SPARK_CONNECT_MODE_ENABLED.raw() is not None:
+        from pyspark.sql.connect.session import SparkSession as RemoteSession
+
+        from sparkhvd.runner._spark_connect import reachable
+
+        session = RemoteSession.getActiveSession()
+        if session is not None and reachable(session, timeout=2.0):
+            session.stop()  # the client's channel; the server and its cluster stay
+        elif session is not None:  # stop(), and pyspark's own clean-up at exit, retry an unreachable server for minutes
+            session.client.close()
     from pyspark import SparkContext
 
     sc = SparkContext._active_spark_context

@@ -18,7 +18,7 @@ import cloudpickle
 from .._common import context as _context
 from .._common import settings
 from .._common.protocol import Kind, new_secret
-from . import _spark
+from . import _spark, _spark_connect
 from ._agent import TaskSpec
 from ._commits import CommitStore
 from ._launcher import LocalLauncher
@@ -105,16 +105,22 @@ class HorovodRunner:
         np = abs(cfg.np)
         started = time.monotonic()
         payload = pickle_function(main, kwargs)
-        sc = None
+        sc = remote = None
+        bind_host = "127.0.0.1"
         if cfg.np > 0:
-            sc = _spark.spark_context(np)
-            _spark.preflight(sc, np, verbose=cfg.driver_log_verbosity == "all")  # slots, GPUs, the executors' Python
+            remote = _spark_connect.remote_session()  # the user's Spark Connect session: never an embedded one then
+            if remote is not None:
+                bind_host = _spark_connect.check(remote, np)  # what the server's conf says, and where executors reach us
+            else:
+                sc = _spark.spark_context(np)
+                _spark.preflight(sc, np, verbose=cfg.driver_log_verbosity == "all")  # slots, GPUs, executors' Python
+                bind_host = _driver_bind_host(sc)
         run_id = secrets.token_hex(4)
         log_dir = run_log_dir(run_id, cfg.log_dir)  # cfg.log_dir, or a new folder under the log root (_logs.py)
         logs = LogRouter(log_dir, cfg.driver_log_verbosity)
         commits = CommitStore(commit_dir=cfg.commit_dir, run_id=run_id)
         cluster = _Cluster(sc, cfg, run_id=run_id, payload=payload, logs=logs, commits=commits,
-                           every_value=every_value, env=env)
+                           every_value=every_value, env=env, remote=remote, bind_host=bind_host)
         policy = RunPolicy(cluster, logs, np=np, start_timeout=cfg.start_timeout, run_id=run_id,
                            max_restarts=cfg.max_restarts, min_np=cfg.min_np, max_np=cfg.max_np)
         try:
@@ -129,23 +135,29 @@ class HorovodRunner:
 
 
 class _Cluster:
-    """Where this run's ranks run (the policy's ``Cluster``): a Spark barrier stage per attempt on ``sc``, or
-    processes on the driver where ``sc`` is None."""
+    """Where this run's ranks run (the policy's ``Cluster``): a Spark barrier stage per attempt on ``sc``, or on
+    ``remote`` (a Spark Connect session: no task slot count, no executor replacement), or processes on the driver
+    where both are None. ``bind_host``: where the driver service listens, an address the ranks reach."""
 
     def __init__(self, sc, cfg: RunnerConfig, *, run_id: str, payload: bytes, logs: LogRouter, commits: CommitStore,
-                 every_value: bool, env: dict | None):
-        self.sc, self.cfg, self.run_id, self.payload = sc, cfg, run_id, payload
+                 every_value: bool, env: dict | None, remote=None, bind_host: str = "127.0.0.1"):
+        self.sc, self.remote, self.cfg, self.run_id, self.payload = sc, remote, cfg, run_id, payload
         self.logs, self.commits, self.every_value = logs, commits, every_value
         self.env = tuple({**_forwarded_settings(), **(env or {})}.items())
         self.verbose = cfg.driver_log_verbosity == "all"
         self.secret = new_secret()  # one per run: every attempt's service and ranks share it
-        self.bind_host = "127.0.0.1" if sc is None else _driver_bind_host(sc)
+        self.bind_host = bind_host
         self.replaced: set[str] = set()  # executors this run asked Spark to replace: never a later attempt's cause
 
     def start(self, n: int, attempt: int, on_restore):
         """A driver service for ``n`` ranks, and a launcher that has started them."""
         cfg = self.cfg
-        launcher = LocalLauncher(n) if self.sc is None else _spark.SparkLauncher(self.sc, n, replaced=self.replaced)
+        if self.remote is not None:
+            launcher = _spark_connect.ConnectLauncher(self.remote, n)
+        elif self.sc is not None:
+            launcher = _spark.SparkLauncher(self.sc, n, replaced=self.replaced)
+        else:
+            launcher = LocalLauncher(n)
         if not attempt and self.verbose:
             print(f"[sparkhvd] run {self.run_id}: np={cfg.np} on {launcher.description}; function pickled to "
                   f"{size(len(self.payload))}; logs in {self.logs.log_dir}", flush=True)

@@ -70,8 +70,11 @@ def test_sys_exit_status_of_the_script_fails_the_run(tmp_path):
     (["run", "--np", "-1", "nope.py"], "the script 'nope.py' does not exist"),
     (["run", "--np", "0", "train.py"], "np=0 runs nothing; use np>0"),
     (["run", "--np", "-2", "--master", "local[2]", "train.py"],
-     "--master and --conf configure the Spark session that --np N>0 runs on; --np -2 runs 2 processes on this "
-     "machine without Spark: drop them, or use --np 2."),
+     "--master, --remote and --conf configure the Spark session that --np N>0 runs on; --np -2 runs 2 processes on "
+     "this machine without Spark: drop them, or use --np 2."),
+    (["run", "--np", "2", "--master", "local[2]", "--remote", "sc://h:15002", "train.py"],
+     "--master local[2] and --remote sc://h:15002 both say where to run: a Spark Connect server has its own master; "
+     "give one of them."),
     (["run", "--np", "2", "--conf", "spark.ui.enabled", "train.py"],
      "--conf 'spark.ui.enabled' is not KEY=VALUE; write e.g. --conf spark.executor.memory=4g."),
     (["run", "--np", "-1", "--max-restarts", "-1", "train.py"], "max_restarts=-1 must be a whole number >= 0"),
