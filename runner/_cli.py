@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     stopping = _StopOnSignal()
     try:
-        if ns.np > 0 and ns.remote:
-            _remote_session(ns.remote, confs)
+        remote = ns.remote or (None if ns.master or _under_spark_submit() else settings.SPARK_REMOTE.get())
+        if ns.np > 0 and remote:
+            _remote_session(remote, confs)
         elif ns.np > 0 and (ns.master or confs or _under_spark_submit()):
             _session(ns.master, confs, ns.np)
         runner.run(main_fn, **kwargs)

@@ -9,77 +9,30 @@ elastic restart, and the converter's Parquet read by the ranks.
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 
 import pytest
+from _connect_server import connect_server, free_port
 
 pytest.importorskip("grpc", reason="pyspark[connect]'s client needs grpcio (the test extra has it)")
 pytest.importorskip("google.rpc", reason="pyspark[connect]'s client needs googleapis-common-protos")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-_STARTED = "Spark Connect server started at"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def connect():
     """A Spark Connect server on local[2] and a client session on it; both gone, and the process back to classic
     sessions, at the end of the file."""
-    import pyspark
+    from pyspark.sql import SparkSession
 
-    from sparkhvd.runner._java import check_java
-
-    check_java()
-    home = os.path.dirname(os.path.abspath(pyspark.__file__))
-    folder = tempfile.mkdtemp(prefix="sparkhvd-connect-")
-    port = _free_port()
-    log_path = os.path.join(folder, "server.log")
-    env = dict(os.environ, SPARK_HOME=home, PYSPARK_PYTHON=sys.executable, TMPDIR=folder, SPARK_LOCAL_IP="127.0.0.1")
-    env.pop("SPARK_REMOTE", None)
-    jvm_tmp = f"-Djava.io.tmpdir={folder}"
-    with open(log_path, "wb") as log:
-        server = subprocess.Popen(
-            [os.path.join(home, "bin", "spark-submit"), "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
-             "--master", "local[2]", "--driver-java-options", jvm_tmp,
-             "--conf", "spark.connect.grpc.binding.address=127.0.0.1", "--conf", f"spark.connect.grpc.binding.port={port}",
-             "--conf", "spark.driver.bindAddress=127.0.0.1", "--conf", "spark.driver.host=127.0.0.1",
-             "--conf", "spark.ui.enabled=false", "--conf", f"spark.local.dir={folder}", "spark-internal"],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=folder, start_new_session=True)
-    session = None
-    try:
-        deadline = time.monotonic() + 120
-        while _STARTED not in open(log_path, errors="replace").read():
-            if server.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the Spark Connect server did not start (exit {server.poll()}); its log ends:\n"
-                            + open(log_path, errors="replace").read()[-3000:])
-            time.sleep(0.2)
-        from pyspark.sql import SparkSession
-
-        session = SparkSession.builder.remote(f"sc://127.0.0.1:{port}").getOrCreate()
-        yield session
-    finally:
-        if session is not None:
-            session.stop()
-        os.environ.pop("SPARK_CONNECT_MODE_ENABLED", None)  # pyspark's mark of a remote session: classic again
+    with connect_server() as url:
+        session = SparkSession.builder.remote(url).getOrCreate()
         try:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(10)
-        shutil.rmtree(folder, ignore_errors=True)
+            yield session
+        finally:
+            session.stop()
+            os.environ.pop("SPARK_CONNECT_MODE_ENABLED", None)  # pyspark's mark of a remote session: classic again
 
 
 def _sum_of_ranks():
@@ -227,7 +180,7 @@ def test_sparkhvd_run_remote_runs_a_script_on_the_connect_server(connect, tmp_pa
 def test_an_unreachable_connect_server_fails_in_seconds_naming_it(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "SPARK_CONNECT_MODE_ENABLED"}
     (tmp_path / "train.py").write_text("pass\n")
-    url = f"sc://127.0.0.1:{_free_port()}"  # nothing listens there
+    url = f"sc://127.0.0.1:{free_port()}"  # nothing listens there
     out = subprocess.run([sys.executable, "-m", "sparkhvd", "run", "--np", "2", "--remote", url, "train.py"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 1, out.stderr[-3000:]
