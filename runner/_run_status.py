@@ -56,11 +56,11 @@ class RunStatus:
         return {r: c for r, c in self.exits.items() if r not in self.results and r not in failed}
 
     def unfinished(self) -> list:
-        """``(rank, Registration)`` of the ranks that have neither exited, returned nor reported an error."""
+        """``(rank, Registration)`` of the ranks that have not returned a value: an executor Spark lost explains
+        these, the ones that failed or died with it too."""
         if self.placements is None:
             return []
-        reported = self.failed | set(self.exits) | set(self.results)
-        return [(p.rank, self.registrations[task]) for task, p in enumerate(self.placements) if p.rank not in reported]
+        return [(p.rank, self.registrations[task]) for task, p in enumerate(self.placements) if p.rank not in self.results]
 
     def silent_ranks(self, also_done=()) -> list:
         """Ranks that have neither returned, failed nor exited (nor are in ``also_done``), and whose heartbeats

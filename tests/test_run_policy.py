@@ -331,7 +331,8 @@ def test_spark_losing_an_executor_explains_the_collateral_errors(run):
                "launcher": {"lost": lost, "lost_at": 2.0}}
     policy, cluster, error = run([attempt])
     assert str(error).startswith(f"HorovodRunner run r1 failed: {lost}\nthen, as a consequence, rank 0: MeshError")
-    assert [(rank, reg.task) for rank, reg in cluster.launchers[0].asked_lost[0]] == [(1, 1)]  # the ranks not done
+    asked = cluster.launchers[0].asked_lost[0]
+    assert [(rank, reg.task) for rank, reg in asked] == [(0, 0), (1, 1)]  # every rank without a value, the failed too
     assert cluster.clock.now - error.failed_at < _supervise.UNEXPLAINED_GRACE_S
 
 
@@ -568,7 +569,7 @@ def test_dead_unfinished_and_silent_ranks_are_read_from_the_snapshot():
     status = RunStatus(np=3, at=100.0, registrations=regs, placements=tuple(assign_ranks(hosts)),
                        results={0: b""}, exits={0: 0, 1: -9}, failures=(),
                        progress={2: ({"interval": 5}, 80.0)})
-    assert status.dead() == {1: -9} and status.unfinished() == [(2, regs[2])]
+    assert status.dead() == {1: -9} and status.unfinished() == [(1, regs[1]), (2, regs[2])]  # rank 0 returned
     assert status.silent_ranks() == [2]  # not heard from for 20 s, over twice its 5 s interval and a second
     assert status.hosts_of([2]) == {"b", "10.0.0.2"} and not status.finished()
 

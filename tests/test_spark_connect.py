@@ -102,5 +102,5 @@ def test_an_unreachable_connect_server_fails_in_seconds_naming_it(tmp_path):
     out = subprocess.run([sys.executable, "-m", "sparkhvd", "run", "--np", "2", "--remote", url, "train.py"],
                          cwd=tmp_path, env=_client_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stderr[-3000:]
-    assert out.stderr.startswith(f"sparkhvd run: RuntimeError: the Spark Connect server ({url}) did not answer: "
-                                 "Connection refused; check that it runs"), out.stderr
+    line = f"sparkhvd run: RuntimeError: the Spark Connect server ({url}) did not answer: Connection refused; check"
+    assert any(x.startswith(line) for x in out.stderr.splitlines()), out.stderr  # pyspark may warn first (pandas)
