@@ -10,14 +10,13 @@ import functools
 import os
 import re
 import sys
-import threading
 import time
 
 from .._common import settings
 from ._agent import TaskSpec, run_task
 from ._error_text import SPARK_STOPPED, read_text, says
 from ._java import check_java
-from ._launcher import Launcher
+from ._launcher import JobLauncher
 from ._preflight import check_executors
 from ._spark_info import executor_resources, spark_reason
 from ._waits import WaitNote
@@ -185,6 +184,13 @@ def slots_for_restart(sc, want: int, least: int | None, timeout: float, *, verbo
         time.sleep(0.5)
 
 
+def gpu_task_profile(task_cpus: int):
+    """A resource profile asking one GPU, and ``task_cpus`` CPUs, for each task."""
+    from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
+
+    return ResourceProfileBuilder().require(TaskResourceRequests().cpus(task_cpus).resource("gpu", 1.0)).build
+
+
 def replace_executors(sc, hosts: set) -> list:
     """Ask Spark to kill and replace the executors on ``hosts`` (addresses or hostnames); returns their ids.
 
@@ -215,7 +221,7 @@ def max_slots(master: str, conf) -> int | None:
     return None
 
 
-class SparkLauncher(Launcher):
+class SparkLauncher(JobLauncher):
     """Runs the task agents as one Spark barrier stage, in a job group of its own.
 
     ``replaced``: the ids of the executors that the run asked Spark to replace (shared by its attempts): their
@@ -224,22 +230,18 @@ class SparkLauncher(Launcher):
     """
 
     def __init__(self, sc, np: int, *, replaced: set | None = None, status: "SparkStatus | None" = None):
+        super().__init__()
         self.sc = sc
         self.np = np
         self.description = f"a Spark barrier stage on {sc.master}"
         self.status = status if status is not None else SparkStatus(sc)
         self.replaced = replaced if replaced is not None else set()
         self._group = None
-        self._thread = None
-        self._error: str | None = None
-        self._stopped = False
         self._executors: dict = {}  # (stage id, task id) -> the executor it ran on, as found
 
     def start(self, spec: TaskSpec) -> None:
         self._group = f"sparkhvd-{spec.run_id}-{spec.attempt}"
-        self._thread = threading.Thread(target=self._job, args=(spec,), daemon=True,
-                                        name=f"sparkhvd-job-{spec.run_id}")
-        self._thread.start()
+        self._submit(spec, "sparkhvd-job")
 
     def _job(self, spec: TaskSpec) -> None:
         sc = self.sc
@@ -249,11 +251,7 @@ class SparkLauncher(Launcher):
             rdd = sc.parallelize(range(self.np), self.np).barrier().mapPartitions(
                 functools.partial(_barrier_task, spec))
             if _gpu_amount(sc) > 0:
-                from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
-
-                cpus = int(sc.getConf().get("spark.task.cpus", "1"))
-                requests = TaskResourceRequests().cpus(cpus).resource("gpu", 1.0)
-                rdd = rdd.withResources(ResourceProfileBuilder().require(requests).build)
+                rdd = rdd.withResources(gpu_task_profile(int(sc.getConf().get("spark.task.cpus", "1"))))
             rdd.collect()  # the outcome arrives through the driver service
         except Exception as exc:  # noqa: BLE001 - reported through failure()
             if _stopped(sc) or _says_stopped(exc):
@@ -262,9 +260,6 @@ class SparkLauncher(Launcher):
                                "session ended); start a new SparkSession to run again")
             elif not self._stopped:
                 self._error = f"the Spark job failed: {spark_reason(exc)}"
-
-    def failure(self) -> str | None:
-        return self._error
 
     def waiting_for(self) -> str:
         """Spark's word on the barrier stage while ranks have not registered: submitted, and how many tasks run."""
@@ -281,12 +276,6 @@ class SparkLauncher(Launcher):
         if not total:
             return " (Spark has not submitted the barrier stage yet)"
         return f" (Spark runs {active} of the barrier stage's {total} tasks{'' if active else ': none has started'})"
-
-    def join(self, timeout: float) -> bool:
-        if self._thread is not None:
-            self._thread.join(timeout)
-            return not self._thread.is_alive()
-        return True
 
     def lost(self, unfinished: list) -> str | None:
         """The executors that Spark removed while these ranks (``(rank, Registration)``) ran on them, and why.

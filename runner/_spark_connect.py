@@ -18,11 +18,10 @@ import functools
 import ipaddress
 import re
 import socket
-import threading
 
 from .._common import settings
 from ._agent import TaskSpec, run_task
-from ._launcher import Launcher
+from ._launcher import JobLauncher
 from ._spark_info import spark_reason
 
 
@@ -157,23 +156,19 @@ def _not_local(host: str) -> str | None:
     return f"{host} is not an address of this machine"
 
 
-class ConnectLauncher(Launcher):
+class ConnectLauncher(JobLauncher):
     """Runs the task agents as one barrier stage of the Connect session's DataFrame API, tagged for cancelling."""
 
     def __init__(self, spark, np: int):
+        super().__init__()
         self.spark = spark
         self.np = np
         self.description = f"a Spark barrier stage through Spark Connect ({_where(spark)})"
         self._tag: str | None = None
-        self._thread: threading.Thread | None = None
-        self._error: str | None = None
-        self._stopped = False
 
     def start(self, spec: TaskSpec) -> None:
         self._tag = f"sparkhvd-{spec.run_id}-{spec.attempt}"
-        self._thread = threading.Thread(target=self._job, args=(spec,), daemon=True,
-                                        name=f"sparkhvd-connect-job-{spec.run_id}")
-        self._thread.start()
+        self._submit(spec, "sparkhvd-connect-job")
 
     def _job(self, spec: TaskSpec) -> None:
         spark = self.spark
@@ -193,15 +188,6 @@ class ConnectLauncher(Launcher):
                 spark.removeTag(self._tag)
             except Exception:  # noqa: BLE001 - the session is closing: nothing to untag
                 pass
-
-    def failure(self) -> str | None:
-        return self._error
-
-    def join(self, timeout: float) -> bool:
-        if self._thread is not None:
-            self._thread.join(timeout)
-            return not self._thread.is_alive()
-        return True
 
     def stop(self) -> None:
         self._stopped = True
@@ -224,15 +210,14 @@ def _where(spark, *, master: bool = True) -> str:
 
 
 def _gpu_profile(spark):
-    """A resource profile asking one GPU per task where the executors have GPUs (spark.executor.resource.gpu.amount),
-    as the classic launcher asks; None otherwise."""
+    """One GPU per task where the executors have GPUs (spark.executor.resource.gpu.amount), as the classic launcher
+    asks; None otherwise."""
+    from ._spark import gpu_task_profile
+
     conf = Conf(spark)
     if float(conf.get("spark.executor.resource.gpu.amount", "0") or 0) <= 0:
         return None
-    from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
-
-    cpus = int(conf.get("spark.task.cpus", "1") or 1)
-    return ResourceProfileBuilder().require(TaskResourceRequests().cpus(cpus).resource("gpu", 1.0)).build
+    return gpu_task_profile(int(conf.get("spark.task.cpus", "1") or 1))
 
 
 def _arrow_task(spec: TaskSpec, batches):
