@@ -23,7 +23,9 @@ from typing import Callable
 from .._common import settings
 from .._common.client import RunAborted, ServiceClient, ServiceError
 from .._common.protocol import Kind
-from ._host import host_id
+from .._common.network import local_address
+from ._framework_env import Endpoint, reserve_ports
+from ._host import address_of, host_id
 from ._rank_env import rank_env, visible_gpus
 from ._rank_output import forward_output
 from ._rank_process import kill_group, start_rank
@@ -56,17 +58,19 @@ def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[s
     try:
         answer = client.request(Kind.REGISTER, {
             "task": task, "host": host, "host_id": host_id(), "pid": os.getpid(),
-            "gpus": list(gpus or []), "devices": devices, "spark_task": spark_task}).meta
+            "gpus": list(gpus or []), "devices": devices, "spark_task": spark_task, "endpoint": _endpoint(spec)}).meta
     except (RunAborted, ServiceError) as exc:
         client.close()
         return {"task": task, "rank": None, "exit": None, "note": str(exc)}
     host_gpus = [str(d) for d in answer.pop("host_gpus", None) or []]
+    endpoints = [None if e is None else Endpoint(*e) for e in answer.pop("endpoints", None) or []]
+    node = tuple(answer.pop("node", None) or (0, 1))
     placement = answer  # exactly a Placement's fields: the rank process reads it back as one
     rank = placement["rank"]
     try:
         if unusable is not None:
             raise unusable
-        env = rank_env(spec, placement, host_gpus)
+        env = rank_env(spec, placement, host_gpus, endpoints=endpoints, node=node)
     except ValueError as exc:  # the executor's GPU settings: the rank's error, not a Spark task failure
         _report(client, Kind.ERROR, {"rank": rank, "type": "ValueError", "message": str(exc), "traceback": ""})
         _report(client, Kind.EXIT, {"rank": rank, "code": 1})
@@ -76,6 +80,17 @@ def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[s
     _report(client, Kind.EXIT, {"rank": rank, "code": code})
     client.close()
     return {"task": task, "rank": rank, "exit": code, "note": ""}
+
+
+def _endpoint(spec: TaskSpec) -> list | None:
+    """This host's address toward its peers and two ports reserved on it (runner/_framework_env.py); None where
+    the address cannot be told (the rank process then reports why, runner/_host.py: rank_address)."""
+    try:
+        address = address_of(spec.network_interface) if spec.network_interface else local_address(spec.address[0])
+        endpoint = reserve_ports(address)
+    except (OSError, ValueError):
+        return None
+    return [endpoint.address, endpoint.torch_port, endpoint.tf_port]
 
 
 def _run_rank(client: ServiceClient, spec: TaskSpec, rank: int, env: dict,

@@ -168,7 +168,7 @@ class _Cluster:
             launcher.start(TaskSpec(address=service.address, secret=self.secret, run_id=self.run_id,
                                     stall_tasks=cfg._stall_tasks, network_interface=cfg.network_interface,
                                     every_value=self.every_value, attempt=attempt, commit_dir=cfg.commit_dir,
-                                    env=self.env))
+                                    layout=cfg._layout, max_restarts=cfg.max_restarts, env=self.env))
         except BaseException:
             launcher.stop()  # whatever it started before the exception (Ctrl-C in the middle of the launch)
             service.close()

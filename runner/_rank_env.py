@@ -10,17 +10,25 @@ import json
 import os
 
 from .._common import settings
+from ._framework_env import NODE_PER_TASK, NAMES, framework_env
 from ._task_spec import TaskSpec
 
-# torchrun's variables, which would make hvd.init() join a different job.
-_OTHER_JOBS = (settings.RANK, settings.WORLD_SIZE, settings.LOCAL_RANK, settings.MASTER_ADDR, settings.MASTER_PORT)
 
-
-def rank_env(spec: TaskSpec, placement: dict, host_gpus: list[str]) -> dict:
+def rank_env(spec: TaskSpec, placement: dict, host_gpus: list[str], *, endpoints: list = (),
+             node: tuple = (0, 1)) -> dict:
     """The rank process's environment. ``host_gpus``: this job's GPUs on the host, in local-rank order
-    (``_common/topology.py: host_gpus``), its ``CUDA_VISIBLE_DEVICES``; empty: the executor's is kept."""
-    env = dict(os.environ)
+    (``_common/topology.py: host_gpus``), its ``CUDA_VISIBLE_DEVICES``; empty: the executor's is kept.
+    ``endpoints`` and ``node``: what torchrun's variables and TF_CONFIG are made of (runner/_framework_env.py);
+    they replace any the executor has (another job's). In the ``node_per_task`` layout the rank sees its own
+    GPUs only, as pyspark's TorchDistributor pins them, so that ``LOCAL_RANK=0`` indexes its own."""
+    if spec.layout == NODE_PER_TASK and host_gpus:
+        own = placement.get("cuda_devices") or []
+        host_gpus = [host_gpus[i] for i in own]
+        placement = {**placement, "cuda_devices": list(range(len(own)))}
+    env = {k: v for k, v in os.environ.items() if k not in NAMES}
     env.update(spec.env)
+    env.update(framework_env(placement, layout=spec.layout, endpoints=list(endpoints), node=node,
+                             run_id=spec.run_id, attempt=spec.attempt, max_restarts=spec.max_restarts))
     env.update({
         settings.DRIVER.name: f"{spec.address[0]}:{spec.address[1]}",
         settings.RUN_ID.name: spec.run_id,
@@ -41,8 +49,6 @@ def rank_env(spec: TaskSpec, placement: dict, host_gpus: list[str]) -> dict:
     if host_gpus:
         env[settings.CUDA_VISIBLE_DEVICES.name] = ",".join(host_gpus)
         env[settings.CUDA_DEVICE_ORDER.name] = "PCI_BUS_ID"
-    for other in _OTHER_JOBS:
-        env.pop(other.name, None)
     return env
 
 

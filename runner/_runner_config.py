@@ -24,6 +24,7 @@ class RunnerConfig:
     max_np: int | None = None
     commit_dir: str | None = None
     _stall_tasks: frozenset = field(default=frozenset(), repr=False)  # fault tests only
+    _layout: str = field(default="torchrun", repr=False)  # torchrun's variables (runner/_framework_env.py): the drop-ins'
 
     def __post_init__(self):
         self._check_np()

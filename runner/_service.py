@@ -81,6 +81,7 @@ class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers)
         self.registrations: dict[int, Registration] = {}
         self.placements: list[Placement] | None = None
         self.gpu_lists: list[list[str]] = []  # task -> its CUDA_VISIBLE_DEVICES (_common/topology.py: host_gpus)
+        self.endpoints: list = []  # rank -> [address, torch port, tf port] or None (runner/_framework_env.py)
         self.placed_at: float | None = None  # when every task had registered and the ranks were assigned
         #: ``time.monotonic()`` of the attempt's start-up steps: ``registered`` (the first task), ``placed`` (the
         #: last: ranks assigned), ``fetched`` (every rank's process asked for the function: all processes are up)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from .._common.protocol import AuthenticatedChannel, Kind, Message
 from .._common.topology import assign_ranks, host_gpus
+from ._framework_env import Endpoint, node_of
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Registration:
     host_id: str = ""  # what groups ranks by host (runner/_host.py); the hostname where absent
     devices: list = field(default_factory=list)  # its GPUs as the host names them: ``gpus`` mapped by the agent
     spark_task: tuple | None = None  # (stage id, task id) of its Spark task, which Spark's status store knows
+    endpoint: Endpoint | None = None  # its host's address and the ports it reserved for the frameworks' servers
 
 
 class TaskHandlers:
@@ -46,8 +48,10 @@ class TaskHandlers:
             return self._refuse(channel, refusal)  # never send while holding cv
         if not self._wait(lambda: self.placements is not None, None):
             return self._abort_reply(channel)
-        # The placement (what the rank process reads back as a Placement) and the task's GPU list beside it.
-        channel.send(Kind.ASSIGN, {**self.placements[task].as_dict(), "host_gpus": self.gpu_lists[task]})
+        # The placement (what the rank process reads back as a Placement), and beside it the task's GPU list, every
+        # rank's endpoint and the task's host index (runner/_framework_env.py: torchrun's variables, TF_CONFIG).
+        channel.send(Kind.ASSIGN, {**self.placements[task].as_dict(), "host_gpus": self.gpu_lists[task],
+                                   "endpoints": self.endpoints, "node": node_of(self.placements, task)})
 
     def _add_registration(self, task: int, msg: Message, peer: str) -> None:
         """Record a task (cv held); once all have registered, assign the ranks."""
@@ -56,11 +60,15 @@ class TaskHandlers:
             task=task, host=str(msg.meta.get("host")), pid=int(msg.meta.get("pid", 0)),
             gpus=list(msg.meta.get("gpus") or []), peer=peer,
             host_id=str(msg.meta.get("host_id") or msg.meta.get("host")),
-            devices=[str(d) for d in msg.meta.get("devices") or []], spark_task=_spark_task(msg.meta.get("spark_task")))
+            devices=[str(d) for d in msg.meta.get("devices") or []], spark_task=_spark_task(msg.meta.get("spark_task")),
+            endpoint=Endpoint.parse(msg.meta.get("endpoint")))
         if len(self.registrations) == self.np:
             hosts = [self.registrations[t].host_id for t in range(self.np)]
             self.placements, self.gpu_lists = host_gpus(assign_ranks(hosts), hosts,
                                                         [self.registrations[t].devices for t in range(self.np)])
+            by_rank = sorted(range(self.np), key=lambda t: self.placements[t].rank)
+            self.endpoints = [None if (e := self.registrations[t].endpoint) is None else [e.address, e.torch_port,
+                                                                                          e.tf_port] for t in by_rank]
             self.placed_at = self.milestones["placed"] = time.monotonic()
         self.cv.notify_all()
 

@@ -22,4 +22,6 @@ class TaskSpec:
     every_value: bool = True  # False: only rank 0 ships its return value (HorovodRunner.run)
     attempt: int = 0  # 0, then 1, 2, ... for each restart (HorovodRunner(max_restarts=))
     commit_dir: str | None = None  # where rank 0 writes elastic commits (_common/commits.py); default: the driver
+    layout: str = "torchrun"  # torchrun's variables: "torchrun" or "node_per_task" (runner/_framework_env.py)
+    max_restarts: int = 0  # the run's, which ranks see as TORCHELASTIC_MAX_RESTARTS
     env: tuple = field(default=(), repr=False)  # (name, value) pairs added to the rank's environment (MLflow)

@@ -78,12 +78,16 @@ def init(parts: EngineParts, mpi_comm=None) -> Topology:
             # each rank has one); where it pinned none (np<0, on the driver), the ranks share the GPUs by local_rank
             torch.cuda.set_device(p.cuda_devices[0] if p.cuda_devices else p.local_rank % torch.cuda.device_count())
         topology = Topology(**p.as_dict(), source="sparkhvd")
-        waiting = _progress.begin_check("hvd.init", None, None, _INIT_LINK)  # the stall report sees who is late
-        try:
-            dist.init_process_group(backend, store=store, rank=p.rank, world_size=p.size, timeout=_TIMEOUT)
-        finally:
-            _progress.end(waiting)
-        _owns_group = True
+        if dist.is_initialized():  # the function called dist.init_process_group() first (torchrun's variables)
+            _check_same_job(p.rank, p.size)
+            _owns_group = False
+        else:
+            waiting = _progress.begin_check("hvd.init", None, None, _INIT_LINK)  # the stall report sees who is late
+            try:
+                dist.init_process_group(backend, store=store, rank=p.rank, world_size=p.size, timeout=_TIMEOUT)
+            finally:
+                _progress.end(waiting)
+            _owns_group = True
     elif dist.is_initialized():  # the user built the default group (e.g. under torchrun)
         topology = _from_torchrun(dist.get_rank(), dist.get_world_size())
         _owns_group = False
@@ -115,6 +119,15 @@ def init(parts: EngineParts, mpi_comm=None) -> Topology:
     _generation += 1
     _topology = topology
     return topology
+
+
+def _check_same_job(rank: int, size: int) -> None:
+    """The default process group the function built is this run's: the same rank and size."""
+    if (dist.get_rank(), dist.get_world_size()) != (rank, size):
+        raise ValueError(f"hvd.init() found a default process group in which this process is rank {dist.get_rank()} "
+                         f"of {dist.get_world_size()}, but HorovodRunner placed it as rank {rank} of {size}; build "
+                         "the group from the environment the runner set (dist.init_process_group() with no "
+                         "init_method, rank or world_size), or call hvd.init() alone.")
 
 
 def _control_endpoint(rank: int, ctx) -> Endpoint:

@@ -1,0 +1,98 @@
+"""Each rank's torchrun variables and TF_CONFIG (runner/_framework_env.py), for any layout of tasks on hosts."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparkhvd.runner._framework_env import NODE_PER_TASK, TORCHRUN, Endpoint, framework_env, node_of, reserve_ports
+from sparkhvd.runner._rank_env import rank_env
+from sparkhvd.runner._task_spec import TaskSpec
+from sparkhvd.runner import assign_ranks
+
+pytestmark = pytest.mark.unit
+
+hosts_lists = st.lists(st.sampled_from(["a", "b", "c"]), min_size=1, max_size=12)
+
+
+def _endpoints(n):
+    return [Endpoint(f"10.0.0.{r}", 20000 + r, 30000 + r) for r in range(n)]
+
+
+def _envs(hosts, layout):
+    placements = assign_ranks(hosts)
+    ends = _endpoints(len(hosts))
+    return [(p, framework_env(p.as_dict(), layout=layout, endpoints=ends, node=node_of(placements, t), run_id="r1",
+                              attempt=2, max_restarts=3)) for t, p in enumerate(placements)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(hosts_lists)
+def test_torchrun_layout_is_what_torchrun_sets_with_one_node_per_host(hosts):
+    envs = _envs(hosts, TORCHRUN)
+    host_order = list(dict.fromkeys(h for (p, _), h in sorted(zip(envs, hosts), key=lambda x: x[0][0].rank)))
+    for (p, env), host in zip(envs, hosts):
+        assert (env["RANK"], env["WORLD_SIZE"]) == (str(p.rank), str(len(hosts)))
+        assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (str(p.local_rank), str(hosts.count(host)))
+        assert env["GROUP_RANK"] == env["NODE_RANK"] == str(host_order.index(host))
+        assert env["GROUP_WORLD_SIZE"] == str(len(set(hosts)))
+        assert (env["ROLE_RANK"], env["ROLE_WORLD_SIZE"], env["ROLE_NAME"]) == (str(p.rank), str(len(hosts)), "default")
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.0", "20000")  # rank 0's store
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # rank 0's init_process_group starts the store
+        assert (env["TORCHELASTIC_RUN_ID"], env["TORCHELASTIC_RESTART_COUNT"], env["TORCHELASTIC_MAX_RESTARTS"]) == \
+            ("r1", "2", "3")
+        tf = json.loads(env["TF_CONFIG"])
+        assert tf == {"cluster": {"worker": [f"10.0.0.{r}:{30000 + r}" for r in range(len(hosts))]},
+                      "task": {"type": "worker", "index": p.rank}}
+
+
+@settings(max_examples=50, deadline=None)
+@given(hosts_lists)
+def test_node_per_task_layout_makes_every_rank_a_node_as_pysparks_torchdistributor(hosts):
+    for p, env in _envs(hosts, NODE_PER_TASK):
+        assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("0", "1")
+        assert env["GROUP_RANK"] == env["NODE_RANK"] == env["RANK"] == str(p.rank)
+        assert env["GROUP_WORLD_SIZE"] == env["WORLD_SIZE"] == str(len(hosts))
+
+
+def test_a_rank_without_an_endpoint_gets_no_master_or_tf_config_and_an_unknown_layout_is_refused():
+    p = assign_ranks(["a", "a"])[0].as_dict()
+    env = framework_env(p, layout=TORCHRUN, endpoints=[_endpoints(1)[0], None], node=(0, 1), run_id="r",
+                        attempt=0, max_restarts=0)
+    assert "MASTER_ADDR" not in env and "MASTER_PORT" not in env and "TF_CONFIG" not in env
+    assert env["RANK"] == "0"
+    with pytest.raises(ValueError, match=r"^layout='mpi' is not one of 'torchrun', 'node_per_task'\.$"):
+        framework_env(p, layout="mpi", endpoints=[], node=(0, 1), run_id="r", attempt=0, max_restarts=0)
+
+
+def test_reserved_ports_are_two_distinct_free_ports_released_at_once():
+    e = reserve_ports("127.0.0.1")
+    assert e.address == "127.0.0.1" and e.torch_port != e.tf_port
+    for port in (e.torch_port, e.tf_port):  # nothing listens: they can be bound again
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    assert Endpoint.parse([e.address, e.torch_port, e.tf_port]) == e
+    assert Endpoint.parse(["h", 0, 1]) is None and Endpoint.parse("h:1") is None and Endpoint.parse(None) is None
+
+
+def test_rank_env_replaces_another_jobs_variables_and_pins_own_gpus_per_node(monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", "1")  # an executor's leftovers from another job
+    monkeypatch.setenv("TF_CONFIG", "{}")
+    monkeypatch.setenv("NODE_RANK", "7")
+    placements = assign_ranks(["a", "a"])
+    ends = _endpoints(2)
+    spec = TaskSpec(address=("127.0.0.1", 1), secret=b"s", run_id="r")
+    one = placements[1].as_dict() | {"cuda_devices": [1]}
+    env = rank_env(spec, one, ["5", "6"], endpoints=ends, node=(0, 1))
+    assert env["MASTER_PORT"] == "20000" and env["NODE_RANK"] == "0" and env["LOCAL_RANK"] == "1"
+    assert json.loads(env["TF_CONFIG"])["task"]["index"] == 1
+    assert env["CUDA_VISIBLE_DEVICES"] == "5,6"  # torchrun layout: the host's list, LOCAL_RANK indexes it
+    assert json.loads(env["SPARKHVD_PLACEMENT"])["cuda_devices"] == [1]
+    per_node = TaskSpec(address=("127.0.0.1", 1), secret=b"s", run_id="r", layout=NODE_PER_TASK)
+    env = rank_env(per_node, one, ["5", "6"], endpoints=ends, node=(0, 1))
+    assert env["CUDA_VISIBLE_DEVICES"] == "6" and env["LOCAL_RANK"] == "0" and env["NODE_RANK"] == "1"
+    assert json.loads(env["SPARKHVD_PLACEMENT"])["cuda_devices"] == [0]  # hvd.init() selects it too
