@@ -22,8 +22,8 @@ from typing import Callable
 
 from .._common import settings
 from .._common.client import RunAborted, ServiceClient, ServiceError
-from .._common.protocol import Kind
 from .._common.network import local_address
+from .._common.protocol import Kind
 from ._framework_env import Endpoint, reserve_ports
 from ._host import address_of, host_id
 from ._rank_env import rank_env, visible_gpus

@@ -10,7 +10,7 @@ import json
 import os
 
 from .._common import settings
-from ._framework_env import NODE_PER_TASK, NAMES, framework_env
+from ._framework_env import NAMES, NODE_PER_TASK, framework_env
 from ._task_spec import TaskSpec
 
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sparkhvd.runner import assign_ranks
 from sparkhvd.runner._framework_env import NODE_PER_TASK, TORCHRUN, Endpoint, framework_env, node_of, reserve_ports
 from sparkhvd.runner._rank_env import rank_env
 from sparkhvd.runner._task_spec import TaskSpec
-from sparkhvd.runner import assign_ranks
 
 pytestmark = pytest.mark.unit
 
