@@ -5,13 +5,16 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["HorovodRunner", "HorovodRunError", "RunResult", "log_to_driver", "__version__"]
+__all__ = ["HorovodRunner", "HorovodRunError", "MirroredStrategyRunner", "RunResult", "TorchDistributor", "log_to_driver",
+           "__version__"]
 
 _LAZY = {
     "HorovodRunner": "sparkhvd.runner",
     "HorovodRunError": "sparkhvd.runner",
     "RunResult": "sparkhvd.runner",
     "log_to_driver": "sparkhvd.runner",
+    "TorchDistributor": "sparkhvd.runner",  # pyspark's, on HorovodRunner
+    "MirroredStrategyRunner": "sparkhvd.runner",  # spark-tensorflow-distributor's, on HorovodRunner
 }
 
 

@@ -10,9 +10,11 @@ __all__ = [
     "HorovodRunner",
     "HorovodRunError",
     "JavaNotFoundError",
+    "MirroredStrategyRunner",
     "Placement",
     "RunResult",
     "StartTimeoutError",
+    "TorchDistributor",
     "assign_ranks",
     "horovod_spark_run",
     "log_to_driver",
@@ -27,6 +29,8 @@ _WHERE = {
     "JavaNotFoundError": "._java",
     "Placement": ".._common.topology",
     "assign_ranks": ".._common.topology",
+    "TorchDistributor": "._torch_distributor",  # pyspark's TorchDistributor, on HorovodRunner
+    "MirroredStrategyRunner": "._mirrored_strategy_runner",  # spark-tensorflow-distributor's, on HorovodRunner
     "horovod_spark_run": "._horovod_spark",  # Horovod's horovod.spark.run, on HorovodRunner
 }
 

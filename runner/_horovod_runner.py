@@ -113,9 +113,11 @@ class HorovodRunner:
                 bind_host = _spark_connect.check(remote, np)  # what the server's conf says, and where executors reach us
             else:
                 sc = _spark.spark_context(np)
-                _spark.preflight(sc, np, verbose=cfg.driver_log_verbosity == "all")  # slots, GPUs, executors' Python
+                _spark.preflight(sc, np, verbose=cfg.driver_log_verbosity == "all", gpus=cfg._use_gpu)  # slots, GPUs, executors' Python
                 bind_host = _driver_bind_host(sc)
         run_id = secrets.token_hex(4)
+        if sc is not None:
+            _spark.warn_unencrypted(sc, run_id)
         log_dir = run_log_dir(run_id, cfg.log_dir)  # cfg.log_dir, or a new folder under the log root (_logs.py)
         logs = LogRouter(log_dir, cfg.driver_log_verbosity)
         commits = CommitStore(commit_dir=cfg.commit_dir, run_id=run_id)
@@ -143,7 +145,8 @@ class _Cluster:
                  every_value: bool, env: dict | None, remote=None, bind_host: str = "127.0.0.1"):
         self.sc, self.remote, self.cfg, self.run_id, self.payload = sc, remote, cfg, run_id, payload
         self.logs, self.commits, self.every_value = logs, commits, every_value
-        self.env = tuple({**_forwarded_settings(), **(env or {})}.items())
+        hidden = {} if cfg._use_gpu else {settings.CUDA_VISIBLE_DEVICES.name: ""}  # as TorchDistributor(use_gpu=False)
+        self.env = tuple({**_forwarded_settings(), **hidden, **(env or {})}.items())
         self.verbose = cfg.driver_log_verbosity == "all"
         self.secret = new_secret()  # one per run: every attempt's service and ranks share it
         self.bind_host = bind_host
@@ -155,7 +158,7 @@ class _Cluster:
         if self.remote is not None:
             launcher = _spark_connect.ConnectLauncher(self.remote, n)
         elif self.sc is not None:
-            launcher = _spark.SparkLauncher(self.sc, n, replaced=self.replaced)
+            launcher = _spark.SparkLauncher(self.sc, n, replaced=self.replaced, gpus=cfg._use_gpu)
         else:
             launcher = LocalLauncher(n)
         if not attempt and self.verbose:

@@ -25,6 +25,7 @@ class RunnerConfig:
     commit_dir: str | None = None
     _stall_tasks: frozenset = field(default=frozenset(), repr=False)  # fault tests only
     _layout: str = field(default="torchrun", repr=False)  # torchrun's variables (runner/_framework_env.py): the drop-ins'
+    _use_gpu: bool = field(default=True, repr=False)  # False: tasks ask for no GPU and ranks see none (the drop-ins')
 
     def __post_init__(self):
         self._check_np()

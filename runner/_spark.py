@@ -11,6 +11,7 @@ import os
 import re
 import sys
 import time
+import warnings
 
 from .._common import settings
 from ._agent import TaskSpec, run_task
@@ -73,11 +74,33 @@ def check_barrier_conf(conf) -> None:
             "set spark.dynamicAllocation.enabled=false for this session, or use np<0 to run on the driver.")
 
 
-def preflight(sc, np: int, *, verbose: bool = True) -> None:
+#: Spark's settings that encrypt its own traffic; the ranks' gloo and NCCL traffic is not encrypted under either.
+ENCRYPTION_CONFS = ("spark.ssl.enabled", "spark.network.crypto.enabled")
+
+
+def encrypted_by(conf_get) -> list:
+    """Which of ``ENCRYPTION_CONFS`` are ``true``, read through ``conf_get(key, default)`` (a SparkConf's or a
+    session's ``conf.get``)."""
+    return [key for key in ENCRYPTION_CONFS if str(conf_get(key, "false")).strip().lower() == "true"]
+
+
+def warn_unencrypted(sc, run_id: str) -> None:
+    """Where Spark encrypts its own traffic, say once that the ranks' is not (HorovodRunner goes on, as Horovod
+    does; the TorchDistributor drop-in refuses, as pyspark's does)."""
+    on = encrypted_by(sc.getConf().get)
+    if on:
+        warnings.warn(f"sparkhvd run {run_id}: this cluster encrypts Spark's traffic ({' and '.join(on)}), but the "
+                      "ranks' gloo and NCCL traffic (tensors, gradients, parameters) is not encrypted; run where the "
+                      "network between executors is trusted (docs/runner.md: Security).", RuntimeWarning, stacklevel=4)
+
+
+def preflight(sc, np: int, *, verbose: bool = True, gpus: bool = True) -> None:
     """Every check before the barrier stage, each failing in seconds with one sentence: the configuration
-    (dynamic allocation), the task slots, the GPU slots, and the executors' Python (``_preflight``)."""
+    (dynamic allocation), the task slots, the GPU slots (``gpus``: where tasks ask for them), and the executors'
+    Python (``_preflight``)."""
     check_slots(sc, np, verbose=verbose)
-    check_gpus(sc, np)
+    if gpus:
+        check_gpus(sc, np)
     check_executors(sc, np, task_slots(sc))
 
 
@@ -226,13 +249,16 @@ class SparkLauncher(JobLauncher):
 
     ``replaced``: the ids of the executors that the run asked Spark to replace (shared by its attempts): their
     removal, which lands whenever Spark gets to it, is never a later attempt's cause. ``status``: Spark's
-    status store (``SparkStatus``), or a stand-in for it.
+    status store (``SparkStatus``), or a stand-in for it. ``gpus``: whether each task asks for a GPU where the
+    cluster has them (False: the TorchDistributor drop-in's ``use_gpu=False``).
     """
 
-    def __init__(self, sc, np: int, *, replaced: set | None = None, status: "SparkStatus | None" = None):
+    def __init__(self, sc, np: int, *, replaced: set | None = None, status: "SparkStatus | None" = None,
+                 gpus: bool = True):
         super().__init__()
         self.sc = sc
         self.np = np
+        self.gpus = gpus
         self.description = f"a Spark barrier stage on {sc.master}"
         self.status = status if status is not None else SparkStatus(sc)
         self.replaced = replaced if replaced is not None else set()
@@ -250,7 +276,7 @@ class SparkLauncher(JobLauncher):
             sc.setJobGroup(self._group, f"sparkhvd run {spec.run_id} (np={self.np}{attempt})", interruptOnCancel=True)
             rdd = sc.parallelize(range(self.np), self.np).barrier().mapPartitions(
                 functools.partial(_barrier_task, spec))
-            if _gpu_amount(sc) > 0:
+            if self.gpus and _gpu_amount(sc) > 0:
                 rdd = rdd.withResources(gpu_task_profile(int(sc.getConf().get("spark.task.cpus", "1"))))
             rdd.collect()  # the outcome arrives through the driver service
         except Exception as exc:  # noqa: BLE001 - reported through failure()
