@@ -1,5 +1,8 @@
 """Which collectives this process is waiting in: the rank's side of the stall report.
 
+torch.distributed's own collectives, which the function may call instead (DDP, FSDP, ``dist.all_reduce``), come
+from torch's flight recorder (``torch_ops.py``) and are reported alongside.
+
 A collective registers while it waits on its peers (the control exchange before each op, and
 the wait for an op's data) and leaves when the wait is over; finished waits are counted. The
 worker's heartbeat (``runner/_heartbeat.py``) sends ``snapshot()`` to the driver, which
@@ -19,6 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 
+from . import torch_ops as _torch_ops
 from .op_names import JOIN
 
 CHECK = "check"  # waiting for every member's control frame: has everyone reached this op?
@@ -124,14 +128,20 @@ def snapshot(limit: int = 32) -> dict:
         if missing is not None:
             op["waiting_for"] = missing
         ops.append(op)
+    theirs, their_done = _torch_ops.snapshot()  # torch.distributed's own collectives (DDP, FSDP, dist.*)
+    ops = (ops + theirs)[:limit]
     last = _last
+    if last is None and their_done:  # no sparkhvd collective yet, but torch.distributed's have finished
+        return {"done": _completed + their_done, "ops": ops,
+                "last": {"kind": f"torch.distributed's collective #{their_done}", "name": None, "ago": None,
+                         "phase": DATA, "link": None, "op": None, "nth": None, "passed": []}}
     if last is not None:
         _, full, nth = last[4]
         last = {"kind": str(last[0])[:200], "name": None if last[1] is None else str(last[1])[:200],
                 "ago": round(now - last[6], 3), "phase": last[5], "link": last[3],
                 "op": None if full is None else str(full)[:200], "nth": nth,
                 "passed": [[link_id, str(full)[:200], nth] for link_id, (full, nth) in passed[:limit]]}
-    return {"done": _completed, "ops": ops, "last": last}
+    return {"done": _completed + their_done, "ops": ops, "last": last}
 
 
 def _missing(mesh):

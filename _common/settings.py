@@ -205,6 +205,10 @@ PYTHONUNBUFFERED = Setting("PYTHONUNBUFFERED", None, text,
 OMP_NUM_THREADS = Setting("OMP_NUM_THREADS", None, text,
                           "CPU threads of each rank (OpenMP's, torch's); unset: the host's cores split evenly among "
                           "the run's ranks on it, as torchrun does.")
+TORCH_FR_BUFFER_SIZE = Setting("TORCH_FR_BUFFER_SIZE", None, text,
+                               "torch's flight recorder: how many collectives each rank's process groups keep; unset: "
+                               "256, from which the stall report names the torch.distributed op ranks wait in "
+                               "(0 turns it off).")
 CUDA_VISIBLE_DEVICES = Setting("CUDA_VISIBLE_DEVICES", None, text,
                                "The executor's GPUs, which Spark's GPU addresses index; each rank gets the GPUs of "
                                "this run's ranks on its host.")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from .._common import settings
+from .._common import settings, torch_ops
 from ._framework_env import NAMES, NODE_PER_TASK, framework_env
 from ._task_spec import TaskSpec
 
@@ -46,6 +46,9 @@ def rank_env(spec: TaskSpec, placement: dict, host_gpus: list[str], *, endpoints
         # As torchrun does: ranks sharing a host split its cores, instead of each starting one OpenMP
         # thread per core, whose spinning would starve the other ranks (docs/performance.md).
         env[settings.OMP_NUM_THREADS.name] = str(omp_threads(placement["local_size"]))
+    if settings.TORCH_FR_BUFFER_SIZE.name not in env and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
+        # torch's flight recorder: the stall report names the torch.distributed op ranks wait in (_common/torch_ops.py)
+        env[settings.TORCH_FR_BUFFER_SIZE.name] = str(torch_ops.BUFFER_SIZE)
     if host_gpus:
         env[settings.CUDA_VISIBLE_DEVICES.name] = ",".join(host_gpus)
         env[settings.CUDA_DEVICE_ORDER.name] = "PCI_BUS_ID"

@@ -202,13 +202,18 @@ def doing(state: RankState, np: int, heard: bool = True) -> str:
         where = f" on {_set(op.get('set'), np)}" if op.get("op") or op.get("seq") else ""
         text = f"it waits in {_what(op)}{where}, for {_s(op['age'])}"
     elif state.last:
-        text = (f"it is running user code (its latest collective, {_what(state.last)}, finished "
-                f"{_s(state.last['ago'])} ago)")
+        text = f"it is running user code (its latest collective, {_what(state.last)}, {_finished(state.last)})"
     else:
         text = "it is running user code (it has not called a collective yet)"
     if heard and state.heard_ago > 2 * state.interval + 1:
         text += f" (not heard from for {_s(state.heard_ago)})"
     return text
+
+
+def _finished(last: dict) -> str:
+    """When a rank's latest collective finished: "finished 3.0 s ago", or "has finished" where its rank cannot tell
+    (torch.distributed's, counted by the flight recorder without a time)."""
+    return "has finished" if last.get("ago") is None else f"finished {_s(last['ago'])} ago"
 
 
 def _hosts(states) -> str:
@@ -319,7 +324,7 @@ def _still_running(late: list, returned: list, since: str) -> list:
         text = (f"- rank {s.rank} is still {_STILL.get(s.status, 'running')} {since} after "
                 f"{_ranks(r.rank for r in returned)} returned")
         if s.status == "running" and s.last:
-            text += f"; its latest collective, {_what(s.last)}, finished {_s(s.last['ago'])} ago"
+            text += f"; its latest collective, {_what(s.last)}, {_finished(s.last)}"
         elif s.status == "running":
             text += "; it has not called a collective"
         lines.append(text + ".")

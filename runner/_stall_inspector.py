@@ -186,7 +186,7 @@ class StallInspector:
             ops = tuple({**op, "age": float(op.get("age", 0)) + late} for op in meta.get("ops") or ())
             last = meta.get("last")
             if last:
-                last = {**last, "ago": float(last.get("ago", 0)) + late}
+                last = {**last, "ago": None if last.get("ago") is None else float(last["ago"]) + late}
             status = meta.get("state") if meta.get("state") in ALIVE else "running"
             states.append(RankState(rank, status, host, ops, last, late, float(meta.get("interval") or
                                                                               settings.HEARTBEAT.default)))

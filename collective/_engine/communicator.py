@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..._common import context as _context
 from ..._common import progress as _progress
 from ..._common import settings
+from ..._common import torch_ops as _torch_ops
 from ..._common.network import local_address
 from ..._common.topology import Placement
 from . import mpi as _mpi
@@ -88,6 +89,7 @@ def init(parts: EngineParts, mpi_comm=None) -> Topology:
             finally:
                 _progress.end(waiting)
             _owns_group = True
+            _torch_ops.ignore_group(dist.distributed_c10d._get_default_group().group_name)  # the engine names its ops
     elif dist.is_initialized():  # the user built the default group (e.g. under torchrun)
         topology = _from_torchrun(dist.get_rank(), dist.get_world_size())
         _owns_group = False
@@ -239,6 +241,7 @@ def shutdown() -> None:
     if _owns_group and dist.is_initialized():
         dist.destroy_process_group()
     _store = None
+    _torch_ops.forget_ignored()
     _topology = None
     _owns_group = False
     _master_addr = None
