@@ -49,6 +49,20 @@ def before_exit() -> None:
         hook()
 
 
+_group_builder: str | None = None  # "hvd.init()" while sparkhvd's engine owns this process's default process group
+
+
+def built_default_group(by: str | None) -> None:
+    """Note who built this process's default process group (None: nobody now), so that a second
+    ``dist.init_process_group()``'s error can say which to call (``runner/_worker.py``)."""
+    global _group_builder
+    _group_builder = by
+
+
+def default_group_builder() -> str | None:
+    return _group_builder
+
+
 def _set(ctx: WorkerContext | None) -> None:
     global _current
     _current = ctx

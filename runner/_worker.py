@@ -82,7 +82,29 @@ def _failed(client: ServiceClient, rank: int, exc: BaseException) -> None:
         report_failure(client, rank, exc, quiet=True)
         return
     _commits.flush(_FAILED_FLUSH_S)  # a peer lost mid-run: the commit on its way is what a restart resumes from
-    report_failure(client, rank, exc)
+    report_failure(client, rank, _explained(exc))
+
+
+def _explained(exc: BaseException) -> BaseException:
+    """``exc``, or where it is torch's refusal to build the default process group a second time after
+    ``hvd.init()`` built it, the same error with a sentence saying which to call."""
+    builder = _context.default_group_builder()
+    if builder is None or type(exc) is not ValueError or not _raised_in(exc, "init_process_group"):
+        return exc
+    explained = ValueError(f"{exc} {builder} already built this rank's default process group; call "
+                           f"dist.init_process_group() before {builder} (which then uses that group), or only when "
+                           "not dist.is_initialized().")
+    return explained.with_traceback(exc.__traceback__)
+
+
+def _raised_in(exc: BaseException, function: str) -> bool:
+    """Whether ``function`` is among the frames ``exc`` passed through."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == function:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _ship(client: ServiceClient, rank: int, value) -> int:

@@ -90,6 +90,7 @@ def init(parts: EngineParts, mpi_comm=None) -> Topology:
                 _progress.end(waiting)
             _owns_group = True
             _torch_ops.ignore_group(dist.distributed_c10d._get_default_group().group_name)  # the engine names its ops
+            _context.built_default_group("hvd.init()")
     elif dist.is_initialized():  # the user built the default group (e.g. under torchrun)
         topology = _from_torchrun(dist.get_rank(), dist.get_world_size())
         _owns_group = False
@@ -242,6 +243,7 @@ def shutdown() -> None:
         dist.destroy_process_group()
     _store = None
     _torch_ops.forget_ignored()
+    _context.built_default_group(None)
     _topology = None
     _owns_group = False
     _master_addr = None
