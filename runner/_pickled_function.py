@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
@@ -18,7 +19,8 @@ LARGE_PAYLOAD_BYTES = 10 * 1024 * 1024
 def pickle_function(main, kwargs) -> bytes:
     """``(main, kwargs)`` pickled for the ranks; ``main``'s module goes by value where it is the user's own file."""
 
-    module = sys.modules.get(getattr(main, "__module__", None) or "")
+    target = main.func if isinstance(main, functools.partial) else main  # run(partial(train, 0.1)): train's module
+    module = sys.modules.get(getattr(target, "__module__", None) or "")
     by_value = module is not None and _is_user_module(module)
     if by_value:  # a script beside the driver: the executors may not be able to import it
         cloudpickle.register_pickle_by_value(module)

@@ -1,0 +1,93 @@
+"""``sparkhvd.TorchDistributor`` takes pyspark's arguments and refuses what pyspark's refuses, each with a sentence
+that says the fix; it returns rank 0's value, runs scripts, and fails where a script fails (pyspark's returns
+None there)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparkhvd import HorovodRunError, TorchDistributor
+from sparkhvd.runner import _torch_distributor
+
+
+class _Conf(dict):
+    def __call__(self, key, default=None):
+        return self.get(key, default)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("bad", [0, -2, 1.5, "2", True])
+def test_num_processes_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match=rf"^num_processes has to be a positive integer, got {bad!r}: the number of "
+                                         r"training processes, e\.g\. TorchDistributor\(num_processes=2, "
+                                         r"local_mode=False\)\.$"):
+        TorchDistributor(num_processes=bad, use_gpu=False)
+
+
+@pytest.mark.unit
+def test_gpus_asked_for_but_not_configured_are_refused_as_pyspark_does(monkeypatch):
+    monkeypatch.setattr(_torch_distributor, "_active_conf", lambda: _Conf())
+    with pytest.raises(RuntimeError, match=r"^'spark\.task\.resource\.gpu\.amount' was unset, so gpu usage is "
+                                           r"unavailable: .* set spark\.task\.resource\.gpu\.amount=1 \(with "
+                                           r"spark\.executor\.resource\.gpu\.amount and a discovery script\), or "
+                                           r"pass use_gpu=False to train on CPUs\.$"):
+        TorchDistributor(num_processes=2, local_mode=False, use_gpu=True)
+    monkeypatch.setattr(_torch_distributor, "_driver_gpus", lambda: 0)
+    with pytest.raises(RuntimeError, match=r"^GPUs were unable to be found on the driver: .* pass use_gpu=False to "
+                                           r"train on CPUs\.$"):
+        TorchDistributor(num_processes=2, local_mode=True, use_gpu=True)
+    monkeypatch.setattr(_torch_distributor, "_driver_gpus", lambda: 1)
+    with pytest.warns(RuntimeWarning, match=r"num_processes=2 is more than the 1 GPU on the driver; it was reset to "
+                                            r"1, as pyspark's TorchDistributor does\."):
+        assert TorchDistributor(num_processes=2, local_mode=True, use_gpu=True).num_processes == 1
+
+
+@pytest.mark.unit
+def test_a_cluster_that_encrypts_sparks_traffic_is_refused_unless_the_user_says_go_on(monkeypatch):
+    conf = _Conf({"spark.network.crypto.enabled": "true"})
+    monkeypatch.setattr(_torch_distributor, "_active_conf", lambda: conf)
+    distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
+    with pytest.raises(RuntimeError, match=r"^This cluster encrypts Spark's traffic \(spark\.network\.crypto\.enabled=true"
+                                           r"\), but TorchDistributor's processes would send model parameters and "
+                                           r"possibly training data to each other unencrypted \(gloo and NCCL do not "
+                                           r"encrypt\); to train anyway, set pytorch\.spark\.distributor\.ignoreSsl="
+                                           r"true in the Spark configuration\.$"):
+        distributor.run(print)
+    conf["pytorch.spark.distributor.ignoreSsl"] = "true"
+    with pytest.warns(RuntimeWarning, match=r"going on because pytorch\.spark\.distributor\.ignoreSsl=true"):
+        distributor._check_encryption()
+
+
+@pytest.mark.unit
+def test_a_script_takes_no_keyword_arguments_and_a_function_is_needed(monkeypatch):
+    distributor = TorchDistributor(num_processes=1, use_gpu=False)
+    with pytest.raises(ValueError, match=r"^Running pytorch file does not support key-word type arguments: got lr "
+                                         r"for 'train\.py'; pass them as command-line strings, e\.g\. "
+                                         r"run\('train\.py', '--lr', '0\.1'\)\.$"):
+        distributor.run("train.py", lr=0.1)
+    with pytest.raises(TypeError, match=r"^TorchDistributor\.run needs a function or the path of a Python script, "
+                                        r"got int\.$"):
+        distributor.run(3)
+
+
+def _ranks_and_args(a, b, *, c):
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return dist.get_rank(), (a, b, c), {k: os.environ[k] for k in ("LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
+                                                                   "CUDA_VISIBLE_DEVICES")}
+
+
+def test_distributed_mode_returns_rank_zeros_value_with_one_node_per_task_and_no_gpu(spark, tmp_path):
+    rank, args, env = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(_ranks_and_args, 1, 2,
+                                                                                               c=3)
+    assert (rank, args) == (0, (1, 2, 3))
+    assert env == {"LOCAL_RANK": "0", "NODE_RANK": "0", "LOCAL_WORLD_SIZE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                      "if dist.get_rank() == 1 and sys.argv[1:] == ['--fail']:\n    sys.exit(3)\n")
+    assert TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(str(script), "--ok") is None
+    with pytest.raises(HorovodRunError, match="rank 1"):  # pyspark's returns None where a script fails
+        TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(str(script), "--fail")
