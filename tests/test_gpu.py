@@ -282,3 +282,75 @@ def test_a_restart_resumes_cuda_state_from_its_commit(tmp_path):
     weights = runner.run(_elastic_on_cuda, marks=str(tmp_path))
     assert len(runner.last_result.restarts) == 1
     assert all(torch.equal(weights[k], reference[k]) for k in reference)
+
+
+def _ddp_on_nccl(steps=5):
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from sparkhvd._common import torch_ops
+
+    dist.init_process_group("nccl")  # env://, as under torchrun
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)  # DDP's idiom: the rank's own GPU
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 4).cuda(), device_ids=[local_rank])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(32, 16, device="cuda")).pow(2).mean().backward()
+        opt.step()
+    torch.cuda.synchronize()
+    # The flight recorder (the stall report's view of torch's collectives) holds no finished op as unfinished,
+    # once NCCL's watchdog has seen them end; otherwise a long healthy NCCL run would look stalled.
+    deadline = time.monotonic() + 5
+    while (found := torch_ops.snapshot())[0] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    weights = [p.detach().cpu() for p in model.parameters()]
+    dist.destroy_process_group()
+    return {"device": torch.cuda.current_device(), "unfinished": found[0], "done": found[1], "weights": weights}
+
+
+def test_ddp_on_nccl_and_the_torch_distributor_drop_in_on_the_gpu():
+    from sparkhvd import TorchDistributor
+
+    plain = HorovodRunner(np=-1).run(_ddp_on_nccl)
+    dropin = TorchDistributor(num_processes=1, local_mode=True, use_gpu=True).run(_ddp_on_nccl)
+    for out in (plain, dropin):
+        print("flight recorder after DDP on NCCL:", {k: v for k, v in out.items() if k != "weights"})
+        assert out["device"] == 0 and out["unfinished"] == [], out
+    for a, b in zip(plain["weights"], dropin["weights"]):
+        assert torch.equal(a, b)
+
+
+def _lightning_on_gpu():
+    import lightning as L
+    import torch
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    trainer = L.Trainer(accelerator="gpu", devices=1, num_nodes=1, strategy="ddp", max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=16))
+    return type(trainer.strategy.cluster_environment).__name__, str(trainer.strategy.root_device)
+
+
+def test_lightning_ddp_on_the_gpu():
+    pytest.importorskip("lightning")
+    environment, device = HorovodRunner(np=-1).run(_lightning_on_gpu)
+    assert environment == "TorchElasticEnvironment" and device == "cuda:0"
