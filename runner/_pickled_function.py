@@ -19,7 +19,9 @@ LARGE_PAYLOAD_BYTES = 10 * 1024 * 1024
 def pickle_function(main, kwargs) -> bytes:
     """``(main, kwargs)`` pickled for the ranks; ``main``'s module goes by value where it is the user's own file."""
 
-    target = main.func if isinstance(main, functools.partial) else main  # run(partial(train, 0.1)): train's module
+    target = main
+    while isinstance(target, functools.partial):  # run(partial(train, 0.1)): train's module
+        target = target.func
     module = sys.modules.get(getattr(target, "__module__", None) or "")
     by_value = module is not None and _is_user_module(module)
     if by_value:  # a script beside the driver: the executors may not be able to import it
