@@ -240,3 +240,21 @@ def test_committed_outputs_name_no_folder_of_this_machine(name):
     found = {path: text[text.index(path) - 40:text.index(path) + 80] for path in machine if path in text}
     assert not found, f"{name}'s outputs name folders of the machine that ran it (re-make it with " \
                       f"notebooks/execute.py): {found}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_lightning_and_ddp(jupyter_env):
+    pytest.importorskip("lightning")
+    nb, _ = execute("05_lightning_and_ddp.ipynb", jupyter_env)
+    ddp = texts(nb.cells[cell_with(nb, "HorovodRunner(np=2).run(train_ddp)")])
+    ddp_losses = losses(ddp, r"^\[0\] epoch \d: loss (\S+)$")
+    assert len(ddp_losses) == 3 and ddp_losses[-1] < ddp_losses[0] / 10, ddp
+    assert "Traceback" not in ddp, ddp
+    lightning = texts(nb.cells[cell_with(nb, "TorchDistributor(num_processes=2")])
+    assert "Lightning found: TorchElasticEnvironment" in lightning, lightning  # it read torchrun's variables
+    assert re.search(r"^\[1\] Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2$", lightning, re.M), lightning
+    assert len(losses(lightning, r"^\[0\] epoch \d: loss (\S+)$")) == 3, lightning
+    for cell in (ddp, lightning):  # y = x.sum(): every weight close to 1
+        weights = [float(w) for w in re.search(r"weights: \[([^\]]+)\]", cell).group(1).split(",")]
+        assert len(weights) == 8 and all(abs(w - 1) < 0.1 for w in weights), cell
