@@ -91,7 +91,7 @@ def warn_unencrypted(sc, run_id: str) -> None:
     if on:
         warnings.warn(f"sparkhvd run {run_id}: this cluster encrypts Spark's traffic ({' and '.join(on)}), but the "
                       "ranks' gloo and NCCL traffic (tensors, gradients, parameters) is not encrypted; run where the "
-                      "network between executors is trusted (docs/runner.md: Security).", RuntimeWarning, stacklevel=4)
+                      "network between executors is trusted (docs/security.md).", RuntimeWarning, stacklevel=4)
 
 
 def preflight(sc, np: int, *, verbose: bool = True, gpus: bool = True) -> None:
