@@ -91,3 +91,26 @@ def test_distributed_mode_returns_rank_zeros_value_with_one_node_per_task_and_no
     assert TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(str(script), "--ok") is None
     with pytest.raises(HorovodRunError, match="rank 1"):  # pyspark's returns None where a script fails
         TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(str(script), "--fail")
+
+
+@pytest.mark.unit
+def test_horovodrunner_warns_where_spark_encrypts_its_traffic_and_goes_on():
+    from sparkhvd.runner import _spark
+
+    class _Sc:
+        def __init__(self, conf):
+            self.conf = _Conf(conf)
+
+        def getConf(self):
+            return self
+
+        def get(self, key, default=None):
+            return self.conf(key, default)
+
+    _spark.warn_unencrypted(_Sc({}), "r1")  # nothing to say
+    with pytest.warns(RuntimeWarning, match=r"^sparkhvd run r1: this cluster encrypts Spark's traffic "
+                                            r"\(spark\.ssl\.enabled and spark\.network\.crypto\.enabled\), but the "
+                                            r"ranks' gloo and NCCL traffic \(tensors, gradients, parameters\) is not "
+                                            r"encrypted; run where the network between executors is trusted "
+                                            r"\(docs/security\.md\)\.$"):
+        _spark.warn_unencrypted(_Sc({"spark.ssl.enabled": "true", "spark.network.crypto.enabled": "TRUE"}), "r1")
