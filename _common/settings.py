@@ -205,6 +205,9 @@ PYTHONUNBUFFERED = Setting("PYTHONUNBUFFERED", None, text,
 OMP_NUM_THREADS = Setting("OMP_NUM_THREADS", None, text,
                           "CPU threads of each rank (OpenMP's, torch's); unset: the host's cores split evenly among "
                           "the run's ranks on it, as torchrun does.")
+TF_CONFIG = Setting("TF_CONFIG", None, text,
+                    "TensorFlow's cluster for MultiWorkerMirroredStrategy; set by the runner in every rank: every "
+                    "rank's worker address and this rank's index (docs/frameworks.md).")
 TORCH_FR_BUFFER_SIZE = Setting("TORCH_FR_BUFFER_SIZE", None, text,
                                "torch's flight recorder: how many collectives each rank's process groups keep; unset: "
                                "256, from which the stall report names the torch.distributed op ranks wait in "

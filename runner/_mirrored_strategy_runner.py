@@ -48,6 +48,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
+from .._common import settings
 from ._framework_env import NODE_PER_TASK
 
 __all__ = ["MirroredStrategyRunner"]
@@ -156,7 +157,7 @@ class MirroredStrategyRunner:
                              f"spark.driver.resource.{name}.discoveryScript print indices such as "
                              '{"name": "gpu", "addresses": ["0", "1"]}.')
         owned = addresses
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = settings.CUDA_VISIBLE_DEVICES.get()
         if visible:  # Spark's addresses index the driver's own list, as theirs maps them
             devices = [d.strip() for d in visible.split(",") if d.strip()]
             beyond = [a for a in addresses if int(a) >= len(devices)]
@@ -209,9 +210,9 @@ class _Task:
 def _train(task: _Task, /, **kwargs):
     """On a rank: ``task.train_fn(**kwargs)``, as theirs runs it (``_run_tensorflow_program``)."""
     if task.local:
-        os.environ.pop("TF_CONFIG", None)  # one worker over the local devices, as theirs runs on the driver
+        os.environ.pop(settings.TF_CONFIG.name, None)  # one worker over the local devices, as theirs runs on the driver
         if task.cuda_devices is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = task.cuda_devices  # before TensorFlow first lists its devices
+            os.environ[settings.CUDA_VISIBLE_DEVICES.name] = task.cuda_devices  # before TensorFlow first lists its devices
     if task.use_custom_strategy:
         return task.train_fn(**kwargs)
     import tensorflow as tf
