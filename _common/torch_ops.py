@@ -18,6 +18,8 @@ import sys
 import time
 
 BUFFER_SIZE = 256  # flight-recorder entries per process; the stalled op is the newest, so a small ring keeps it
+_DUMPS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")  # gloo's (and the generic) recorder, NCCL's own
+_last_done = None  # the finished count at the previous snapshot
 _ignored: set = set()  # process-group names whose ops the engine reports itself
 
 
@@ -34,25 +36,35 @@ def forget_ignored() -> None:
 def snapshot() -> tuple[list, int]:
     """``(ops, done)``: this process's unfinished torch.distributed collectives as ``progress.snapshot``'s ops
     (oldest first), and how many it has finished (a count that grows while collectives complete); nothing where
-    torch.distributed is not in use."""
+    torch.distributed is not in use. gloo's and NCCL's recorders are read (NCCL keeps its own). While the count
+    moves, only each group's counts are read (cheap); the unfinished ops, only once it stands still."""
+    global _last_done
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return [], 0
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
+        import torch._C._distributed_c10d as c10d
 
-        trace = json.loads(_dump_fr_trace_json(includeCollectives=True, onlyActive=True))
-    except Exception:  # noqa: BLE001 - a diagnostic: a torch without a flight recorder reports nothing
+        dumps = [f for f in (getattr(c10d, name, None) for name in _DUMPS) if f is not None]
+        done = sum(parse(json.loads(dump(includeCollectives=False)), 0)[1] for dump in dumps)
+        if done != _last_done:  # progress since the last heartbeat: nothing stalls
+            _last_done = done
+            return [], done
+        ops = []
+        now = time.time_ns()
+        for dump in dumps:
+            ops += parse(json.loads(dump(includeCollectives=True, onlyActive=True)), now)[0]
+    except Exception:  # noqa: BLE001 - a diagnostic: a torch whose recorder differs reports nothing, never fails
         return [], 0
-    return parse(trace, time.time_ns())
+    ops.sort(key=lambda op: -op["age"])
+    return ops, done
 
 
 def parse(trace: dict, now_ns: int) -> tuple[list, int]:
     """``snapshot``'s answer from a flight-recorder dump (``_dump_fr_trace_json``) taken at ``now_ns``."""
-    done = 0
-    for name, status in (trace.get("pg_status") or {}).items():
-        if name not in _ignored:
-            done += max(0, _int(status.get("last_completed_collective"), -1))
+    done = 0  # every group's, the engine's too: any finished collective is progress
+    for status in (trace.get("pg_status") or {}).values():
+        done += max(0, _int(status.get("last_completed_collective"), -1))
     members = {str(c.get("name")): c.get("ranks") for c in (trace.get("pg_config") or {}).values()
                if isinstance(c, dict) and c.get("name")}
     ops = []
