@@ -51,17 +51,23 @@ def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[s
         client.close()
         return {"task": task, "rank": None, "exit": None, "note": "stalled on purpose"}
     host = host or socket.gethostname()
+    if not spec.use_gpu:  # Spark may still give the task GPUs (spark.task.resource.gpu.amount): its rank sees none
+        gpus = []
     try:  # mapped here, through this executor's own list: another executor on the host may have another
         devices, unusable = visible_gpus(list(gpus or []), settings.CUDA_VISIBLE_DEVICES.get()), None
     except ValueError as exc:
         devices, unusable = [], exc
+    endpoint, held = _endpoint(spec)
     try:
         answer = client.request(Kind.REGISTER, {
             "task": task, "host": host, "host_id": host_id(), "pid": os.getpid(),
-            "gpus": list(gpus or []), "devices": devices, "spark_task": spark_task, "endpoint": _endpoint(spec)}).meta
+            "gpus": list(gpus or []), "devices": devices, "spark_task": spark_task, "endpoint": endpoint}).meta
     except (RunAborted, ServiceError) as exc:
         client.close()
         return {"task": task, "rank": None, "exit": None, "note": str(exc)}
+    finally:
+        for sock in held:  # every task has registered: the ports stay free until the rank binds them
+            sock.close()
     host_gpus = [str(d) for d in answer.pop("host_gpus", None) or []]
     endpoints = [None if e is None else Endpoint(*e) for e in answer.pop("endpoints", None) or []]
     node = tuple(answer.pop("node", None) or (0, 1))
@@ -82,15 +88,16 @@ def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[s
     return {"task": task, "rank": rank, "exit": code, "note": ""}
 
 
-def _endpoint(spec: TaskSpec) -> list | None:
-    """This host's address toward its peers and two ports reserved on it (runner/_framework_env.py); None where
-    the address cannot be told (the rank process then reports why, runner/_host.py: rank_address)."""
+def _endpoint(spec: TaskSpec) -> tuple[list | None, list]:
+    """This host's address toward its peers and two ports reserved on it (runner/_framework_env.py), and the
+    sockets holding them until registration is over; None where the address cannot be told (the rank process then
+    reports why, runner/_host.py: rank_address)."""
     try:
         address = address_of(spec.network_interface) if spec.network_interface else local_address(spec.address[0])
-        endpoint = reserve_ports(address)
+        endpoint, held = reserve_ports(address)
     except (OSError, ValueError):
-        return None
-    return [endpoint.address, endpoint.torch_port, endpoint.tf_port]
+        return None, []
+    return [endpoint.address, endpoint.torch_port, endpoint.tf_port], held
 
 
 def _run_rank(client: ServiceClient, spec: TaskSpec, rank: int, env: dict,

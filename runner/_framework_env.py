@@ -51,27 +51,29 @@ class Endpoint:
         return None
 
 
-def reserve_ports(address: str) -> Endpoint:
-    """Two ports free on ``address`` now (the kernel's choice), released at once: a rank's torch store and
-    TF worker bind them later, as pyspark's TorchDistributor and spark-tensorflow-distributor choose theirs."""
-    ports = []
-    for _ in range(2):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+def reserve_ports(address: str) -> tuple[Endpoint, list]:
+    """Two ports free on ``address`` (the kernel's choice), and the sockets that hold them: close them once every
+    task has registered (the driver's ASSIGN), so that no two tasks on a host are given the same port. The rank's
+    torch store and TF worker bind them later, as pyspark's TorchDistributor and spark-tensorflow-distributor
+    choose theirs; nothing listens on them meanwhile."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    held = []
+    try:
+        for _ in range(2):
+            s = socket.socket(family, socket.SOCK_STREAM)
+            held.append(s)
             s.bind((address, 0))
-            ports.append(s.getsockname()[1])
-    if ports[0] == ports[1]:  # the kernel may hand the same port out twice once it is released
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as a, socket.socket(socket.AF_INET,
-                                                                                     socket.SOCK_STREAM) as b:
-            a.bind((address, 0))
-            b.bind((address, 0))
-            ports = [a.getsockname()[1], b.getsockname()[1]]
-    return Endpoint(address, ports[0], ports[1])
+    except OSError:
+        for s in held:
+            s.close()
+        raise
+    return Endpoint(address, held[0].getsockname()[1], held[1].getsockname()[1]), held
 
 
 def framework_env(placement: dict, *, layout: str, endpoints: list, node: tuple, run_id: str, attempt: int,
                   max_restarts: int) -> dict:
     """The variables of rank ``placement["rank"]``. ``endpoints``: every rank's ``Endpoint`` in rank order (None
-    where its agent could not reserve ports: then no MASTER_* or TF_CONFIG); ``node``: ``(index of the rank's
+    where its agent could not reserve ports: without rank 0's, no MASTER_*; without any one, no TF_CONFIG); ``node``: ``(index of the rank's
     host, number of hosts)``, torchrun's group rank and size."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {', '.join(map(repr, LAYOUTS))}.")
@@ -89,10 +91,11 @@ def framework_env(placement: dict, *, layout: str, endpoints: list, node: tuple,
         "TORCHELASTIC_MAX_RESTARTS": max_restarts,
         "TORCHELASTIC_USE_AGENT_STORE": False,  # rank 0's init_process_group starts the store at MASTER_PORT
     }
-    if len(endpoints) == size and all(e is not None for e in endpoints):
+    if endpoints and endpoints[0] is not None:  # rank 0's store is all torch needs
         env["MASTER_ADDR"], env["MASTER_PORT"] = endpoints[0].address, endpoints[0].torch_port
-        env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"{e.address}:{e.tf_port}" for e in endpoints]},
-                                       "task": {"type": "worker", "index": rank}})
+    if len(endpoints) == size and all(e is not None for e in endpoints):
+        workers = [f"[{e.address}]:{e.tf_port}" if ":" in e.address else f"{e.address}:{e.tf_port}" for e in endpoints]
+        env["TF_CONFIG"] = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}})
     return {name: str(value) for name, value in env.items()}
 
 

@@ -116,7 +116,7 @@ class HorovodRunner:
                 _spark.preflight(sc, np, verbose=cfg.driver_log_verbosity == "all", gpus=cfg._use_gpu)  # slots, GPUs, executors' Python
                 bind_host = _driver_bind_host(sc)
         run_id = secrets.token_hex(4)
-        if sc is not None:
+        if sc is not None and cfg._warn_unencrypted:
             _spark.warn_unencrypted(sc, run_id)
         log_dir = run_log_dir(run_id, cfg.log_dir)  # cfg.log_dir, or a new folder under the log root (_logs.py)
         logs = LogRouter(log_dir, cfg.driver_log_verbosity)
@@ -171,7 +171,8 @@ class _Cluster:
             launcher.start(TaskSpec(address=service.address, secret=self.secret, run_id=self.run_id,
                                     stall_tasks=cfg._stall_tasks, network_interface=cfg.network_interface,
                                     every_value=self.every_value, attempt=attempt, commit_dir=cfg.commit_dir,
-                                    layout=cfg._layout, max_restarts=cfg.max_restarts, env=self.env))
+                                    layout=cfg._layout, max_restarts=cfg.max_restarts, use_gpu=cfg._use_gpu,
+                                    env=self.env))
         except BaseException:
             launcher.stop()  # whatever it started before the exception (Ctrl-C in the middle of the launch)
             service.close()

@@ -131,6 +131,7 @@ class MirroredStrategyRunner:
             runner = HorovodRunner(self._num_tasks)
             runner.config._layout = NODE_PER_TASK  # each rank sees its own GPU only: one replica per worker
         runner.config._use_gpu = self._use_gpu  # False: tasks ask for no GPU and ranks see none
+        runner.config._warn_unencrypted = self._local_mode  # outside local mode _check_encryption said it, or refused
         task = _Task(train_fn, self._use_custom_strategy, self._local_mode, devices)
 
         # Not partial(_train, task): HorovodRunner ships the user's module by value where it is their own file,

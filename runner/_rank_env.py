@@ -25,6 +25,14 @@ def rank_env(spec: TaskSpec, placement: dict, host_gpus: list[str], *, endpoints
         own = placement.get("cuda_devices") or []
         host_gpus = [host_gpus[i] for i in own]
         placement = {**placement, "cuda_devices": list(range(len(own)))}
+    elif spec.layout == NODE_PER_TASK and spec.use_gpu and placement["local_size"] > 1:
+        # Spark gave the tasks no GPU addresses (a local master): as pyspark's TorchDistributor pins task i to the
+        # driver's GPU i there, the host's i-th rank sees the host's i-th GPU alone
+        visible = [d.strip() for d in (settings.CUDA_VISIBLE_DEVICES.get() or "").split(",") if d.strip()]
+        local_rank = placement["local_rank"]
+        if not visible or local_rank < len(visible):
+            host_gpus = [visible[local_rank] if visible else str(local_rank)]
+            placement = {**placement, "cuda_devices": [0]}
     env = {k: v for k, v in os.environ.items() if k not in NAMES}
     env.update(spec.env)
     env.update(framework_env(placement, layout=spec.layout, endpoints=list(endpoints), node=node,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from .._common import settings
 from ._commits import check_commit_dir
+from ._framework_env import LAYOUTS
 from ._logs import VERBOSITIES
 
 
@@ -26,6 +27,7 @@ class RunnerConfig:
     _stall_tasks: frozenset = field(default=frozenset(), repr=False)  # fault tests only
     _layout: str = field(default="torchrun", repr=False)  # torchrun's variables (runner/_framework_env.py): the drop-ins'
     _use_gpu: bool = field(default=True, repr=False)  # False: tasks ask for no GPU and ranks see none (the drop-ins')
+    _warn_unencrypted: bool = field(default=True, repr=False)  # False: a drop-in checked Spark's encryption itself
 
     def __post_init__(self):
         self._check_np()
@@ -40,6 +42,8 @@ class RunnerConfig:
         self._check_elastic()
         if self.commit_dir is not None:
             check_commit_dir(self.commit_dir)
+        if self._layout not in LAYOUTS:
+            raise ValueError(f"_layout={self._layout!r} is not one of {', '.join(map(repr, LAYOUTS))}.")
 
     def _check_np(self) -> None:
         if isinstance(self.np, bool) or not isinstance(self.np, numbers.Integral):

@@ -175,7 +175,7 @@ class ConnectLauncher(JobLauncher):
         try:
             spark.addTag(self._tag)  # this thread's operations carry it: interruptTag cancels the stage
             df = spark.range(0, self.np, 1, self.np)
-            profile = _gpu_profile(spark)
+            profile = _gpu_profile(spark) if spec.use_gpu else None
             task = functools.partial(_arrow_task, spec)
             stage = (df.mapInArrow(task, "task binary", barrier=True) if profile is None
                      else df.mapInArrow(task, "task binary", barrier=True, profile=profile))

@@ -24,4 +24,5 @@ class TaskSpec:
     commit_dir: str | None = None  # where rank 0 writes elastic commits (_common/commits.py); default: the driver
     layout: str = "torchrun"  # torchrun's variables: "torchrun" or "node_per_task" (runner/_framework_env.py)
     max_restarts: int = 0  # the run's, which ranks see as TORCHELASTIC_MAX_RESTARTS
+    use_gpu: bool = True  # False: the task asks for no GPU and its rank sees none, whatever Spark gives it
     env: tuple = field(default=(), repr=False)  # (name, value) pairs added to the rank's environment (MLflow)

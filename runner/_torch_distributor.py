@@ -64,11 +64,18 @@ class TorchDistributor:
         conf = _active_conf()
         if conf is not None:
             key = "spark.task.resource.gpu.amount"
-            if float(conf(key, "0") or 0) < 1:
-                raise RuntimeError(f"'{key}' was unset, so gpu usage is unavailable: TorchDistributor(use_gpu=True, "
-                                   "local_mode=False) gives each process a GPU of its executor; set "
-                                   f"{key}=1 (with spark.executor.resource.gpu.amount and a discovery script), or "
-                                   "pass use_gpu=False to train on CPUs.")
+            value = conf(key, None)
+            fix = (f"TorchDistributor(use_gpu=True, local_mode=False) gives each process a GPU of its executor; set "
+                   f"{key}=1 (with spark.executor.resource.gpu.amount and a discovery script), or pass use_gpu=False "
+                   "to train on CPUs.")
+            if value is None:
+                raise RuntimeError(f"'{key}' was unset, so gpu usage is unavailable: {fix}")
+            try:
+                amount = float(value)
+            except ValueError:
+                amount = 0.0
+            if amount < 1:
+                raise RuntimeError(f"'{key}' is {value!r}, less than the whole GPU each process needs: {fix}")
         return self.num_processes
 
     def run(self, train_object, *args, **kwargs):
@@ -87,6 +94,7 @@ class TorchDistributor:
         runner = HorovodRunner(-self.num_processes if self.local_mode else self.num_processes)
         runner.config._layout = TORCHRUN if self.local_mode else NODE_PER_TASK
         runner.config._use_gpu = self.use_gpu or self.local_mode  # local mode leaves the driver's GPUs visible
+        runner.config._warn_unencrypted = False  # _check_encryption said it, or refused
         if script:
             return runner.run(train_object, *args)
         return runner.run(functools.partial(train_object, *args) if args else train_object, **kwargs)
@@ -120,6 +128,12 @@ def _active_conf():
 
 
 def _driver_gpus() -> int:
+    """The driver's GPUs: Spark's (``spark.driver.resource.gpu``) where it has them, else those CUDA sees."""
+    from pyspark import SparkContext
+
+    sc = SparkContext._active_spark_context
+    if sc is not None and "gpu" in sc.resources:
+        return len(sc.resources["gpu"].addresses)
     import torch
 
     return torch.cuda.device_count()

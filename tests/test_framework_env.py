@@ -59,20 +59,33 @@ def test_node_per_task_layout_makes_every_rank_a_node_as_pysparks_torchdistribut
         assert env["GROUP_WORLD_SIZE"] == env["WORLD_SIZE"] == str(len(hosts))
 
 
-def test_a_rank_without_an_endpoint_gets_no_master_or_tf_config_and_an_unknown_layout_is_refused():
+def test_a_rank_without_an_endpoint_costs_tf_config_rank_zeros_costs_master_and_a_bad_layout_is_refused():
     p = assign_ranks(["a", "a"])[0].as_dict()
-    env = framework_env(p, layout=TORCHRUN, endpoints=[_endpoints(1)[0], None], node=(0, 1), run_id="r",
-                        attempt=0, max_restarts=0)
+    one, two = _endpoints(2)
+    env = framework_env(p, layout=TORCHRUN, endpoints=[one, None], node=(0, 1), run_id="r", attempt=0,
+                        max_restarts=0)
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.0", "20000") and "TF_CONFIG" not in env
+    env = framework_env(p, layout=TORCHRUN, endpoints=[None, two], node=(0, 1), run_id="r", attempt=0,
+                        max_restarts=0)
     assert "MASTER_ADDR" not in env and "MASTER_PORT" not in env and "TF_CONFIG" not in env
     assert env["RANK"] == "0"
+    six = [Endpoint("fd00::1", 1, 2), Endpoint("fd00::2", 3, 4)]
+    env = framework_env(p, layout=TORCHRUN, endpoints=six, node=(0, 1), run_id="r", attempt=0, max_restarts=0)
+    assert json.loads(env["TF_CONFIG"])["cluster"]["worker"] == ["[fd00::1]:2", "[fd00::2]:4"]
     with pytest.raises(ValueError, match=r"^layout='mpi' is not one of 'torchrun', 'node_per_task'\.$"):
         framework_env(p, layout="mpi", endpoints=[], node=(0, 1), run_id="r", attempt=0, max_restarts=0)
 
 
-def test_reserved_ports_are_two_distinct_free_ports_released_at_once():
-    e = reserve_ports("127.0.0.1")
-    assert e.address == "127.0.0.1" and e.torch_port != e.tf_port
-    for port in (e.torch_port, e.tf_port):  # nothing listens: they can be bound again
+def test_reserved_ports_are_held_apart_until_registration_is_over_and_free_after():
+    reserved = [reserve_ports("127.0.0.1") for _ in range(8)]  # eight tasks on one host register together
+    ports = [p for e, _ in reserved for p in (e.torch_port, e.tf_port)]
+    assert len(set(ports)) == 16  # none given twice while they are held
+    for _, held in reserved:
+        for sock in held:
+            sock.close()
+    e = reserved[0][0]
+    assert e.address == "127.0.0.1"
+    for port in (e.torch_port, e.tf_port):  # nothing listens: the rank can bind them
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
     assert Endpoint.parse([e.address, e.torch_port, e.tf_port]) == e
@@ -96,3 +109,26 @@ def test_rank_env_replaces_another_jobs_variables_and_pins_own_gpus_per_node(mon
     env = rank_env(per_node, one, ["5", "6"], endpoints=ends, node=(0, 1))
     assert env["CUDA_VISIBLE_DEVICES"] == "6" and env["LOCAL_RANK"] == "0" and env["NODE_RANK"] == "1"
     assert json.loads(env["SPARKHVD_PLACEMENT"])["cuda_devices"] == [0]  # hvd.init() selects it too
+
+
+def test_node_per_task_on_a_host_spark_gave_no_gpu_addresses_pins_the_ith_rank_to_the_ith_gpu(monkeypatch):
+    """A local master: pyspark's TorchDistributor pins task i to the driver's GPU i."""
+    placements = assign_ranks(["a", "a", "a"])
+    spec = TaskSpec(address=("127.0.0.1", 1), secret=b"s", run_id="r", layout=NODE_PER_TASK)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    env = rank_env(spec, placements[2].as_dict(), [], endpoints=_endpoints(3), node=(0, 1))
+    assert env["CUDA_VISIBLE_DEVICES"] == "2" and json.loads(env["SPARKHVD_PLACEMENT"])["cuda_devices"] == [0]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    env = rank_env(spec, placements[1].as_dict(), [], endpoints=_endpoints(3), node=(0, 1))
+    assert env["CUDA_VISIBLE_DEVICES"] == "5"
+    no_gpu = TaskSpec(address=("127.0.0.1", 1), secret=b"s", run_id="r", layout=NODE_PER_TASK, use_gpu=False,
+                      env=(("CUDA_VISIBLE_DEVICES", ""),))
+    assert rank_env(no_gpu, placements[1].as_dict(), [], endpoints=_endpoints(3), node=(0, 1))[
+        "CUDA_VISIBLE_DEVICES"] == ""  # use_gpu=False: none, as pyspark's
+
+
+def test_the_runner_refuses_an_unknown_layout():
+    from sparkhvd.runner._runner_config import RunnerConfig
+
+    with pytest.raises(ValueError, match=r"^_layout='mpi' is not one of 'torchrun', 'node_per_task'\.$"):
+        RunnerConfig(np=2, _layout="mpi")

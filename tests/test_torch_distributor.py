@@ -32,6 +32,11 @@ def test_gpus_asked_for_but_not_configured_are_refused_as_pyspark_does(monkeypat
                                            r"spark\.executor\.resource\.gpu\.amount and a discovery script\), or "
                                            r"pass use_gpu=False to train on CPUs\.$"):
         TorchDistributor(num_processes=2, local_mode=False, use_gpu=True)
+    monkeypatch.setattr(_torch_distributor, "_active_conf", lambda: _Conf({"spark.task.resource.gpu.amount": "0.5"}))
+    with pytest.raises(RuntimeError, match=r"^'spark\.task\.resource\.gpu\.amount' is '0\.5', less than the whole GPU "
+                                           r"each process needs: TorchDistributor\(use_gpu=True, local_mode=False\) "
+                                           r"gives each process a GPU of its executor; set"):
+        TorchDistributor(num_processes=2, local_mode=False, use_gpu=True)
     monkeypatch.setattr(_torch_distributor, "_driver_gpus", lambda: 0)
     with pytest.raises(RuntimeError, match=r"^GPUs were unable to be found on the driver: .* pass use_gpu=False to "
                                            r"train on CPUs\.$"):

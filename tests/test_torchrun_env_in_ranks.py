@@ -113,3 +113,19 @@ def test_max_restarts_relaunches_a_ddp_function_whose_rank_died_as_torchrun_does
     assert restarts == 1 and len(runner.last_result.restarts) == 1
     assert os.environ.get("TORCHELASTIC_RESTART_COUNT") is None  # the driver's own environment is left alone
     assert all(w.isfinite().all() for w in weights)
+
+
+@pytest.mark.unit
+def test_hvd_init_says_why_it_cannot_use_the_functions_group():
+    from sparkhvd.collective._engine.communicator import reuse_problem
+
+    assert reuse_problem((1, 2), (1, 2), "gloo") is None
+    assert reuse_problem((0, 2), (0, 2), "cpu:gloo,cuda:nccl") is None
+    assert reuse_problem((0, 1), (1, 2), "gloo") == (
+        "hvd.init() found a default process group in which this process is rank 0 of 1, but HorovodRunner placed it "
+        "as rank 1 of 2; build the group from the environment the runner set (dist.init_process_group() with no "
+        "init_method, rank or world_size), or call hvd.init() alone.")
+    assert reuse_problem((0, 2), (0, 2), "nccl") == (
+        "hvd.init() found a default process group on backend 'nccl', which carries no CPU tensors, and Horovod's API "
+        "needs them (broadcast_object, elastic state, CPU tensors); build it with "
+        "dist.init_process_group('cpu:gloo,cuda:nccl'), or call hvd.init() alone.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ..._common import torch_ops as _torch_ops
 from .._engine import communicator as _engine
 
 
@@ -77,6 +78,8 @@ def add_process_set(process_set) -> ProcessSet:
             raise ValueError(f"a process set with ranks {ps.ranks} already exists (id {existing.process_set_id}).")
     global _links_made
     ps.group = dist.new_group(ps.ranks)  # collective over every rank, members or not
+    if ps.group not in (None, dist.GroupMember.NON_GROUP_MEMBER):  # the engine names its ops: the stall report
+        _torch_ops.ignore_group(ps.group.group_name)  # takes them from it, not from torch's flight recorder
     _links_made += 1
     ps.link_id = _links_made
     ps.process_set_id = max(_sets) + 1

@@ -80,7 +80,9 @@ def init(parts: EngineParts, mpi_comm=None) -> Topology:
             torch.cuda.set_device(p.cuda_devices[0] if p.cuda_devices else p.local_rank % torch.cuda.device_count())
         topology = Topology(**p.as_dict(), source="sparkhvd")
         if dist.is_initialized():  # the function called dist.init_process_group() first (torchrun's variables)
-            _check_same_job(p.rank, p.size)
+            problem = reuse_problem((dist.get_rank(), dist.get_world_size()), (p.rank, p.size), dist.get_backend())
+            if problem:
+                raise ValueError(problem)
             _owns_group = False
         else:
             waiting = _progress.begin_check("hvd.init", None, None, _INIT_LINK)  # the stall report sees who is late
@@ -124,13 +126,19 @@ def init(parts: EngineParts, mpi_comm=None) -> Topology:
     return topology
 
 
-def _check_same_job(rank: int, size: int) -> None:
-    """The default process group the function built is this run's: the same rank and size."""
-    if (dist.get_rank(), dist.get_world_size()) != (rank, size):
-        raise ValueError(f"hvd.init() found a default process group in which this process is rank {dist.get_rank()} "
-                         f"of {dist.get_world_size()}, but HorovodRunner placed it as rank {rank} of {size}; build "
-                         "the group from the environment the runner set (dist.init_process_group() with no "
-                         "init_method, rank or world_size), or call hvd.init() alone.")
+def reuse_problem(found: tuple, placed: tuple, backend: str) -> str | None:
+    """Why ``hvd.init()`` cannot use the default process group the function built (``found``: its rank and size,
+    and its ``backend``) for this rank, ``placed`` (rank, size) by HorovodRunner; None where it can."""
+    if tuple(found) != tuple(placed):
+        return (f"hvd.init() found a default process group in which this process is rank {found[0]} of {found[1]}, "
+                f"but HorovodRunner placed it as rank {placed[0]} of {placed[1]}; build the group from the environment "
+                "the runner set (dist.init_process_group() with no init_method, rank or world_size), or call "
+                "hvd.init() alone.")
+    if "gloo" not in str(backend):
+        return (f"hvd.init() found a default process group on backend {backend!r}, which carries no CPU tensors, and "
+                "Horovod's API needs them (broadcast_object, elastic state, CPU tensors); build it with "
+                "dist.init_process_group('cpu:gloo,cuda:nccl'), or call hvd.init() alone.")
+    return None
 
 
 def _control_endpoint(rank: int, ctx) -> Endpoint:
