@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import numbers
 import os
+import sys
 import warnings
 
 from ._framework_env import NODE_PER_TASK, TORCHRUN
@@ -129,9 +130,8 @@ def _active_conf():
 
 def _driver_gpus() -> int:
     """The driver's GPUs: Spark's (``spark.driver.resource.gpu``) where it has them, else those CUDA sees."""
-    from pyspark import SparkContext
-
-    sc = SparkContext._active_spark_context
+    pyspark = sys.modules.get("pyspark")  # a driver without pyspark (local mode needs none) has no SparkContext
+    sc = None if pyspark is None else pyspark.SparkContext._active_spark_context
     if sc is not None and "gpu" in sc.resources:
         return len(sc.resources["gpu"].addresses)
     import torch
