@@ -24,7 +24,7 @@ and measures, for each:
 Each round runs ours and theirs in turn, the order reversed every other round, so that a shared machine's
 noise hits both alike. Prints the table, then ours/theirs for the warm launch (goal <= 0.05) and for steps/s
 (each round's pair; goal >= 0.98 on their median), and our seconds to an error that names the true cause
-(goal <= 5 s). Default: 5 rounds, about 3 minutes on 2 cores, nearly all of it TorchDistributor. Needs pandas
+(goal <= 5 s). Default: 5 rounds, about 3.5 minutes on 2 cores, nearly all of it TorchDistributor. Needs pandas
 (the ``bench`` extra), as bench/launch.py's peer does.
 
     python bench/vs_torchdistributor.py [--rounds 5] [--steps 500] [--warmup 20] [--cap 90] [--verbose]
@@ -119,7 +119,7 @@ def ddp_train(steps, warmup, fault=None, stamp=None, pg_timeout_s=None):
     rate = steps / (time.perf_counter() - start)
     # DDP's Reducer holds the process group. Released after destroy_process_group(), as tutorials write it,
     # the group's destructor runs under the GIL and joins a gloo thread that waits for the GIL: under torch
-    # 2.13 that deadlocks in most runs, with or without Spark (docs/performance.md). Release the model first.
+    # 2.13 that deadlocks often, with or without Spark (docs/performance.md). Release the model first.
     del model
     dist.destroy_process_group()
     return {"steps_per_s": rate, "threads": torch.get_num_threads(),

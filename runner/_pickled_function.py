@@ -23,7 +23,8 @@ def pickle_function(main, kwargs) -> bytes:
     while isinstance(target, functools.partial):  # run(partial(train, 0.1)): train's module
         target = target.func
     module = sys.modules.get(getattr(target, "__module__", None) or "")
-    by_value = module is not None and _is_user_module(module)
+    by_value = (module is not None and _is_user_module(module)  # and not registered already (by the user: kept)
+                and module.__name__ not in cloudpickle.list_registry_pickle_by_value())
     if by_value:  # a script beside the driver: the executors may not be able to import it
         cloudpickle.register_pickle_by_value(module)
     try:
