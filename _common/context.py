@@ -19,6 +19,7 @@ class WorkerContext:
     secret: bytes = field(repr=False)
     client: ServiceClient
     local_address: str = ""  # where this rank listens for its peers (the network_interface's address)
+    torchrun_master: tuple = ()  # (MASTER_ADDR, MASTER_PORT) as the runner set them (collective/_engine/env_rendezvous.py)
 
     def new_client(self) -> ServiceClient:
         """A separate connection to the driver (the rendezvous store uses its own)."""

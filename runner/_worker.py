@@ -60,9 +60,10 @@ def main() -> int:
     except ValueError as exc:
         report_failure(client, rank, exc)
         return FAILED_EXIT_CODE
+    master = (settings.MASTER_ADDR.raw(), settings.MASTER_PORT.raw())  # before the function may change them
     _context._set(_context.WorkerContext(placement=placement, run_id=settings.RUN_ID.raw(),
                                          address=address, secret=secret, client=client,
-                                         local_address=local_address))
+                                         local_address=local_address, torchrun_master=master if all(master) else ()))
     beat.running()
     try:
         value = fn(**kwargs)

@@ -129,3 +129,34 @@ def test_hvd_init_says_why_it_cannot_use_the_functions_group():
         "hvd.init() found a default process group on backend 'nccl', which carries no CPU tensors, and Horovod's API "
         "needs them (broadcast_object, elastic state, CPU tensors); build it with "
         "dist.init_process_group('cpu:gloo,cuda:nccl'), or call hvd.init() alone.")
+
+
+@pytest.mark.unit
+def test_env_rendezvous_in_a_rank_of_the_run_goes_through_the_drivers_store(monkeypatch):
+    import datetime
+    import importlib
+
+    from sparkhvd._common import context
+    from sparkhvd._common.topology import Placement
+    from sparkhvd.collective._engine import env_rendezvous
+    from sparkhvd.collective._engine.store import DriverStore
+
+    handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+    assert handlers["env"] is env_rendezvous._env_handler  # installed when the engine is imported
+    seen = []
+    monkeypatch.setattr(env_rendezvous, "_original", lambda url, **kw: seen.append(url) or iter(["torch's"]))
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert next(env_rendezvous._env_handler("env://")) == "torch's"  # outside a run: torch's own
+    ctx = context.WorkerContext(placement=Placement(1, 2, 1, 2, 0, 1), run_id="r", address=("127.0.0.1", 1),
+                                secret=b"s", client=None, torchrun_master=("10.0.0.1", "29500"))
+    monkeypatch.setattr(ctx, "new_client", lambda: "a client of the driver")
+    monkeypatch.setattr(context, "_current", ctx)
+    store, rank, size = next(env_rendezvous._env_handler("env://", timeout=datetime.timedelta(seconds=7)))
+    assert isinstance(store, DriverStore) and (rank, size) == (1, 2) and store.timeout.total_seconds() == 7
+    assert store._client == "a client of the driver" and store._prefix.startswith("sparkhvd/env/")
+    assert next(env_rendezvous._env_handler("env://?rank=0&world_size=3"))[1:] == (0, 3)  # init's arguments win
+    monkeypatch.setenv("MASTER_PORT", "29501")  # the function pointed env:// elsewhere: torch's own
+    assert next(env_rendezvous._env_handler("env://")) == "torch's" and seen == ["env://", "env://"]

@@ -23,10 +23,13 @@ from ..._common import settings
 from ..._common import torch_ops as _torch_ops
 from ..._common.network import local_address
 from ..._common.topology import Placement
+from . import env_rendezvous as _env_rendezvous
 from . import mpi as _mpi
 from .engine import Engine
 from .mesh import Endpoint
 from .store import DriverStore
+
+_env_rendezvous.install()  # dist.init_process_group() in a rank of this run meets through the driver's store
 
 _TIMEOUT = datetime.timedelta(minutes=30)
 _INIT_LINK = -2  # the stall report's number for init()'s rendezvous (process sets count from 0)
