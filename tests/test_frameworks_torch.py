@@ -79,6 +79,7 @@ DDP_SCRIPT = textwrap.dedent(f"""
     ours = sorted(k for k in os.environ if k.startswith("SPARKHVD_"))
     torch.save({{"weights": model.state_dict(), "env": env, "sparkhvd": ours}},
                os.path.join(sys.argv[1], f"rank-{{rank}}.pt"))
+    del ddp, opt  # torch 2.13 can deadlock freeing DDP after its group is destroyed (docs/performance.md)
     dist.destroy_process_group()
 """)
 
@@ -164,6 +165,7 @@ def _fsdp2():
         opt.step()
     shards = [(type(p).__name__, tuple(p.to_local().shape)) for p in model.parameters()]
     full = [p.full_tensor().detach().flatten().tolist() for p in model.parameters()]
+    del model, opt  # the model's collectives' state goes before its group (docs/performance.md)
     dist.destroy_process_group()
     return shards, full
 

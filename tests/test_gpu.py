@@ -311,6 +311,7 @@ def _ddp_on_nccl(steps=5):
         time.sleep(0.1)
     found = torch_ops.snapshot()  # no progress since: the unfinished ops are read
     weights = [p.detach().cpu() for p in model.parameters()]
+    del model, opt  # torch 2.13 can deadlock freeing DDP after its group is destroyed (docs/performance.md)
     dist.destroy_process_group()
     return {"device": torch.cuda.current_device(), "unfinished": found[0], "done": found[1], "weights": weights}
 
