@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import itertools
-import os
 from urllib.parse import parse_qs, urlparse
 
 from ..._common import context as _context
@@ -48,8 +47,8 @@ def _env_handler(url: str, **kwargs):
     if ctx is None or not ctx.torchrun_master or master != ctx.torchrun_master:
         return _original(url, **kwargs)
     query = parse_qs(urlparse(url).query)
-    rank = int(query["rank"][0]) if "rank" in query else int(os.environ[settings.RANK.name])
-    world_size = int(query["world_size"][0]) if "world_size" in query else int(os.environ[settings.WORLD_SIZE.name])
+    rank = int(query["rank"][0]) if "rank" in query else settings.RANK.get()
+    world_size = int(query["world_size"][0]) if "world_size" in query else settings.WORLD_SIZE.get()
     store = DriverStore(ctx.new_client(), prefix=f"sparkhvd/env/{next(_inits)}/")
     if kwargs.get("timeout") is not None:
         store.set_timeout(kwargs["timeout"])
