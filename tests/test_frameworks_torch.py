@@ -11,9 +11,7 @@ environment in them by itself:
   num_nodes=2``); ``devices=1, num_nodes=2`` under torchrun's layout fails at once, as under torchrun;
 - Hugging Face's ``transformers.Trainer`` and ``accelerate.Accelerator`` see two processes.
 
-Every test that trains checks that training changed the weights and left them identical on every rank, and, but for
-the drop-in's one-node-per-task layout, that they equal those of the same code under plain ``torchrun``, bit for
-bit (one torchrun launch runs FSDP2, accelerate, Lightning and Hugging Face in turn: ``under_torchrun``). The models
+Every test that trains checks that training changed the weights and left them identical on every rank. The models
 are built in code: nothing is downloaded.
 """
 
@@ -132,39 +130,7 @@ def test_a_ddp_script_gives_torchruns_weights_bit_for_bit_in_a_spark_barrier_sta
     assert not torch.equal(initial["0.weight"], ours[0]["weights"]["0.weight"])
 
 
-# ---- FSDP2, Lightning, Hugging Face, accelerate: each also under torchrun ----------------------------------------
-
-# The functions below, run one after another in each of torchrun's two processes: each test compares its run under
-# HorovodRunner with these, weight for weight.
-FRAMEWORKS_SCRIPT = textwrap.dedent(f"""
-    import os, sys
-    import torch
-
-    sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
-    import test_frameworks_torch as t
-
-    torch.set_num_threads(1)  # as torchrun's and HorovodRunner's OMP_NUM_THREADS on this project's 2 cores
-    out = sys.argv[1]
-    found = {{"fsdp2": t._fsdp2()[1]}}
-    found["accelerate"] = t._accelerate()["weights"]  # before the others: after HF's Trainer, its prepare() hangs
-    found["lightning"] = t._lightning_fit(2, 1, out)["weights"]
-    found["transformers"] = t._hf_trainer(os.path.join(out, "hf"))["weights"]
-    torch.save(found, os.path.join(out, f"rank-{{os.environ['RANK']}}.pt"))
-""")
-
-
-@pytest.fixture(scope="module")
-def under_torchrun(tmp_path_factory) -> dict:
-    """Each framework's final weights under plain torchrun: ``{framework: rank 0's}``, after checking rank 1's
-    are the same."""
-    out = tmp_path_factory.mktemp("torchrun-frameworks")
-    script = out / "frameworks.py"
-    script.write_text(FRAMEWORKS_SCRIPT)
-    _torchrun(script, out, timeout=240)
-    first, second = _saved(out)
-    assert first == second
-    return first
-
+# ---- FSDP2 --------------------------------------------------------------------------------------------------------
 
 def _mlp():
     import torch
@@ -204,8 +170,8 @@ def _fsdp2():
     return shards, full
 
 
-@pytest.mark.timeout(300)
-def test_fsdp2_fully_shard_trains_on_gloo_as_under_torchrun_and_as_one_process_on_both_batches(under_torchrun):
+@pytest.mark.timeout(120)
+def test_fsdp2_fully_shard_trains_on_gloo_as_one_process_on_both_batches():
     import torch
 
     ranks = HorovodRunner(np=-2).run_all(_fsdp2).values
@@ -215,7 +181,6 @@ def test_fsdp2_fully_shard_trains_on_gloo_as_under_torchrun_and_as_one_process_o
     assert [a[0] + b[0] for (_, a), (_, b) in zip(shards0, shards1)] == [8, 8, 1, 1]
     assert shards0[0][1] == (4, 4) and shards0[2][1] == (1, 8) and shards1[2][1] == (0, 8)
     _assert_trained_and_identical([full0, full1], _flat(_mlp()))
-    assert full0 == under_torchrun["fsdp2"]
 
     model = _mlp()  # the same steps in one process, each on both ranks' batches together
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -261,15 +226,14 @@ def _lightning_fit(devices: int, num_nodes: int, root: str) -> dict:
             "initial": initial, "weights": _flat(model)}
 
 
-@pytest.mark.timeout(300)
-def test_lightning_ddp_finds_torchelastic_in_horovodrunners_torchrun_layout(tmp_path, under_torchrun):
+@pytest.mark.timeout(120)
+def test_lightning_ddp_finds_torchelastic_in_horovodrunners_torchrun_layout(tmp_path):
     ranks = HorovodRunner(np=-2).run_all(_lightning_fit, devices=2, num_nodes=1, root=str(tmp_path)).values
     assert [r["environment"] for r in ranks] == ["TorchElasticEnvironment"] * 2
     assert [r["world_size"] for r in ranks] == [2, 2]
     assert [r["rank"] for r in ranks] == [(0, 0, 0), (1, 1, 0)]  # (global, local, node): one host, two ranks
     assert [r["batches"] for r in ranks] == [4, 4]  # Lightning's DistributedSampler: 32 rows / 2 ranks / 4
     _assert_trained_and_identical([r["weights"] for r in ranks], ranks[0]["initial"])
-    assert ranks[0]["weights"] == under_torchrun["lightning"]
 
 
 @pytest.mark.timeout(120)
@@ -348,14 +312,13 @@ def _hf_trainer(output_dir: str) -> dict:
             "initial": initial, "weights": _flat(model)}
 
 
-@pytest.mark.timeout(300)
-def test_transformers_trainer_finds_two_processes_and_trains_with_ddp(tmp_path, under_torchrun):
+@pytest.mark.timeout(120)
+def test_transformers_trainer_finds_two_processes_and_trains_with_ddp(tmp_path):
     ranks = HorovodRunner(np=-2).run_all(_hf_trainer, output_dir=str(tmp_path)).values
     assert [(r["world_size"], r["process_index"], r["mode"]) for r in ranks] == \
         [(2, 0, "DISTRIBUTED"), (2, 1, "DISTRIBUTED")]
     assert [(r["wrapped"], r["steps"]) for r in ranks] == [("DistributedDataParallel", STEPS)] * 2
     _assert_trained_and_identical([r["weights"] for r in ranks], ranks[0]["initial"])
-    assert ranks[0]["weights"] == under_torchrun["transformers"]
 
 
 def _accelerate() -> dict:
@@ -380,10 +343,9 @@ def _accelerate() -> dict:
             "initial": initial, "weights": _flat(accelerator.unwrap_model(prepared))}
 
 
-@pytest.mark.timeout(300)
-def test_accelerate_finds_two_processes_and_trains_a_prepared_model(under_torchrun):
+@pytest.mark.timeout(120)
+def test_accelerate_finds_two_processes_and_trains_a_prepared_model():
     ranks = HorovodRunner(np=-2).run_all(_accelerate).values
     assert [(r["processes"], r["index"], r["type"]) for r in ranks] == [(2, 0, "MULTI_CPU"), (2, 1, "MULTI_CPU")]
     assert [(r["wrapped"], r["steps"]) for r in ranks] == [("DistributedDataParallel", 4)] * 2
     _assert_trained_and_identical([r["weights"] for r in ranks], ranks[0]["initial"])
-    assert ranks[0]["weights"] == under_torchrun["accelerate"]
