@@ -11,8 +11,10 @@ environment in them by itself:
   num_nodes=2``); ``devices=1, num_nodes=2`` under torchrun's layout fails at once, as under torchrun;
 - Hugging Face's ``transformers.Trainer`` and ``accelerate.Accelerator`` see two processes.
 
-Every test that trains checks that training changed the weights and left them identical on every rank. The models
-are built in code: nothing is downloaded.
+Every test that trains checks that training changed the weights and left them identical on every rank, and, but for
+the drop-in's one-node-per-task layout, that they equal those of the same code under plain ``torchrun``, bit for bit
+(a torchrun launch of its own for each framework: ``_under_torchrun``). The models are built in code: nothing is
+downloaded.
 """
 
 from __future__ import annotations
@@ -105,6 +107,26 @@ def _torchrun(script, out, timeout=120):
     assert torchrun.returncode == 0, output
 
 
+def _under_torchrun(folder, call: str) -> object:
+    """``call`` (an expression over this module, ``t``) run in each of plain torchrun's two processes: rank 0's
+    value, after checking rank 1's is the same."""
+    script = folder / "under_torchrun.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        import torch
+
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        import test_frameworks_torch as t
+
+        torch.set_num_threads(1)  # as OMP_NUM_THREADS under torchrun, and under HorovodRunner on 2 cores
+        torch.save({{"value": {call}}}, os.path.join(sys.argv[1], f"rank-{{os.environ['RANK']}}.pt"))
+    """))
+    _torchrun(script, folder)
+    first, second = _saved(folder)
+    assert first == second, "the ranks under torchrun ended differently"
+    return first["value"]
+
+
 @pytest.mark.timeout(180)
 def test_a_ddp_script_gives_torchruns_weights_bit_for_bit_in_a_spark_barrier_stage(spark, tmp_path):
     import torch
@@ -170,8 +192,8 @@ def _fsdp2():
     return shards, full
 
 
-@pytest.mark.timeout(120)
-def test_fsdp2_fully_shard_trains_on_gloo_as_one_process_on_both_batches():
+@pytest.mark.timeout(240)
+def test_fsdp2_fully_shard_trains_on_gloo_as_under_torchrun_and_as_one_process_on_both_batches(tmp_path):
     import torch
 
     ranks = HorovodRunner(np=-2).run_all(_fsdp2).values
@@ -181,6 +203,7 @@ def test_fsdp2_fully_shard_trains_on_gloo_as_one_process_on_both_batches():
     assert [a[0] + b[0] for (_, a), (_, b) in zip(shards0, shards1)] == [8, 8, 1, 1]
     assert shards0[0][1] == (4, 4) and shards0[2][1] == (1, 8) and shards1[2][1] == (0, 8)
     _assert_trained_and_identical([full0, full1], _flat(_mlp()))
+    assert full0 == _under_torchrun(tmp_path, "t._fsdp2()[1]")  # bit for bit
 
     model = _mlp()  # the same steps in one process, each on both ranks' batches together
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -226,7 +249,7 @@ def _lightning_fit(devices: int, num_nodes: int, root: str) -> dict:
             "initial": initial, "weights": _flat(model)}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_lightning_ddp_finds_torchelastic_in_horovodrunners_torchrun_layout(tmp_path):
     ranks = HorovodRunner(np=-2).run_all(_lightning_fit, devices=2, num_nodes=1, root=str(tmp_path)).values
     assert [r["environment"] for r in ranks] == ["TorchElasticEnvironment"] * 2
@@ -234,6 +257,7 @@ def test_lightning_ddp_finds_torchelastic_in_horovodrunners_torchrun_layout(tmp_
     assert [r["rank"] for r in ranks] == [(0, 0, 0), (1, 1, 0)]  # (global, local, node): one host, two ranks
     assert [r["batches"] for r in ranks] == [4, 4]  # Lightning's DistributedSampler: 32 rows / 2 ranks / 4
     _assert_trained_and_identical([r["weights"] for r in ranks], ranks[0]["initial"])
+    assert ranks[0]["weights"] == _under_torchrun(tmp_path, "t._lightning_fit(2, 1, sys.argv[1])['weights']")
 
 
 @pytest.mark.timeout(120)
@@ -312,13 +336,16 @@ def _hf_trainer(output_dir: str) -> dict:
             "initial": initial, "weights": _flat(model)}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_transformers_trainer_finds_two_processes_and_trains_with_ddp(tmp_path):
     ranks = HorovodRunner(np=-2).run_all(_hf_trainer, output_dir=str(tmp_path)).values
     assert [(r["world_size"], r["process_index"], r["mode"]) for r in ranks] == \
         [(2, 0, "DISTRIBUTED"), (2, 1, "DISTRIBUTED")]
     assert [(r["wrapped"], r["steps"]) for r in ranks] == [("DistributedDataParallel", STEPS)] * 2
     _assert_trained_and_identical([r["weights"] for r in ranks], ranks[0]["initial"])
+    by_torchrun = tmp_path / "torchrun"
+    by_torchrun.mkdir()
+    assert ranks[0]["weights"] == _under_torchrun(by_torchrun, "t._hf_trainer(sys.argv[1] + '/hf')['weights']")
 
 
 def _accelerate() -> dict:
@@ -343,9 +370,10 @@ def _accelerate() -> dict:
             "initial": initial, "weights": _flat(accelerator.unwrap_model(prepared))}
 
 
-@pytest.mark.timeout(120)
-def test_accelerate_finds_two_processes_and_trains_a_prepared_model():
+@pytest.mark.timeout(240)
+def test_accelerate_finds_two_processes_and_trains_a_prepared_model(tmp_path):
     ranks = HorovodRunner(np=-2).run_all(_accelerate).values
     assert [(r["processes"], r["index"], r["type"]) for r in ranks] == [(2, 0, "MULTI_CPU"), (2, 1, "MULTI_CPU")]
     assert [(r["wrapped"], r["steps"]) for r in ranks] == [("DistributedDataParallel", 4)] * 2
     _assert_trained_and_identical([r["weights"] for r in ranks], ranks[0]["initial"])
+    assert ranks[0]["weights"] == _under_torchrun(tmp_path, "t._accelerate()['weights']")
