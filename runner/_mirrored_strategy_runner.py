@@ -44,7 +44,6 @@ import functools
 import numbers
 import os
 import random
-import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -177,25 +176,9 @@ class MirroredStrategyRunner:
 
     def _check_encryption(self) -> None:
         """Refuse, as theirs does, where Spark encrypts its traffic and the user has not said to go on."""
-        from ._spark import encrypted_by
+        from ._spark import refuse_unencrypted
 
-        conf = _active_conf()
-        if conf is None:
-            return
-        on = encrypted_by(conf)
-        if not on:
-            return
-        what = " and ".join(f"{key}=true" for key in on)
-        if str(conf(_SSL_CONF, "false")).strip().lower() == "true":
-            warnings.warn(f"This cluster encrypts Spark's traffic ({what}), but MirroredStrategyRunner's workers "
-                          "send model parameters and possibly training data to each other unencrypted "
-                          f"(TensorFlow's collectives do not encrypt); going on because {_SSL_CONF}=true.",
-                          RuntimeWarning, stacklevel=3)
-            return
-        raise RuntimeError(f"This cluster encrypts Spark's traffic ({what}), but MirroredStrategyRunner's workers "
-                           "would send model parameters and possibly training data to each other unencrypted "
-                           f"(TensorFlow's collectives do not encrypt); to train anyway, set {_SSL_CONF}=true in "
-                           "the Spark configuration.")
+        refuse_unencrypted(_active_conf(), _SSL_CONF, "MirroredStrategyRunner's workers", "TensorFlow's collectives")
 
 
 @dataclass(frozen=True)

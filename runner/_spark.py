@@ -84,6 +84,26 @@ def encrypted_by(conf_get) -> list:
     return [key for key in ENCRYPTION_CONFS if str(conf_get(key, "false")).strip().lower() == "true"]
 
 
+def refuse_unencrypted(conf_get, override: str, senders: str, carrier: str) -> None:
+    """The drop-ins' check, as pyspark's TorchDistributor and spark-tensorflow-distributor make it: where Spark
+    encrypts its traffic (read through ``conf_get``, None: no session), refuse unless ``override`` is ``true``,
+    then warn. ``senders``: who sends tensors ("TorchDistributor's processes"); ``carrier``: what carries them."""
+    if conf_get is None:
+        return
+    on = encrypted_by(conf_get)
+    if not on:
+        return
+    what = " and ".join(f"{key}=true" for key in on)
+    if str(conf_get(override, "false")).strip().lower() == "true":
+        warnings.warn(f"This cluster encrypts Spark's traffic ({what}), but {senders} send model parameters and "
+                      f"possibly training data to each other unencrypted ({carrier} do not encrypt); going on because "
+                      f"{override}=true.", RuntimeWarning, stacklevel=4)
+        return
+    raise RuntimeError(f"This cluster encrypts Spark's traffic ({what}), but {senders} would send model parameters "
+                       f"and possibly training data to each other unencrypted ({carrier} do not encrypt); to train "
+                       f"anyway, set {override}=true in the Spark configuration.")
+
+
 def warn_unencrypted(sc, run_id: str) -> None:
     """Where Spark encrypts its own traffic, say once that the ranks' is not (HorovodRunner goes on, as Horovod
     does; the TorchDistributor drop-in refuses, as pyspark's does)."""

@@ -25,7 +25,7 @@ import warnings
 
 from ._framework_env import NODE_PER_TASK, TORCHRUN
 from ._horovod_runner import HorovodRunner
-from ._spark import encrypted_by
+from ._spark import refuse_unencrypted
 
 __all__ = ["TorchDistributor"]
 
@@ -102,22 +102,7 @@ class TorchDistributor:
 
     def _check_encryption(self) -> None:
         """Refuse, as pyspark does, where Spark encrypts its traffic and the user has not said to go on."""
-        conf = _active_conf()
-        if conf is None:
-            return
-        on = encrypted_by(conf)
-        if not on:
-            return
-        what = " and ".join(f"{key}=true" for key in on)
-        if conf(self.ssl_conf, "false").lower() == "true":
-            warnings.warn(f"This cluster encrypts Spark's traffic ({what}), but TorchDistributor's processes send "
-                          "model parameters and possibly training data to each other unencrypted (gloo and NCCL "
-                          f"do not encrypt); going on because {self.ssl_conf}=true.", RuntimeWarning, stacklevel=3)
-            return
-        raise RuntimeError(f"This cluster encrypts Spark's traffic ({what}), but TorchDistributor's processes would "
-                           "send model parameters and possibly training data to each other unencrypted (gloo and "
-                           f"NCCL do not encrypt); to train anyway, set {self.ssl_conf}=true in the Spark "
-                           "configuration.")
+        refuse_unencrypted(_active_conf(), self.ssl_conf, "TorchDistributor's processes", "gloo and NCCL")
 
 
 def _active_conf():
