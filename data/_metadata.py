@@ -48,7 +48,7 @@ def _describe(url_or_urls) -> str:
 
 
 def resolve_url(url: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
-    """The filesystem and path of a local path, a ``file://`` URL, or any URL pyarrow.fs knows."""
+    """The filesystem and path of a local path, a ``file://`` URL, or any URL pyarrow.fs or fsspec knows."""
     try:
         text = os.fspath(url)
     except TypeError:
@@ -61,8 +61,26 @@ def resolve_url(url: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
             raise ValueError(f"The file URL {text!r} names host {parsed.netloc!r}; file URLs must be local, e.g. 'file:///data/train'.")
         return pafs.LocalFileSystem(), os.path.abspath(unquote(parsed.path))
     if len(parsed.scheme) > 1:  # a one-letter scheme is a Windows drive
-        return pafs.FileSystem.from_uri(text)
+        try:
+            return pafs.FileSystem.from_uri(text)
+        except pa.ArrowInvalid as exc:
+            if "Unrecognized filesystem type" not in str(exc):
+                raise
+        return _fsspec(text, parsed.scheme)
     return pafs.LocalFileSystem(), os.path.abspath(text)
+
+
+def _fsspec(url: str, scheme: str) -> tuple[pafs.FileSystem, str]:
+    """A URL pyarrow has no filesystem for, through fsspec (which torch installs), wrapped for pyarrow."""
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as exc:
+        raise ValueError(f"Neither pyarrow nor fsspec has a filesystem for {scheme}:// in {url!r} ({exc}); install "
+                         "the fsspec package for that scheme (s3fs, gcsfs, adlfs, ...), or use a path every worker "
+                         "can read.") from exc
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
 
 
 def _hidden(relative: str) -> bool:

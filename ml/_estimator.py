@@ -1,0 +1,298 @@
+"""What every estimator's ``fit`` does: check, write the data once, find the run's checkpoint, launch, build the Model.
+
+Every check runs on the driver before the barrier stage launches (bad parameters, a missing
+column or an unsupported type, an empty DataFrame, a model whose outputs do not match the
+labels, a Store that cannot be written, a ``run_id`` of another model), so a mistake costs
+seconds, not a cluster launch. The framework subclasses (``_torch.py``, ``_lightning.py``,
+``_keras.py``) supply the model's checks, files, training function and fitted Model.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+import uuid
+from dataclasses import dataclass
+
+from pyspark.ml import Estimator
+from pyspark.ml.util import MLReadable, MLWritable
+
+from ..data import make_spark_converter
+from ._checkpoints import RunDir
+from ._columns import Column, columns_of, with_shapes
+from ._params import EstimatorParams
+from ._persistence import Reader, Writer
+from ._store import Store
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """The training (and validation) data as the ranks read it: Parquet URLs, row counts and columns."""
+
+    train_url: str
+    train_rows: int
+    val_url: str | None
+    val_rows: int
+    features: tuple[Column, ...]
+    labels: tuple[Column, ...]
+    weight: Column | None
+
+
+@dataclass(frozen=True)
+class FitSpec:
+    """Everything the ranks need besides the framework's own objects: pickled into the run, a few KB."""
+
+    data: DataSpec
+    store: Store
+    run_id: str
+    epochs: int
+    start_epoch: int  # epochs a checkpoint already holds
+    resume_url: str | None  # that checkpoint's directory
+    batch_size: int
+    val_batch_size: int
+    shuffle: bool
+    seed: int
+    random_seed: int | None
+    train_steps_per_epoch: int | None
+    validation_steps_per_epoch: int | None
+    verbose: int
+    use_gpu: bool
+    backward_passes_per_step: int
+    batches_per_commit: int  # 0: no commits (no restarts to use them)
+    output_shapes: tuple[tuple[int, ...], ...]  # per label, per row, as the model's dry run gave them
+
+
+def _positive(who: str, name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{who}: {name} must be a positive int, got {value!r}.")
+
+
+class HorovodEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
+    """The shared ``fit``; a framework subclass supplies the model's part."""
+
+    _framework = ""
+    _extra_defaults: dict = {}  # the framework's own Params' defaults
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self._setDefault(**self._extra_defaults)
+        self._set_keywords(kwargs)
+
+    # ---- persistence ----
+
+    def write(self) -> Writer:
+        return Writer(self)
+
+    @classmethod
+    def read(cls) -> Reader:
+        return Reader(cls)
+
+    # ---- fit ----
+
+    def _fit(self, df):
+        who = f"{type(self).__name__}.fit"
+        self._check_params(who)
+        features, labels, weight = self._columns(df, who)
+        sample = df.select(*{c.name for c in (*features, *labels, *([weight] if weight else []))}).limit(1).collect()
+        if not sample:
+            raise ValueError(f"{who}: the DataFrame is empty: there is nothing to train on. Check the filters and "
+                             "joins that built it (df.count() is 0).")
+        features, labels = with_shapes(features, sample[0], who), with_shapes(labels, sample[0], who)
+        weight = with_shapes([weight], sample[0], who)[0] if weight else None
+        output_shapes = self._check_model(features, labels, weight, sample[0], who)
+        store = self.getStore()
+        store.check_writable()
+        run = RunDir(store, self.getRunId() or f"sparkhvd_{int(time.time())}_{uuid.uuid4().hex[:6]}")
+        run.claim(self._fingerprint(self.getModel()))
+        data = self._write_data(df, features, labels, weight, store, who)
+        return self._fit_data(data, run, output_shapes, who)
+
+    def fit_on_parquet(self, train_path: str, validation_path: str | None = None):
+        """Fit on Parquet files already written (numbers and arrays of numbers; no vectors): no DataFrame is written."""
+        from pyspark.sql import SparkSession
+
+        who = f"{type(self).__name__}.fit_on_parquet"
+        self._check_params(who, parquet=True)
+        spark = SparkSession.active()
+        df = spark.read.parquet(train_path)
+        features, labels, weight = self._columns(df, who)
+        for column in (*features, *labels, *([weight] if weight else [])):
+            if column.kind == "vector" or column.depth > 1:
+                raise ValueError(f"{who}: the column {column.name!r} is {column.spark_type}, which the readers cannot "
+                                 "take from Parquet as it is; write arrays of numbers (vector_to_array, flatten), or "
+                                 "call fit(df), which converts it.")
+        sample = df.limit(1).collect()
+        if not sample:
+            raise ValueError(f"{who}: {train_path!r} holds no rows: there is nothing to train on.")
+        features, labels = with_shapes(features, sample[0], who), with_shapes(labels, sample[0], who)
+        weight = with_shapes([weight], sample[0], who)[0] if weight else None
+        output_shapes = self._check_model(features, labels, weight, sample[0], who)
+        store = self.getStore()
+        store.check_writable()
+        run = RunDir(store, self.getRunId() or f"sparkhvd_{int(time.time())}_{uuid.uuid4().hex[:6]}")
+        run.claim(self._fingerprint(self.getModel()))
+        val_rows = spark.read.parquet(validation_path).count() if validation_path else 0
+        data = DataSpec(train_path, df.count(), validation_path, val_rows, tuple(features), tuple(labels), weight)
+        return self._fit_data(data, run, output_shapes, who)
+
+    def _check_params(self, who: str, parquet: bool = False) -> None:
+        if self.getModel() is None:
+            raise ValueError(f"{who}: no model; pass model= to the estimator.")
+        if not isinstance(self.getStore(), Store):
+            raise ValueError(f"{who}: store must be a sparkhvd.ml.Store, got {self.getStore()!r}; pass "
+                             "store=Store.create('/dbfs/tmp/hvd') (a path or URL every worker reaches).")
+        for name in ("feature_cols", "label_cols"):
+            if not self.getOrDefault(name):
+                raise ValueError(f"{who}: {name} is empty; pass the names of the columns to train on, e.g. "
+                                 f"{name}=['features'].")
+        overlap = set(self.getFeatureCols()) & set(self.getLabelCols())
+        if overlap:
+            raise ValueError(f"{who}: {sorted(overlap)} are both feature and label columns; a model must not see its "
+                             "labels as features.")
+        for name in ("batch_size", "epochs", "backward_passes_per_step", "batches_per_commit"):
+            _positive(who, name, self.getOrDefault(name))
+        for name in ("val_batch_size", "train_steps_per_epoch", "validation_steps_per_epoch"):
+            _positive(who, name, self.getOrDefault(name), allow_none=True)
+        num_proc = self.getNumProc()
+        if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc == 0):
+            raise ValueError(f"{who}: num_proc must be a non-zero int (negative: that many processes on the driver, "
+                             f"as HorovodRunner's np), got {num_proc!r}.")
+        validation = self.getValidation()
+        if parquet and validation is not None:
+            raise ValueError(f"{who}: validation={validation!r} applies to fit(df); pass validation_path= to "
+                             "fit_on_parquet instead.")
+        if isinstance(validation, numbers.Real) and not isinstance(validation, bool):
+            if not 0 <= validation < 1:
+                raise ValueError(f"{who}: validation={validation!r} must be a fraction in [0, 1) or a column name.")
+        elif validation is not None and not isinstance(validation, str):
+            raise ValueError(f"{who}: validation must be a fraction in [0, 1), a column name or None, got "
+                             f"{validation!r}.")
+
+    def _columns(self, df, who: str):
+        features = columns_of(df.schema, "feature_cols", self.getFeatureCols(), who)
+        labels = columns_of(df.schema, "label_cols", self.getLabelCols(), who)
+        weight_col = self.getSampleWeightCol()
+        weight = columns_of(df.schema, "sample_weight_col", [weight_col], who)[0] if weight_col else None
+        if weight is not None and weight.kind != "scalar":
+            raise ValueError(f"{who}: sample_weight_col {weight.name!r} is {weight.spark_type}; it must hold one "
+                             "number per row.")
+        if isinstance(self.getValidation(), str):
+            columns_of(df.schema, "validation", [self.getValidation()], who)
+        return features, labels, weight
+
+    def _write_data(self, df, features, labels, weight, store: Store, who: str) -> DataSpec:
+        """The training (and validation) rows as Parquet in the store, written once per DataFrame (the converter's
+        cache: a second fit of the same DataFrame writes nothing)."""
+        from pyspark.sql import functions as F
+
+        columns = [*features, *labels, *([weight] if weight else [])]
+
+        def select(frame):
+            chosen = []
+            for column in columns:
+                col = F.col(f"`{column.name}`")
+                for _ in range(column.depth - 1):  # tensors travel flat, and are reshaped on the ranks
+                    col = F.flatten(col)
+                chosen.append(col.alias(column.name))
+            return frame.select(*chosen)
+
+        validation, val = self.getValidation(), None
+        if isinstance(validation, str):
+            marked = F.coalesce(F.col(f"`{validation}`").cast("boolean"), F.lit(False))
+            train, val = select(df.filter(~marked)), select(df.filter(marked))
+        elif validation:
+            seed = self.getRandomSeed() if self.getRandomSeed() is not None else 0
+            train, val = select(df).randomSplit([1.0 - validation, validation], seed=seed)
+        else:
+            train = select(df)
+        parent = store.get_data_path()
+        converter = make_spark_converter(train, parent_cache_dir_url=parent)
+        ranks = abs(self._num_proc(df))
+        if len(converter) < ranks:
+            raise ValueError(f"{who}: the training data has {len(converter)} rows, fewer than the {ranks} ranks "
+                             "(num_proc); every rank needs rows: use fewer processes or more data.")
+        val_url, val_rows = None, 0
+        if val is not None:
+            val_converter = make_spark_converter(val, parent_cache_dir_url=parent)
+            if len(val_converter):
+                val_url, val_rows = val_converter.cache_dir_url, len(val_converter)
+        return DataSpec(converter.cache_dir_url, len(converter), val_url, val_rows, tuple(features), tuple(labels),
+                        weight)
+
+    def _num_proc(self, df=None) -> int:
+        if self.getNumProc() is not None:
+            return self.getNumProc()
+        from pyspark.sql import SparkSession
+
+        session = df.sparkSession if df is not None else SparkSession.active()
+        return session.sparkContext.defaultParallelism
+
+    def _fit_data(self, data: DataSpec, run: RunDir, output_shapes, who: str):
+        from ..runner import HorovodRunner
+
+        newest = run.newest()
+        start_epoch, resume_url = newest if newest else (0, None)
+        epochs = self.getEpochs()
+        if start_epoch > epochs:
+            raise ValueError(f"{who}: run_id={run.run_id!r} already trained {start_epoch} epochs, more than "
+                             f"epochs={epochs}; pass epochs>={start_epoch}, or a new run_id to start over.")
+        restarts = self.getMaxRestarts()
+        spec = FitSpec(
+            data=data, store=run.store, run_id=run.run_id, epochs=epochs, start_epoch=start_epoch,
+            resume_url=resume_url, batch_size=self.getBatchSize(),
+            val_batch_size=self.getValBatchSize() or self.getBatchSize(), shuffle=self.getShuffle(),
+            seed=self.getRandomSeed() if self.getRandomSeed() is not None else 0, random_seed=self.getRandomSeed(),
+            train_steps_per_epoch=self.getTrainStepsPerEpoch(),
+            validation_steps_per_epoch=self.getValidationStepsPerEpoch(), verbose=self.getVerbose(),
+            use_gpu=self.getUseGpu(), backward_passes_per_step=self.getBackwardPassesPerStep(),
+            batches_per_commit=self.getBatchesPerCommit() if restarts else 0, output_shapes=tuple(output_shapes))
+        self._write_initial(run)
+        runner = HorovodRunner(np=self._num_proc(), max_restarts=restarts)
+        self._configure(runner)
+        history = runner.run(self._train_function(), spec=spec, framework=self._framework_objects(spec))
+        model = self._fitted(run, spec, history)
+        _log_to_mlflow(model)
+        return model
+
+    # ---- the framework's part ----
+
+    def _check_model(self, features, labels, weight, row, who: str) -> list[tuple[int, ...]]:
+        """Run the model on ``row`` on the driver; return each output's per-row shape, or raise ValueError."""
+        raise NotImplementedError
+
+    def _fingerprint(self, model) -> dict:
+        raise NotImplementedError
+
+    def _write_initial(self, run: RunDir) -> None:
+        """Write what the ranks load (the model, its optimizer) into the run's directory."""
+        raise NotImplementedError
+
+    def _framework_objects(self, spec: FitSpec) -> dict:
+        """Small objects the ranks need (losses, metrics, callbacks), pickled into the launch."""
+        return {}
+
+    def _configure(self, runner) -> None:
+        """Adjust the runner's layout for the framework."""
+
+    def _train_function(self):
+        raise NotImplementedError
+
+    def _fitted(self, run: RunDir, spec: FitSpec, history):
+        raise NotImplementedError
+
+
+def _log_to_mlflow(model) -> None:
+    """Inside an active MLflow run, log the fitted model with its flavor's ``log_model``."""
+    import sys
+    import warnings
+
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is None or mlflow.active_run() is None:
+        return
+    try:
+        model._log_to_mlflow(mlflow)
+    except Exception as exc:  # noqa: BLE001 - the fit succeeded; a tracking server's failure must not lose it
+        warnings.warn(f"The fitted model was not logged to MLflow run {mlflow.active_run().info.run_id}: "
+                      f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)

@@ -1,0 +1,174 @@
+"""TorchEstimator's training loop, on every rank (horovod/spark/torch/remote.py's, on sparkhvd).
+
+Each rank loads the model and optimizer from the run's directory (a checkpoint's state on top
+when resuming), wraps the optimizer in ``hvd.DistributedOptimizer``, and trains under
+``hvd.elastic.run``: with restarts, the state (weights, optimizer, epoch, batch, the epoch's
+running sums) is committed every ``batches_per_commit`` steps, and a relaunched rank resumes the
+reader at the committed batch. Rank 0 writes a checkpoint after every epoch.
+"""
+
+from __future__ import annotations
+
+from ._batches import epoch_batches, steps
+from ._checkpoints import RunDir
+from ._estimator import FitSpec
+from ._torch import CHECKPOINT, INITIAL, as_outputs, feature_tensors, label_tensors, matched
+
+
+def _device(use_gpu: bool, hvd, torch):
+    if use_gpu and torch.cuda.is_available():
+        torch.cuda.set_device(hvd.local_rank())  # the rank's own GPU (the runner pins it)
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _load(spec: FitSpec, device, torch):
+    run = RunDir(spec.store, spec.run_id)
+    fs = spec.store.filesystem
+    with fs.open_input_file(spec.store.path_of(run.file_url(INITIAL))) as f:
+        initial = torch.load(f, map_location="cpu", weights_only=False)
+    model, optimizer = initial["model"], initial["optimizer"]
+    model.to(device)
+    history = []
+    if spec.resume_url is not None:
+        with fs.open_input_file(spec.store.path_of(f"{spec.resume_url}/{CHECKPOINT}")) as f:
+            state = torch.load(f, map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        history = state["history"]
+    return run, model, optimizer, history
+
+
+def _loss(losses, weights, outputs, labels, sample_weights):
+    """horovod.spark's loss: the weighted sum of each label's loss; with sample weights, each row's loss weighted."""
+    total = 0
+    for loss_fn, weight, output, label in zip(losses, weights, outputs, labels):
+        if sample_weights is None:
+            value = loss_fn(output, label)
+        else:
+            value = (loss_fn(output, label, reduction="none") * sample_weights.reshape(-1)).mean()
+        total = total + weight * value
+    return total
+
+
+def train(spec: FitSpec, framework: dict):
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    if spec.random_seed is not None:
+        torch.manual_seed(spec.random_seed)
+    device = _device(spec.use_gpu, hvd, torch)
+    run, model, optimizer, history = _load(spec, device, torch)
+    compression = framework["compression"] or hvd.Compression.none
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compression,
+                                         backward_passes_per_step=spec.backward_passes_per_step)
+    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, epoch=spec.start_epoch, batch=0,
+                                   steps=0, history=history, sums={})
+    data = spec.data
+    losses = framework["losses"]
+    loss_weights = framework["loss_weights"] or [1.0 / len(losses)] * len(losses)
+    metrics = framework["metrics"]
+    transform = framework["transformation_fn"]
+    input_shapes = framework["input_shapes"]
+
+    def tensors(batch):
+        if transform is not None:
+            batch = transform(batch)
+        inputs = feature_tensors(batch, data.features, input_shapes, torch, device)
+        labels = label_tensors(batch, data.labels, torch, device)
+        weights = None
+        if data.weight is not None:
+            weights = torch.as_tensor(batch[data.weight.name], dtype=torch.float32, device=device)
+        return inputs, labels, weights
+
+    names = ["loss"] + [metric.__name__ if len(data.labels) == 1 else f"{metric.__name__}_{column.name}"
+                        for metric in metrics for column in data.labels]
+
+    def add(sums: dict, rows: int, loss, outputs, labels) -> dict:
+        """``sums`` with a batch of ``rows`` rows added: its loss and metrics, weighted by rows."""
+        values = [float(loss)] + [float(metric(output, label)) for metric in metrics
+                                  for output, label in zip(outputs, labels)]
+        added = {"rows": sums.get("rows", 0) + rows}
+        added.update({name: sums.get(name, 0.0) + value * rows for name, value in zip(names, values)})
+        return added
+
+    def averaged(sums: dict) -> dict:
+        """The epoch's loss and metrics per row, over every rank's rows (the same names on every rank)."""
+        values = torch.tensor([float(sums.get("rows", 0))] + [float(sums.get(name, 0.0)) for name in names],
+                              dtype=torch.float64)
+        totals = hvd.allreduce(values, op=hvd.Sum, name="sparkhvd.ml.epoch_sums")
+        rows = max(totals[0].item(), 1.0)
+        return {name: totals[i + 1].item() / rows for i, name in enumerate(names)}
+
+    def validate(epoch: int) -> dict:
+        if data.val_url is None:
+            return {}
+        sums: dict = {}
+        model.eval()
+        with torch.no_grad():
+            batches = epoch_batches(data.val_url, data.val_rows, rank=hvd.rank(), ranks=hvd.size(), epoch=0,
+                                    batch_size=spec.val_batch_size, shuffle=False, seed=0, equal_steps=False)
+            for step, (_, batch) in enumerate(batches):
+                if spec.validation_steps_per_epoch is not None and step >= spec.validation_steps_per_epoch:
+                    break
+                inputs, labels, weights = tensors(batch)
+                outputs = as_outputs(model(*inputs))
+                labels = matched(outputs, labels)
+                sums = add(sums, len(inputs[0]), _loss(losses, loss_weights, outputs, labels, weights), outputs, labels)
+        return averaged(sums)
+
+    def checkpoint(epoch: int) -> None:
+        def write(out):
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
+                        "history": state.history}, out)
+
+        run.write_checkpoint(epoch, {CHECKPOINT: write})
+
+    @hvd.elastic.run
+    def loop(state):
+        per_epoch = steps(data.train_rows, hvd.size(), spec.batch_size)
+        if spec.train_steps_per_epoch is not None:
+            per_epoch = min(per_epoch, spec.train_steps_per_epoch)
+        for epoch in range(state.epoch, spec.epochs):
+            model.train()
+            done = state.steps
+            batches = epoch_batches(data.train_url, data.train_rows, rank=hvd.rank(), ranks=hvd.size(), epoch=epoch,
+                                    batch_size=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed, skip=state.batch)
+            for consumed, batch in batches:
+                if done >= per_epoch:
+                    break
+                inputs, labels, weights = tensors(batch)
+                outputs = as_outputs(model(*inputs))
+                labels = matched(outputs, labels)
+                loss = _loss(losses, loss_weights, outputs, labels, weights)
+                (loss / spec.backward_passes_per_step if spec.backward_passes_per_step > 1 else loss).backward()
+                done += 1
+                if done % spec.backward_passes_per_step == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+                state.sums = add(state.sums, len(inputs[0]), loss.detach(), [o.detach() for o in outputs], labels)
+                state.steps, state.batch = done, state.batch + consumed
+                if spec.batches_per_commit and done % spec.batches_per_commit == 0 \
+                        and done % spec.backward_passes_per_step == 0:
+                    state.commit()
+            entry = {"epoch": epoch, "train": averaged(state.sums)}
+            val = validate(epoch)
+            if val:
+                entry["validation"] = val
+            state.history = [*state.history, entry]
+            if spec.verbose and hvd.rank() == 0:
+                shown = ", ".join(f"{k} {v:.6g}" for k, v in entry["train"].items())
+                if val:
+                    shown += ", " + ", ".join(f"val_{k} {v:.6g}" for k, v in val.items())
+                print(f"epoch {epoch + 1}/{spec.epochs}: {shown}", flush=True)
+            state.epoch, state.batch, state.steps, state.sums = epoch + 1, 0, 0, {}
+            if hvd.rank() == 0:
+                checkpoint(epoch + 1)
+            if spec.batches_per_commit:
+                state.commit()
+        return state.history
+
+    history = loop(state)
+    return history if hvd.rank() == 0 else None
