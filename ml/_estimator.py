@@ -46,8 +46,7 @@ class FitSpec:
     store: Store
     run_id: str
     epochs: int
-    start_epoch: int  # epochs a checkpoint already holds
-    resume_url: str | None  # that checkpoint's directory
+    start_epoch: int  # epochs the run's newest checkpoint held when the fit began (the ranks look again: restarts)
     batch_size: int
     val_batch_size: int
     shuffle: bool
@@ -233,7 +232,7 @@ class HorovodEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         from ..runner import HorovodRunner
 
         newest = run.newest()
-        start_epoch, resume_url = newest if newest else (0, None)
+        start_epoch = newest[0] if newest else 0
         epochs = self.getEpochs()
         if start_epoch > epochs:
             raise ValueError(f"{who}: run_id={run.run_id!r} already trained {start_epoch} epochs, more than "
@@ -241,7 +240,7 @@ class HorovodEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         restarts = self.getMaxRestarts()
         spec = FitSpec(
             data=data, store=run.store, run_id=run.run_id, epochs=epochs, start_epoch=start_epoch,
-            resume_url=resume_url, batch_size=self.getBatchSize(),
+            batch_size=self.getBatchSize(),
             val_batch_size=self.getValBatchSize() or self.getBatchSize(), shuffle=self.getShuffle(),
             seed=self.getRandomSeed() if self.getRandomSeed() is not None else 0, random_seed=self.getRandomSeed(),
             train_steps_per_epoch=self.getTrainStepsPerEpoch(),

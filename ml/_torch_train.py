@@ -1,7 +1,7 @@
 """TorchEstimator's training loop, on every rank (horovod/spark/torch/remote.py's, on sparkhvd).
 
-Each rank loads the model and optimizer from the run's directory (a checkpoint's state on top
-when resuming), wraps the optimizer in ``hvd.DistributedOptimizer``, and trains under
+Each rank loads the model and optimizer from the run's directory (the newest checkpoint's state
+on top: the one the fit resumes, or one written since, after a restart), wraps the optimizer in ``hvd.DistributedOptimizer``, and trains under
 ``hvd.elastic.run``: with restarts, the state (weights, optimizer, epoch, batch, the epoch's
 running sums) is committed every ``batches_per_commit`` steps, and a relaunched rank resumes the
 reader at the committed batch. Rank 0 writes a checkpoint after every epoch.
@@ -29,14 +29,15 @@ def _load(spec: FitSpec, device, torch):
         initial = torch.load(f, map_location="cpu", weights_only=False)
     model, optimizer = initial["model"], initial["optimizer"]
     model.to(device)
-    history = []
-    if spec.resume_url is not None:
-        with fs.open_input_file(spec.store.path_of(f"{spec.resume_url}/{CHECKPOINT}")) as f:
+    epoch, history = 0, []
+    newest = run.newest()  # after a restart, this fit's own newest
+    if newest is not None:
+        with fs.open_input_file(spec.store.path_of(f"{newest[1]}/{CHECKPOINT}")) as f:
             state = torch.load(f, map_location=device, weights_only=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        history = state["history"]
-    return run, model, optimizer, history
+        epoch, history = state["epoch"], state["history"]
+    return run, model, optimizer, epoch, history
 
 
 def _loss(losses, weights, outputs, labels, sample_weights):
@@ -60,11 +61,11 @@ def train(spec: FitSpec, framework: dict):
     if spec.random_seed is not None:
         torch.manual_seed(spec.random_seed)
     device = _device(spec.use_gpu, hvd, torch)
-    run, model, optimizer, history = _load(spec, device, torch)
+    run, model, optimizer, start_epoch, history = _load(spec, device, torch)
     compression = framework["compression"] or hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compression,
                                          backward_passes_per_step=spec.backward_passes_per_step)
-    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, epoch=spec.start_epoch, batch=0,
+    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, epoch=start_epoch, batch=0,
                                    steps=0, history=history, sums={})
     data = spec.data
     losses = framework["losses"]
