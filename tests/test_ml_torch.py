@@ -1,0 +1,259 @@
+"""TorchEstimator and TorchModel on a real local[2] Spark session, real ranks (np=2) and real Parquet:
+
+- fit a DataFrame, transform it on the executors, save, load, transform again: identical predictions; the history
+  has every epoch's training and validation loss; a second fit of the same DataFrame writes no Parquet;
+- a fit resumed by run_id trains only the epochs left, and a rank killed mid-fit (a restart from the last commit,
+  or a failed fit fitted again) both end with the weights of an uninterrupted fit, bit for bit;
+- several labels, a tensor column with input_shapes, an ML vector label, integer class labels;
+- a Pipeline with the estimator fits, saves and loads;
+- every bad input fails before the barrier stage launches, with one sentence.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import cloudpickle
+import numpy as np
+import pytest
+import torch
+
+from sparkhvd.ml import Store, TorchEstimator, TorchModel
+from sparkhvd.runner import HorovodRunError
+
+ROWS = 96
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks and executors cannot import this file
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+@pytest.fixture(scope="module")
+def df(spark):
+    from pyspark.ml.linalg import Vectors
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, 3))
+    y = x @ np.array([0.5, -1.0, 2.0]) + 0.1
+    rows = [(Vectors.dense(x[i]), float(y[i]), [float(v) for v in x[i]], int(i % 3), bool(i % 4 == 0))
+            for i in range(ROWS)]
+    frame = spark.createDataFrame(rows, ["features", "y", "xs", "k", "held_out"])
+    return frame.cache()
+
+
+def _estimator(tmp_path, net=None, **kw):
+    net = net or _net()
+    args = dict(num_proc=2, store=Store.create(str(tmp_path / "store")), model=net,
+                optimizer=torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+                loss=torch.nn.functional.mse_loss, feature_cols=["features"], label_cols=["y"], batch_size=10,
+                epochs=2, random_seed=1, verbose=0)
+    args.update(kw)
+    return TorchEstimator(**args)
+
+
+def _weights(model) -> list:
+    return [t.detach().clone() for t in model.getModel().state_dict().values()]
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def fitted(df, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fit")
+    model = _estimator(root, validation=0.25, run_id="first").fit(df)
+    return root, model
+
+
+def test_fit_transform_save_load_transform_again(df, fitted):
+    root, model = fitted
+    history = model.getHistory()
+    assert [entry["epoch"] for entry in history] == [0, 1]
+    assert all(set(entry) == {"epoch", "train", "validation"} and np.isfinite(entry["train"]["loss"])
+               and np.isfinite(entry["validation"]["loss"]) for entry in history)
+    assert history[1]["train"]["loss"] < history[0]["train"]["loss"]
+    out = model.transform(df).select("y", "y__output").collect()
+    assert len(out) == ROWS and all(isinstance(r.y__output, float) for r in out)
+    # what the executors predicted is what the model computes here
+    local = model.getModel()(torch.tensor(np.array([r.features.toArray() for r in df.select("features").collect()]),
+                                          dtype=torch.float32)).detach().numpy().reshape(-1)
+    np.testing.assert_allclose([r.y__output for r in out], local, rtol=1e-6)
+    path = str(root / "saved")
+    model.write().overwrite().save(path)
+    model.write().overwrite().save(path)  # overwrite replaces
+    with pytest.raises(FileExistsError, match=r"already exists; save with TorchModel.write\(\).overwrite\(\).save"):
+        model.write().save(path)
+    loaded = TorchModel.load(path)
+    assert loaded.getHistory() == history and loaded.getRunId() == "first"
+    again = loaded.transform(df).select("y__output").collect()
+    assert [r.y__output for r in again] == [r.y__output for r in out]
+
+
+def test_a_second_fit_of_the_same_dataframe_writes_no_parquet(df, fitted):
+    root, _ = fitted
+    data = root / "store" / "intermediate_train_data"
+    before = sorted(p.name for p in data.iterdir())
+    assert len(before) == 2  # the training and the validation rows
+    _estimator(root, validation=0.25, run_id="second", epochs=1).fit(df)
+    assert sorted(p.name for p in data.iterdir()) == before
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(df, tmp_path_factory):
+    """Four epochs in one fit: the weights every interrupted fit below must end with."""
+    return _weights(_estimator(tmp_path_factory.mktemp("whole"), epochs=4, run_id="whole").fit(df))
+
+
+def test_a_fit_resumed_by_run_id_trains_only_the_epochs_left(df, tmp_path, uninterrupted):
+    first = _estimator(tmp_path, epochs=2, run_id="resumed").fit(df)
+    assert len(first.getHistory()) == 2
+    second = _estimator(tmp_path, epochs=4, run_id="resumed").fit(df)
+    assert [e["epoch"] for e in second.getHistory()] == [0, 1, 2, 3]
+    assert second.getHistory()[:2] == first.getHistory()
+    assert _same(_weights(second), uninterrupted)
+
+
+def _killing_loss(flag: str, at_call: int):
+    """mse_loss, but the rank whose call count reaches ``at_call`` first (once, across restarts) is killed."""
+    calls = [0]
+
+    def loss(output, label):
+        calls[0] += 1
+        if calls[0] == at_call and not os.path.exists(flag):
+            open(flag, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.nn.functional.mse_loss(output, label)
+
+    return loss
+
+
+def test_a_rank_killed_mid_fit_restarts_from_the_last_commit_with_the_weights_of_an_uninterrupted_fit(
+        df, tmp_path, uninterrupted):
+    # 5 steps per epoch and rank (48 rows, batches of 10), committed every 3; the loss ran once in the driver's dry run,
+    # so call 10 is step 4 of epoch 1: killed there, the ranks resume from the commit of step 3
+    est = _estimator(tmp_path, epochs=4, run_id="restarted", max_restarts=1, batches_per_commit=3,
+                     loss=_killing_loss(str(tmp_path / "killed"), at_call=10))
+    model = est.fit(df)
+    assert os.path.exists(tmp_path / "killed")
+    assert _same(_weights(model), uninterrupted)
+
+
+def test_a_fit_killed_mid_run_and_fitted_again_resumes_from_its_last_checkpoint(df, tmp_path, uninterrupted):
+    est = _estimator(tmp_path, epochs=4, run_id="killed", loss=_killing_loss(str(tmp_path / "killed"), at_call=10))
+    with pytest.raises(HorovodRunError, match=r"killed by signal 9"):
+        est.fit(df)
+    assert _same(_weights(est.fit(df)), uninterrupted)
+
+
+class _TwoHeads(torch.nn.Module):
+    """A tensor feature (2x3 per row) in, a vector (3 values) and a class score (3 classes) out."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.body(x.reshape(len(x), 6))
+        return h[:, :3], h[:, 3:]
+
+
+def test_several_labels_a_tensor_column_a_vector_label_and_class_indices(spark, df, tmp_path):
+    from pyspark.sql import functions as F
+
+    frame = df.select(F.array(F.col("xs"), F.col("xs")).alias("tensor"), F.col("features").alias("target"), "k")
+    net = _TwoHeads()
+    est = _estimator(tmp_path, net=net, feature_cols=["tensor"], label_cols=["target", "k"],
+                     input_shapes=[[-1, 2, 3]], loss=[torch.nn.functional.mse_loss, torch.nn.functional.cross_entropy],
+                     loss_weights=[1.0, 0.5], metrics=[_mean_abs], epochs=1)
+    model = est.fit(frame)
+    assert set(model.getHistory()[0]["train"]) == {"loss", "_mean_abs_target", "_mean_abs_k"}
+    out = model.transform(frame).select("target__output", "k__output").collect()
+    assert type(out[0].target__output).__name__ == "DenseVector" and len(out[0].target__output) == 3
+    assert isinstance(out[0].k__output, list) and len(out[0].k__output) == 3  # the 3 class scores
+
+
+def _mean_abs(output, label):
+    return (output.float() - label.float().reshape(len(label), -1)[:, :1]).abs().mean()
+
+
+def test_a_pipeline_with_the_estimator_fits_saves_and_loads(spark, df, tmp_path):
+    from pyspark.ml import Pipeline, PipelineModel
+    from pyspark.ml.feature import VectorAssembler
+
+    frame = df.select(*_abc(), "y")
+    pipeline = Pipeline(stages=[VectorAssembler(inputCols=["a", "b", "c"], outputCol="assembled"),
+                                _estimator(tmp_path, feature_cols=["assembled"], epochs=1)])
+    fitted = pipeline.fit(frame)
+    out = [r.y__output for r in fitted.transform(frame).select("y__output").collect()]
+    fitted.write().overwrite().save(str(tmp_path / "pipeline"))
+    loaded = PipelineModel.load(str(tmp_path / "pipeline"))
+    assert [r.y__output for r in loaded.transform(frame).select("y__output").collect()] == out
+    pipeline.write().overwrite().save(str(tmp_path / "unfitted"))
+    assert type(Pipeline.load(str(tmp_path / "unfitted")).getStages()[1]).__name__ == "TorchEstimator"
+
+
+def _abc():
+    """Three number columns a, b, c from the array column xs."""
+    from pyspark.sql import functions as F
+
+    return [F.col("xs")[i].alias(name) for i, name in enumerate("abc")]
+
+
+# ---- bad input fails before the barrier stage launches ----
+
+def _fails(est, frame, match, error=ValueError):
+    with pytest.raises(error, match=match):
+        est.fit(frame)
+
+
+def test_bad_input_fails_before_launch_with_one_sentence(spark, df, tmp_path, rank_processes):
+    from pyspark.sql import functions as F
+
+    _fails(_estimator(tmp_path, feature_cols=["nope"]), df,
+           r"TorchEstimator.fit: feature_cols names the column 'nope', which the DataFrame does not have; its columns "
+           r"are \['features', 'held_out', 'k', 'xs', 'y'\]")
+    _fails(_estimator(tmp_path), df.withColumn("y", F.lit("text")),
+           r"the label_cols column 'y' has type string, which a model cannot take")
+    _fails(_estimator(tmp_path), df.limit(0), r"TorchEstimator.fit: the DataFrame is empty: there is nothing to train on")
+    _fails(_estimator(tmp_path, net=torch.nn.Linear(3, 2)), df,
+           r"the model's output for label 'y' has shape \(2,\) per row \(2 values\), but the label has shape \(\) \(1 "
+           r"values\); make the model's last layer match the label")
+    _fails(_estimator(tmp_path, net=torch.nn.Linear(4, 1)), df,
+           r"the model fails on the first row of the DataFrame \(inputs of shapes \[\(1, 3\)\] from feature_cols "
+           r"\['features'\]\): RuntimeError")
+    _fails(_estimator(tmp_path, label_cols=["y", "k"]), df,
+           r"the model returns 1 output\(s\), but label_cols has 2 column\(s\) \['y', 'k'\]")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    _fails(_estimator(tmp_path, store=Store.create(str(blocker / "store"))), df,
+           r"The store '.*a-file/store' cannot be written", OSError)
+    _estimator(tmp_path, run_id="taken", epochs=1, num_proc=-1).fit(df)
+    _fails(_estimator(tmp_path, run_id="taken", net=torch.nn.Sequential(torch.nn.Linear(3, 1))), df,
+           r"run_id='taken' in the store .* holds checkpoints of another model")
+    _fails(_estimator(tmp_path, validation=1.5), df, r"validation=1.5 must be a fraction in \[0, 1\) or a column name")
+    _fails(_estimator(tmp_path, batch_size=0), df, r"batch_size must be a positive int, got 0")
+    _fails(_estimator(tmp_path, feature_cols=["y"]), df, r"\['y'\] are both feature and label columns")
+    _fails(_estimator(tmp_path, optimizer=torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1)), df,
+           r"the optimizer holds none of the model's parameters")
+    _fails(_estimator(tmp_path, store="/tmp/x"), df, r"store must be a sparkhvd.ml.Store, got '/tmp/x'")
+    with pytest.raises(TypeError, match=r"TorchEstimator got unknown parameter\(s\) \['lr'\]; its parameters are: "):
+        _estimator(tmp_path, lr=0.1)
+    assert rank_processes() == []
+
+
+def test_a_validation_column_and_fit_on_parquet(spark, df, tmp_path):
+    est = _estimator(tmp_path, validation="held_out", epochs=1, num_proc=-1)
+    assert "validation" in est.fit(df).getHistory()[0]
+    path = str(tmp_path / "parquet")
+    df.select("xs", "y").write.parquet(path)
+    model = _estimator(tmp_path, feature_cols=["xs"], epochs=1, num_proc=-1).fit_on_parquet(path)
+    assert len(model.transform(df).select("y__output").collect()) == ROWS
+    with pytest.raises(ValueError, match=r"the column 'features' is vector, which the readers cannot take from Parquet"):
+        df.select("features", "y").write.parquet(str(tmp_path / "vectors"))
+        _estimator(tmp_path, epochs=1).fit_on_parquet(str(tmp_path / "vectors"))
