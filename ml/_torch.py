@@ -73,6 +73,47 @@ def input_shapes_of(features, given) -> tuple:
     return tuple(column.shape or (1,) for column in features)
 
 
+def dry_run(model, features, labels, row, given_shapes, who: str):
+    """Run ``model`` on the first ``row`` on the driver, as the ranks will: ``(outputs, labels, per-row output shapes)``,
+    or ValueError where the outputs do not match the label columns (their number, or each one's size)."""
+    import torch
+
+    shapes = input_shapes_of(features, given_shapes)
+    batch = {c.name: np.asarray([row[c.name].toArray() if c.kind == "vector" else row[c.name]]) for c in
+             (*features, *labels)}
+    try:
+        inputs = feature_tensors(batch, features, shapes, torch)
+    except ValueError as exc:
+        raise ValueError(f"{who}: the feature columns do not fit input_shapes={given_shapes!r} ({exc}); give each "
+                         "feature column's shape, batch dimension first.") from exc
+    label_values = label_tensors(batch, labels, torch)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            outputs = as_outputs(model(*inputs))
+    except Exception as exc:
+        raise ValueError(f"{who}: the model fails on the first row of the DataFrame (inputs of shapes "
+                         f"{[tuple(x.shape) for x in inputs]} from feature_cols {[c.name for c in features]}): "
+                         f"{type(exc).__name__}: {exc}. Fix feature_cols or input_shapes.") from exc
+    finally:
+        model.train(was_training)
+    if len(outputs) != len(labels):
+        raise ValueError(f"{who}: the model returns {len(outputs)} output(s), but label_cols has {len(labels)} "
+                         f"column(s) {[c.name for c in labels]}; return one output per label column.")
+    output_shapes = []
+    for output, column in zip(outputs, labels):
+        per_row = tuple(output.shape[1:])
+        classes = column.integer and column.shape == () and output.dim() == 2  # class scores for a class index
+        if numel(per_row) != numel(column.shape) and not classes:
+            raise ValueError(
+                f"{who}: the model's output for label {column.name!r} has shape {per_row} per row "
+                f"({numel(per_row)} values), but the label has shape {column.shape} ({numel(column.shape)} "
+                "values); make the model's last layer match the label, or pass the matching label column.")
+        output_shapes.append(per_row)
+    return outputs, label_values, output_shapes
+
+
 @_accessors
 class TorchEstimator(HorovodEstimator):
     """horovod.spark's ``TorchEstimator``: fit a DataFrame with a torch model, get a ``TorchModel``.
@@ -119,42 +160,8 @@ class TorchEstimator(HorovodEstimator):
                              "columns; pass one function, or one per label column.")
 
     def _check_model(self, features, labels, weight, row, who: str):
-        import torch
-
-        model = self.getModel()
-        shapes = input_shapes_of(features, self.getInputShapes())
-        batch = {c.name: np.asarray([row[c.name].toArray() if c.kind == "vector" else row[c.name]]) for c in
-                 (*features, *labels)}
-        try:
-            inputs = feature_tensors(batch, features, shapes, torch)
-        except ValueError as exc:
-            raise ValueError(f"{who}: the feature columns do not fit input_shapes={self.getInputShapes()!r} "
-                             f"({exc}); give each feature column's shape, batch dimension first.") from exc
-        label_values = label_tensors(batch, labels, torch)
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                outputs = as_outputs(model(*inputs))
-        except Exception as exc:
-            raise ValueError(f"{who}: the model fails on the first row of the DataFrame (inputs of shapes "
-                             f"{[tuple(x.shape) for x in inputs]} from feature_cols {[c.name for c in features]}): "
-                             f"{type(exc).__name__}: {exc}. Fix feature_cols or input_shapes.") from exc
-        finally:
-            model.train(was_training)
-        if len(outputs) != len(labels):
-            raise ValueError(f"{who}: the model returns {len(outputs)} output(s), but label_cols has {len(labels)} "
-                             f"column(s) {[c.name for c in labels]}; return one output per label column.")
-        output_shapes = []
-        for output, label, column in zip(outputs, label_values, labels):
-            per_row = tuple(output.shape[1:])
-            classes = column.integer and column.shape == () and output.dim() == 2  # class scores for a class index
-            if numel(per_row) != numel(column.shape) and not classes:
-                raise ValueError(
-                    f"{who}: the model's output for label {column.name!r} has shape {per_row} per row "
-                    f"({numel(per_row)} values), but the label has shape {column.shape} ({numel(column.shape)} "
-                    "values); make the model's last layer match the label, or pass the matching label column.")
-            output_shapes.append(per_row)
+        outputs, label_values, output_shapes = dry_run(self.getModel(), features, labels, row, self.getInputShapes(),
+                                                       who)
         losses = self._losses()
         try:
             for loss, output, label in zip(losses, outputs, matched(outputs, label_values)):

@@ -1,0 +1,143 @@
+"""KerasEstimator's training, on every rank (horovod/spark/keras/remote.py's, on sparkhvd): ``model.fit`` on the shards.
+
+Each rank loads the model from the run's newest complete checkpoint (``checkpoint.keras``, with
+its optimizer's state, and ``state.json``: the epochs done and the history), or else from
+``initial.keras``, wraps its optimizer in ``hvd.DistributedOptimizer`` (in place: the compiled
+loss and metrics stay), and runs ``model.fit`` from the next epoch on a ``tf.data`` stream of its
+shard (``_batches.epoch_batches``: every row once per epoch, the same steps on every rank).
+Every rank starts from rank 0's weights (BroadcastGlobalVariablesCallback) and logs the metrics
+averaged over the ranks (MetricAverageCallback); rank 0 writes a checkpoint after every epoch, so
+a restarted or resumed fit goes on from the last finished epoch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+
+import numpy as np
+
+from ._batches import epoch_batches, steps
+from ._checkpoints import RunDir
+from ._estimator import FitSpec
+from ._keras import CHECKPOINT, INITIAL, STATE, keras_bytes, load_keras
+
+
+def _load(spec: FitSpec, hvd, custom_objects: dict):
+    """The model to train, the epochs done and the history: rank 0's view of the run's newest checkpoint."""
+    run = RunDir(spec.store, spec.run_id)
+    newest = hvd.broadcast_object(run.newest() if hvd.rank() == 0 else None, 0, name="sparkhvd.ml.keras_newest")
+    if newest is None:
+        data, epoch, history = spec.store.read(run.file_url(INITIAL)), 0, []
+    else:
+        data = spec.store.read(f"{newest[1]}/{CHECKPOINT}")
+        state = json.loads(spec.store.read(f"{newest[1]}/{STATE}"))
+        epoch, history = state["epoch"], state["history"]
+    model = load_keras(data, custom_objects)
+    if getattr(model, "optimizer", None) is None:
+        raise RuntimeError(f"The model loaded from {newest[1] if newest else run.file_url(INITIAL)} is not compiled "
+                           "(Keras could not rebuild its optimizer, loss or metrics); pass their custom classes and "
+                           "functions as custom_objects= to the estimator.")
+    return run, model, epoch, history
+
+
+def _shapes(data, output_shapes) -> tuple[list, list]:
+    """Per feature, per label: the per-row shape the model takes and its output matches."""
+    features = [column.shape or (1,) for column in data.features]
+    labels = [tuple(out) if math.prod(out) == math.prod(column.shape) else column.shape
+              for column, out in zip(data.labels, output_shapes)]  # else class scores for a class index
+    return features, labels
+
+
+def train(spec: FitSpec, framework: dict):
+    import tensorflow as tf
+
+    if not spec.use_gpu:
+        tf.config.set_visible_devices([], "GPU")  # before TensorFlow initialises its devices
+    import keras
+
+    import sparkhvd.collective.keras as hvd
+
+    hvd.init()
+    if spec.random_seed is not None:
+        keras.utils.set_random_seed(spec.random_seed)
+    run, model, start, history = _load(spec, hvd, framework["custom_objects"])
+    model.jit_compile = False  # DistributedOptimizer's averaging runs outside XLA
+    hvd.DistributedOptimizer(model.optimizer, compression=framework["compression"] or hvd.Compression.none)
+    data, rank, size = spec.data, hvd.rank(), hvd.size()
+    transform = framework["transformation_fn"]
+    feature_shapes, label_shapes = _shapes(data, spec.output_shapes)
+
+    def arrays(batch: dict) -> tuple:
+        if transform is not None:
+            batch = transform(batch)
+        xs = tuple(np.asarray(batch[c.name], dtype=np.float32).reshape((len(batch[c.name]), *shape))
+                   for c, shape in zip(data.features, feature_shapes))
+        ys = tuple(np.asarray(batch[c.name], dtype=np.int64 if c.integer else np.float32)
+                   .reshape((len(batch[c.name]), *shape)) for c, shape in zip(data.labels, label_shapes))
+        out = (xs[0] if len(xs) == 1 else xs, ys[0] if len(ys) == 1 else ys)
+        if data.weight is not None:
+            out += (np.asarray(batch[data.weight.name], dtype=np.float32).reshape(-1),)
+        return out
+
+    def signature() -> tuple:
+        xs = tuple(tf.TensorSpec((None, *shape), tf.float32) for shape in feature_shapes)
+        ys = tuple(tf.TensorSpec((None, *shape), tf.int64 if c.integer else tf.float32)
+                   for c, shape in zip(data.labels, label_shapes))
+        out = (xs[0] if len(xs) == 1 else xs, ys[0] if len(ys) == 1 else ys)
+        return out + ((tf.TensorSpec((None,), tf.float32),) if data.weight is not None else ())
+
+    def batches(url, rows, epoch, batch_size, shuffle, limit):
+        with contextlib.closing(epoch_batches(url, rows, rank=rank, ranks=size, epoch=epoch, batch_size=batch_size,
+                                              shuffle=shuffle, seed=spec.seed)) as read:
+            for step, (_, batch) in enumerate(read):
+                if step >= limit:
+                    break
+                yield arrays(batch)
+
+    per_epoch = steps(data.train_rows, size, spec.batch_size)
+    per_epoch = min(per_epoch, spec.train_steps_per_epoch or per_epoch)
+
+    def train_stream():  # every epoch in one stream: with steps_per_epoch, Keras goes on with the same iterator
+        for epoch in range(start, spec.epochs):
+            yield from batches(data.train_url, data.train_rows, epoch, spec.batch_size, spec.shuffle, per_epoch)
+
+    def dataset(generator):
+        return tf.data.Dataset.from_generator(generator, output_signature=signature()).prefetch(2)
+
+    validation, val_steps = None, None
+    if data.val_url is not None and data.val_rows >= size:  # every rank the same validation steps: the averaging
+        val_steps = steps(data.val_rows, size, spec.val_batch_size)
+        val_steps = min(val_steps, spec.validation_steps_per_epoch or val_steps)
+        validation = dataset(lambda: batches(data.val_url, data.val_rows, 0, spec.val_batch_size, False, val_steps))
+    elif data.val_url is not None and rank == 0 and spec.verbose:
+        print(f"The validation data has {data.val_rows} row(s), fewer than the {size} ranks; training without "
+              "validation: hold out more rows (a larger validation fraction) or use fewer processes.", flush=True)
+
+    class Checkpoint(keras.callbacks.Callback):
+        """Each epoch's history entry; on rank 0 the line and the checkpoint. After MetricAverageCallback."""
+
+        def on_epoch_end(self, epoch, logs=None):
+            logs = {k: float(np.asarray(v)) for k, v in (logs or {}).items()}
+            entry = {"epoch": epoch, "train": {k: v for k, v in logs.items() if not k.startswith("val_")}}
+            val = {k[len("val_"):]: v for k, v in logs.items() if k.startswith("val_")}
+            if val:
+                entry["validation"] = val
+            history.append(entry)
+            if rank != 0:
+                return
+            if spec.verbose:
+                shown = ", ".join(f"{k} {v:.6g}" for k, v in logs.items())
+                print(f"epoch {epoch + 1}/{spec.epochs}: {shown}", flush=True)
+            saved = keras_bytes(self.model)
+            state = json.dumps({"epoch": epoch + 1, "history": history}).encode()
+            run.write_checkpoint(epoch + 1, {CHECKPOINT: lambda out: out.write(saved),
+                                             STATE: lambda out: out.write(state)})
+
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
+                 *framework["callbacks"], Checkpoint()]
+    if start < spec.epochs:
+        model.fit(dataset(train_stream), epochs=spec.epochs, initial_epoch=start, steps_per_epoch=per_epoch,
+                  validation_data=validation, validation_steps=val_steps, callbacks=callbacks, verbose=0)
+    return history if rank == 0 else None

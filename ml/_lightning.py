@@ -1,0 +1,115 @@
+"""``LightningEstimator`` and ``LightningModel``: horovod.spark.lightning's, on Lightning 2's own DDP.
+
+``LightningEstimator(model=module, ...)`` trains a ``LightningModule`` with ``Trainer(strategy="ddp")``
+on ``num_proc`` ranks, each its own node (the TorchDistributor drop-in's layout: ``devices=1``,
+``num_nodes=num_proc``), which Lightning finds through torchrun's variables. The module's
+``training_step`` gets each batch as a dict ``{column: tensor}`` (features float32, integer labels
+int64); its ``configure_optimizers`` and logged metrics are its own. The rank side is
+``_lightning_train.py``; the fitted ``LightningModel`` predicts with the module's ``forward``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import cloudpickle
+
+from ..runner._framework_env import NODE_PER_TASK
+from ._checkpoints import RunDir
+from ._estimator import FitSpec, HorovodEstimator
+from ._params import _accessors, _p
+from ._torch import INITIAL, MODEL, TorchModel, dry_run, fingerprint, input_shapes_of, metadata
+
+CHECKPOINT = "checkpoint.ckpt"  # Lightning's own checkpoint (trainer.save_checkpoint), in each checkpoint directory
+
+
+def lightning():
+    """``lightning.pytorch``, or the sentence that says how to install it."""
+    try:
+        import lightning.pytorch as pl
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError("Lightning isn't installed: pip install lightning") from exc
+    return pl
+
+
+@_accessors
+class LightningEstimator(HorovodEstimator):
+    """horovod.spark's ``LightningEstimator``: fit a DataFrame with a ``LightningModule``, get a ``LightningModel``.
+
+    ``trainer_args``: more ``lightning.Trainer`` arguments (``gradient_clip_val``, ``precision``, ...).
+    ``callbacks``: Lightning callbacks. ``input_shapes``: as TorchEstimator's, for the forward pass
+    that ``transform`` runs. See docs/ml.md.
+    """
+
+    _framework = "lightning"
+    input_shapes = _p("input_shapes", "per feature column, the shape forward() takes, batch dimension first")
+    trainer_args = _p("trainer_args", "more lightning.Trainer arguments, as a dict")
+    _extra_defaults = {"input_shapes": None, "trainer_args": None}
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+
+    def _fingerprint(self, model) -> dict:
+        return {**fingerprint(model), "framework": "lightning"}
+
+    def _check_params(self, who: str, parquet: bool = False) -> None:
+        super()._check_params(who, parquet)
+        pl = lightning()
+        if not isinstance(self.getModel(), pl.LightningModule):
+            raise ValueError(f"{who}: model must be a lightning.pytorch.LightningModule, got "
+                             f"{type(self.getModel()).__name__}; for a plain nn.Module use TorchEstimator.")
+        if self.getOptimizer() is not None or self.getLoss() is not None:
+            raise ValueError(f"{who}: a LightningModule brings its own optimizer (configure_optimizers) and loss "
+                             "(training_step); drop optimizer= and loss=.")
+        reserved = {"strategy", "devices", "num_nodes", "max_epochs", "callbacks"} & set(self.getTrainerArgs() or {})
+        if reserved:
+            raise ValueError(f"{who}: trainer_args sets {sorted(reserved)}, which the estimator sets (num_proc, epochs, "
+                             "callbacks=); pass them as the estimator's own parameters.")
+
+    def _check_model(self, features, labels, weight, row, who: str):
+        return dry_run(self.getModel(), features, labels, row, self.getInputShapes(), who)[2]
+
+    def _write_initial(self, run: RunDir) -> None:
+        import torch
+
+        with run.store.open_output(run.file_url(INITIAL)) as out:
+            torch.save({"model": self.getModel()}, out, pickle_module=cloudpickle)
+
+    def _framework_objects(self, spec: FitSpec) -> dict:
+        return {"callbacks": list(self.getCallbacks()), "trainer_args": dict(self.getTrainerArgs() or {}),
+                "transformation_fn": self.getTransformationFn(),
+                "input_shapes": input_shapes_of(spec.data.features, self.getInputShapes())}
+
+    def _configure(self, runner) -> None:
+        runner.config._layout = NODE_PER_TASK  # Trainer(devices=1, num_nodes=num_proc) on any placement
+
+    def _train_function(self):
+        from ._lightning_train import train
+
+        return train
+
+    def _fitted(self, run: RunDir, spec: FitSpec, history) -> LightningModel:
+        import torch
+
+        newest = run.newest()
+        if newest is None or newest[0] != spec.epochs:
+            raise RuntimeError(f"The run {run.run_id!r} ended without its checkpoint of epoch {spec.epochs} in "
+                               f"{run.checkpoints_url}; fit again with the same run_id to resume it.")
+        with run.store.filesystem.open_input_file(run.store.path_of(f"{newest[1]}/{CHECKPOINT}")) as f:
+            state = torch.load(f, map_location="cpu", weights_only=False)
+        model = copy.deepcopy(self.getModel())
+        model.load_state_dict(state["state_dict"])
+        model.eval()
+        fitted = LightningModel(model=model, history=state["sparkhvd_history"], feature_columns=self.getFeatureCols(),
+                                label_columns=self.getLabelCols(), run_id=run.run_id,
+                                input_shapes=self.getInputShapes(), _metadata=metadata(spec))
+        model_url = run.file_url(MODEL)
+        with run.store.open_output(model_url) as out:
+            torch.save(model, out, pickle_module=cloudpickle)
+        fitted._use_file(model_url)
+        return fitted
+
+
+@_accessors
+class LightningModel(TorchModel):
+    """horovod.spark's ``LightningModel``: ``transform(df)`` runs the module's ``forward`` on the executors."""

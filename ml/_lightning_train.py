@@ -1,0 +1,137 @@
+"""LightningEstimator's training, on every rank: Lightning's own ``Trainer`` with DDP over the runner's ranks.
+
+Each rank loads the module from the run's directory and hands ``trainer.fit`` the newest
+checkpoint (Lightning resumes its epoch, optimizer and loops from it; after a restart, the
+newest one this fit wrote). The loaders yield this rank's batches of the epoch Lightning is in,
+every row once and the same number of steps on every rank. After each epoch rank 0 writes
+Lightning's checkpoint, with the history so far, into the store.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from .._common import settings
+from ._batches import epoch_batches, steps
+from ._checkpoints import RunDir
+from ._estimator import FitSpec
+from ._lightning import CHECKPOINT, lightning
+from ._torch import INITIAL
+
+
+class _Loader:
+    """This rank's batches of the trainer's current epoch, as dicts of tensors: what training_step gets."""
+
+    def __init__(self, spec: FitSpec, url: str, rows: int, batch_size: int, shuffle: bool, framework: dict, torch):
+        self.spec, self.url, self.rows, self.batch_size, self.shuffle = spec, url, rows, batch_size, shuffle
+        self.framework, self.torch = framework, torch
+        self.trainer = None  # set by the callback at setup: the epoch, rank and size come from it
+        self.epoch_offset = 0  # validation reads epoch 0 every time (no shuffle): the same rows each epoch
+
+    def __len__(self) -> int:
+        return steps(self.rows, self.trainer.world_size, self.batch_size)
+
+    def __iter__(self):
+        data, trainer, torch = self.spec.data, self.trainer, self.torch
+        shapes = dict(zip((c.name for c in data.features), self.framework["input_shapes"]))
+        transform = self.framework["transformation_fn"]
+        epoch = trainer.current_epoch if self.shuffle else 0
+        for _, batch in epoch_batches(self.url, self.rows, rank=trainer.global_rank, ranks=trainer.world_size,
+                                      epoch=epoch, batch_size=self.batch_size, shuffle=self.shuffle,
+                                      seed=self.spec.seed):
+            if transform is not None:
+                batch = transform(batch)
+            yield {name: _tensor(values, shapes.get(name), data, name, torch) for name, values in batch.items()}
+
+
+def _tensor(values, shape, data, name, torch):
+    import numpy as np
+
+    labels = {c.name: c for c in data.labels}
+    if name in labels:
+        dtype, shape = (np.int64 if labels[name].integer else np.float32), labels[name].shape
+    else:
+        dtype, shape = np.float32, shape if shape is not None else ()
+    array = np.ascontiguousarray(values, dtype=dtype)
+    if not array.flags.writeable:
+        array = array.copy()
+    return torch.from_numpy(array.reshape((len(array), *shape)))
+
+
+def train(spec: FitSpec, framework: dict):
+    import torch
+
+    pl = lightning()
+    run = RunDir(spec.store, spec.run_id)
+    fs = spec.store.filesystem
+    with fs.open_input_file(spec.store.path_of(run.file_url(INITIAL))) as f:
+        module = torch.load(f, map_location="cpu", weights_only=False)["model"]
+    if spec.random_seed is not None:
+        pl.seed_everything(spec.random_seed, workers=True, verbose=False)
+    data = spec.data
+    train_loader = _Loader(spec, data.train_url, data.train_rows, spec.batch_size, spec.shuffle, framework, torch)
+    val_loader = None
+    world = settings.WORLD_SIZE.get() or 1
+    if data.val_url is not None and data.val_rows >= world:
+        val_loader = _Loader(spec, data.val_url, data.val_rows, spec.val_batch_size, False, framework, torch)
+
+    class StoreCheckpoint(pl.Callback):
+        """Hands the loaders the trainer; after each epoch, writes Lightning's checkpoint and the history to the store."""
+
+        def __init__(self):
+            self.history = []
+
+        def setup(self, trainer, module, stage):
+            train_loader.trainer = trainer
+            if val_loader is not None:
+                val_loader.trainer = trainer
+
+        def on_save_checkpoint(self, trainer, module, checkpoint):
+            checkpoint["sparkhvd_history"] = list(self.history)
+
+        def on_load_checkpoint(self, trainer, module, checkpoint):
+            self.history = list(checkpoint.get("sparkhvd_history", []))
+
+        def on_train_epoch_end(self, trainer, module):
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+            entry = {"epoch": trainer.current_epoch,
+                     "train": {k: v for k, v in metrics.items() if not k.startswith("val")}}
+            validation = {k: v for k, v in metrics.items() if k.startswith("val")}
+            if validation:
+                entry["validation"] = validation
+            self.history.append(entry)
+            if spec.verbose and trainer.is_global_zero:
+                shown = ", ".join(f"{k} {v:.6g}" for k, v in metrics.items())
+                print(f"epoch {trainer.current_epoch + 1}/{spec.epochs}: {shown}", flush=True)
+            with tempfile.TemporaryDirectory(prefix="sparkhvd-ckpt-") as folder:
+                path = os.path.join(folder, CHECKPOINT)
+                trainer.save_checkpoint(path)  # every rank calls it; rank 0 writes
+                if trainer.is_global_zero:
+                    with open(path, "rb") as f:
+                        blob = f.read()
+                    run.write_checkpoint(trainer.current_epoch + 1, {CHECKPOINT: lambda out: out.write(blob)})
+
+    saver = StoreCheckpoint()
+    resume = None
+    newest = run.newest()
+    with tempfile.TemporaryDirectory(prefix="sparkhvd-lightning-") as folder:
+        if newest is not None:
+            resume = os.path.join(folder, CHECKPOINT)
+            with fs.open_input_stream(spec.store.path_of(f"{newest[1]}/{CHECKPOINT}")) as f, open(resume, "wb") as out:
+                out.write(f.read())
+        gpu = spec.use_gpu and torch.cuda.is_available()
+        trainer = pl.Trainer(
+            accelerator="gpu" if gpu else "cpu", devices=1, num_nodes=world, strategy="ddp", max_epochs=spec.epochs,
+            limit_train_batches=spec.train_steps_per_epoch, limit_val_batches=spec.validation_steps_per_epoch,
+            num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False, logger=False,
+            enable_checkpointing=False, use_distributed_sampler=False, default_root_dir=folder,
+            callbacks=[saver, *framework["callbacks"]], **framework["trainer_args"])
+        trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=val_loader, ckpt_path=resume)
+        history = saver.history
+        del trainer, module  # free the DDP model before its process group goes (torch 2.13 hangs otherwise)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return history if settings.RANK.get() in (None, 0) else None
