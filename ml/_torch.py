@@ -286,7 +286,13 @@ class TorchModel(HorovodModel):
             return torch.load(f, map_location="cpu", weights_only=False)
 
     def _log_to_mlflow(self, mlflow) -> None:
+        import inspect
+
         import mlflow.pytorch
 
-        mlflow.pytorch.log_model(self.getModel(), name="model")
+        accepted = inspect.signature(mlflow.pytorch.log_model).parameters
+        kwargs = {("name" if "name" in accepted else "artifact_path"): "model"}  # mlflow 3 renamed it
+        if "serialization_format" in accepted:
+            kwargs["serialization_format"] = "pickle"  # mlflow 3's default, pt2, needs an input example to trace
+        mlflow.pytorch.log_model(self.getModel(), **kwargs)
 

@@ -257,3 +257,18 @@ def test_a_validation_column_and_fit_on_parquet(spark, df, tmp_path):
     with pytest.raises(ValueError, match=r"the column 'features' is vector, which the readers cannot take from Parquet"):
         df.select("features", "y").write.parquet(str(tmp_path / "vectors"))
         _estimator(tmp_path, epochs=1).fit_on_parquet(str(tmp_path / "vectors"))
+
+
+def test_inside_an_active_mlflow_run_the_fitted_model_is_logged(df, tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    import mlflow.pytorch
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3 keeps the file store behind this switch
+    mlflow.set_tracking_uri(f"file://{tmp_path}/mlruns")
+    try:
+        with mlflow.start_run() as run:
+            model = _estimator(tmp_path, epochs=1, num_proc=-1).fit(df)
+        logged = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert _same([t.detach() for t in logged.state_dict().values()], _weights(model))
