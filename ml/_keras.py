@@ -16,51 +16,16 @@ import functools
 import hashlib
 import inspect
 import json
-import os
 import posixpath
-import tempfile
-import warnings
 
 import numpy as np
 
 from ._checkpoints import RunDir
 from ._estimator import FitSpec, HorovodEstimator
+from ._keras_train import CHECKPOINT, INITIAL, MODEL, STATE, as_outputs, keras_bytes, load_keras, train
 from ._model import HorovodModel
 from ._params import _accessors, _p
 from ._torch import metadata
-
-INITIAL = "initial.keras"  # the model as the ranks start it: compiled, its optimizer built
-CHECKPOINT = "checkpoint.keras"  # in each checkpoint directory: the model, its optimizer's state
-STATE = "state.json"  # beside it: the epochs done and the history
-MODEL = "model.keras"  # the fitted model: what the executors load
-_UNBUILT = "Skipping variable loading for optimizer"  # Keras's warning for a saved optimizer that never stepped
-
-
-def keras_bytes(model) -> bytes:
-    """``model`` as the bytes of a ``.keras`` file (Keras 3 saves to a local path only)."""
-    with tempfile.TemporaryDirectory(prefix="sparkhvd-keras-") as folder:
-        path = os.path.join(folder, MODEL)
-        model.save(path)
-        with open(path, "rb") as f:
-            return f.read()
-
-
-def load_keras(data: bytes, custom_objects: dict | None = None, compile: bool = True):
-    """The model in ``data``, the bytes of a ``.keras`` file."""
-    import keras
-
-    with tempfile.TemporaryDirectory(prefix="sparkhvd-keras-") as folder, warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_UNBUILT)
-        path = os.path.join(folder, MODEL)
-        with open(path, "wb") as f:
-            f.write(data)
-        return keras.models.load_model(path, custom_objects=custom_objects or None, compile=compile)
-
-
-def as_outputs(outputs) -> list:
-    if isinstance(outputs, dict):
-        return list(outputs.values())
-    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
 
 
 def fingerprint(model) -> dict:
@@ -237,8 +202,6 @@ class KerasEstimator(HorovodEstimator):
                 "compression": self.getGradientCompression(), "transformation_fn": self.getTransformationFn()}
 
     def _train_function(self):
-        from ._keras_train import train
-
         return train
 
     def _fitted(self, run: RunDir, spec: FitSpec, history) -> KerasModel:

@@ -7,7 +7,8 @@ loss and metrics stay), and runs ``model.fit`` from the next epoch on a ``tf.dat
 shard (``_batches.epoch_batches``: every row once per epoch, the same steps on every rank).
 Every rank starts from rank 0's weights (BroadcastGlobalVariablesCallback) and logs the metrics
 averaged over the ranks (MetricAverageCallback); rank 0 writes a checkpoint after every epoch, so
-a restarted or resumed fit goes on from the last finished epoch.
+a restarted or resumed fit goes on from the last finished epoch. The ``.keras`` helpers here are
+shared with the driver (``_keras.py``), which imports this module, never the reverse.
 """
 
 from __future__ import annotations
@@ -15,13 +16,49 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import tempfile
+import warnings
 
 import numpy as np
 
 from ._batches import epoch_batches, steps
 from ._checkpoints import RunDir
 from ._estimator import FitSpec
-from ._keras import CHECKPOINT, INITIAL, STATE, keras_bytes, load_keras
+
+INITIAL = "initial.keras"  # the model as the ranks start it: compiled, its optimizer built
+CHECKPOINT = "checkpoint.keras"  # in each checkpoint directory: the model, its optimizer's state
+STATE = "state.json"  # beside it: the epochs done and the history
+MODEL = "model.keras"  # the fitted model: what the executors load
+_UNBUILT = "Skipping variable loading for optimizer"  # Keras's warning for a saved optimizer that never stepped
+
+
+def keras_bytes(model) -> bytes:
+    """``model`` as the bytes of a ``.keras`` file (Keras 3 saves to a local path only)."""
+    with tempfile.TemporaryDirectory(prefix="sparkhvd-keras-") as folder:
+        path = os.path.join(folder, MODEL)
+        model.save(path)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def load_keras(data: bytes, custom_objects: dict | None = None, compile: bool = True):
+    """The model in ``data``, the bytes of a ``.keras`` file."""
+    import keras
+
+    with tempfile.TemporaryDirectory(prefix="sparkhvd-keras-") as folder, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_UNBUILT)
+        path = os.path.join(folder, MODEL)
+        with open(path, "wb") as f:
+            f.write(data)
+        return keras.models.load_model(path, custom_objects=custom_objects or None, compile=compile)
+
+
+def as_outputs(outputs) -> list:
+    if isinstance(outputs, dict):
+        return list(outputs.values())
+    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+
 
 
 def _load(spec: FitSpec, hvd, custom_objects: dict):
@@ -139,5 +176,6 @@ def train(spec: FitSpec, framework: dict):
                  *framework["callbacks"], Checkpoint()]
     if start < spec.epochs:
         model.fit(dataset(train_stream), epochs=spec.epochs, initial_epoch=start, steps_per_epoch=per_epoch,
-                  validation_data=validation, validation_steps=val_steps, callbacks=callbacks, verbose=0)
+                  validation_data=validation, validation_steps=val_steps, callbacks=callbacks, shuffle=False,
+                  verbose=0)  # the reader shuffles
     return history if rank == 0 else None

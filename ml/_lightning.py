@@ -17,19 +17,10 @@ import cloudpickle
 from ..runner._framework_env import NODE_PER_TASK
 from ._checkpoints import RunDir
 from ._estimator import FitSpec, HorovodEstimator
+from ._lightning_train import CHECKPOINT, lightning, train
 from ._params import _accessors, _p
-from ._torch import INITIAL, MODEL, TorchModel, dry_run, fingerprint, input_shapes_of, metadata
-
-CHECKPOINT = "checkpoint.ckpt"  # Lightning's own checkpoint (trainer.save_checkpoint), in each checkpoint directory
-
-
-def lightning():
-    """``lightning.pytorch``, or the sentence that says how to install it."""
-    try:
-        import lightning.pytorch as pl
-    except ModuleNotFoundError as exc:
-        raise ModuleNotFoundError("Lightning isn't installed: pip install lightning") from exc
-    return pl
+from ._torch import TorchModel, dry_run, fingerprint, input_shapes_of, metadata
+from ._torch_train import INITIAL, MODEL
 
 
 @_accessors
@@ -84,8 +75,6 @@ class LightningEstimator(HorovodEstimator):
         runner.config._layout = NODE_PER_TASK  # Trainer(devices=1, num_nodes=num_proc) on any placement
 
     def _train_function(self):
-        from ._lightning_train import train
-
         return train
 
     def _fitted(self, run: RunDir, spec: FitSpec, history) -> LightningModel:

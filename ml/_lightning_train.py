@@ -16,8 +16,18 @@ from .._common import settings
 from ._batches import epoch_batches, steps
 from ._checkpoints import RunDir
 from ._estimator import FitSpec
-from ._lightning import CHECKPOINT, lightning
-from ._torch import INITIAL
+from ._torch_train import INITIAL, column_tensor
+
+CHECKPOINT = "checkpoint.ckpt"  # Lightning's own checkpoint (trainer.save_checkpoint), in each checkpoint directory
+
+
+def lightning():
+    """``lightning.pytorch``, or the sentence that says how to install it."""
+    try:
+        import lightning.pytorch as pl
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError("Lightning isn't installed: pip install lightning") from exc
+    return pl
 
 
 class _Loader:
@@ -46,17 +56,13 @@ class _Loader:
 
 
 def _tensor(values, shape, data, name, torch):
+    """A batch column as training_step gets it: labels int64 or float32 in their shape, others float32."""
     import numpy as np
 
     labels = {c.name: c for c in data.labels}
     if name in labels:
-        dtype, shape = (np.int64 if labels[name].integer else np.float32), labels[name].shape
-    else:
-        dtype, shape = np.float32, shape if shape is not None else ()
-    array = np.ascontiguousarray(values, dtype=dtype)
-    if not array.flags.writeable:
-        array = array.copy()
-    return torch.from_numpy(array.reshape((len(array), *shape)))
+        return column_tensor(values, np.int64 if labels[name].integer else np.float32, labels[name].shape, torch)
+    return column_tensor(values, np.float32, shape if shape is not None else (), torch)
 
 
 def train(spec: FitSpec, framework: dict):

@@ -20,10 +20,7 @@ from ._columns import numel
 from ._estimator import FitSpec, HorovodEstimator
 from ._model import HorovodModel
 from ._params import _accessors, _p
-
-INITIAL = "initial.pt"  # the model and optimizer as given, pickled together (the optimizer holds the parameters)
-CHECKPOINT = "checkpoint.pt"  # in each checkpoint directory: the state dicts, the epoch, the history
-MODEL = "model.pt"  # the fitted model, whole: what the executors load
+from ._torch_train import CHECKPOINT, INITIAL, MODEL, as_outputs, feature_tensors, label_tensors, matched, train
 
 
 def fingerprint(model) -> dict:
@@ -33,36 +30,6 @@ def fingerprint(model) -> dict:
     return {"framework": "torch", "model": f"{type(model).__module__}.{type(model).__qualname__}",
             "tensors": len(described), "parameters": int(sum(numel(shape) for _, shape, _ in described)),
             "digest": hashlib.sha256(repr(described).encode()).hexdigest()}
-
-
-def _tensor(values, dtype, shape, torch, device):
-    """``values`` (a column of a batch) as a ``(rows, *shape)`` tensor of ``dtype``; read-only Arrow memory is copied."""
-    array = np.ascontiguousarray(values, dtype=dtype)
-    if not array.flags.writeable:
-        array = array.copy()
-    return torch.from_numpy(array.reshape((len(array), *shape))).to(device)
-
-
-def feature_tensors(batch: dict, features, input_shapes, torch, device=None) -> list:
-    """The model's inputs from a batch of columns: float32, each reshaped to ``(rows, *shape)``."""
-    return [_tensor(batch[column.name], np.float32, shape, torch, device)
-            for column, shape in zip(features, input_shapes)]
-
-
-def label_tensors(batch: dict, labels, torch, device=None) -> list:
-    """The labels: integer columns as int64 (class indices), others as float32, each ``(rows, *shape)``."""
-    return [_tensor(batch[column.name], np.int64 if column.integer else np.float32, column.shape, torch, device)
-            for column in labels]
-
-
-def as_outputs(outputs) -> list:
-    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-
-
-def matched(outputs: list, labels: list) -> list:
-    """Labels reshaped to their output's shape where they hold as many values (horovod.spark's rule)."""
-    return [label.reshape(output.shape) if output.shape.numel() == label.shape.numel() and output.shape != label.shape
-            else label for output, label in zip(outputs, labels)]
 
 
 def input_shapes_of(features, given) -> tuple:
@@ -188,8 +155,6 @@ class TorchEstimator(HorovodEstimator):
                 "input_shapes": input_shapes_of(spec.data.features, self.getInputShapes())}
 
     def _train_function(self):
-        from ._torch_train import train
-
         return train
 
     def _fitted(self, run: RunDir, spec: FitSpec, history) -> TorchModel:

@@ -1,18 +1,54 @@
 """TorchEstimator's training loop, on every rank (horovod/spark/torch/remote.py's, on sparkhvd).
 
 Each rank loads the model and optimizer from the run's directory (the newest checkpoint's state
-on top: the one the fit resumes, or one written since, after a restart), wraps the optimizer in ``hvd.DistributedOptimizer``, and trains under
-``hvd.elastic.run``: with restarts, the state (weights, optimizer, epoch, batch, the epoch's
+on top: the one the fit resumes, or one written since, after a restart), wraps the optimizer in
+``hvd.DistributedOptimizer``, and trains under ``hvd.elastic.run``: with restarts, the state (weights, optimizer, epoch, batch, the epoch's
 running sums) is committed every ``batches_per_commit`` steps, and a relaunched rank resumes the
-reader at the committed batch. Rank 0 writes a checkpoint after every epoch.
+reader at the committed batch. Rank 0 writes a checkpoint after every epoch. The tensor helpers
+here are shared with the driver's dry run (``_torch.py``), which imports this module, never the reverse.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from ._batches import epoch_batches, steps
 from ._checkpoints import RunDir
 from ._estimator import FitSpec
-from ._torch import CHECKPOINT, INITIAL, as_outputs, feature_tensors, label_tensors, matched
+
+INITIAL = "initial.pt"  # the model and optimizer as given, pickled together (the optimizer holds the parameters)
+CHECKPOINT = "checkpoint.pt"  # in each checkpoint directory: the state dicts, the epoch, the history
+MODEL = "model.pt"  # the fitted model, whole: what the executors load
+
+
+def column_tensor(values, dtype, shape, torch, device=None):
+    """``values`` (a column of a batch) as a ``(rows, *shape)`` tensor of ``dtype``; read-only Arrow memory is copied."""
+    array = np.ascontiguousarray(values, dtype=dtype)
+    if not array.flags.writeable:
+        array = array.copy()
+    return torch.from_numpy(array.reshape((len(array), *shape))).to(device)
+
+
+def feature_tensors(batch: dict, features, input_shapes, torch, device=None) -> list:
+    """The model's inputs from a batch of columns: float32, each reshaped to ``(rows, *shape)``."""
+    return [column_tensor(batch[column.name], np.float32, shape, torch, device)
+            for column, shape in zip(features, input_shapes)]
+
+
+def label_tensors(batch: dict, labels, torch, device=None) -> list:
+    """The labels: integer columns as int64 (class indices), others as float32, each ``(rows, *shape)``."""
+    return [column_tensor(batch[column.name], np.int64 if column.integer else np.float32, column.shape, torch, device)
+            for column in labels]
+
+
+def as_outputs(outputs) -> list:
+    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+
+
+def matched(outputs: list, labels: list) -> list:
+    """Labels reshaped to their output's shape where they hold as many values (horovod.spark's rule)."""
+    return [label.reshape(output.shape) if output.shape.numel() == label.shape.numel() and output.shape != label.shape
+            else label for output, label in zip(outputs, labels)]
 
 
 def _device(use_gpu: bool, hvd, torch):

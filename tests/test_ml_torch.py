@@ -261,7 +261,7 @@ def test_a_validation_column_and_fit_on_parquet(spark, df, tmp_path):
 
 def test_inside_an_active_mlflow_run_the_fitted_model_is_logged(df, tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow")
-    import mlflow.pytorch
+    import mlflow.pytorch  # noqa: F811 - the submodule, on the module importorskip gave
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3 keeps the file store behind this switch
     mlflow.set_tracking_uri(f"file://{tmp_path}/mlruns")

@@ -15,7 +15,7 @@ from sparkhvd.runner._java import check_java
 
 
 def test_import_sparkhvd_imports_neither_torch_nor_pyspark():
-    code = ("import sys, sparkhvd, sparkhvd.data\n"
+    code = ("import sys, sparkhvd, sparkhvd.data, sparkhvd.ml\n"
             "heavy = [m for m in ('torch', 'pyspark', 'tensorflow') if m in sys.modules]\n"
             "print(heavy, sparkhvd.__version__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -148,7 +148,7 @@ print(json.dumps(files))
 def test_every_public_module_imports_from_the_installed_wheel(built):
     modules = _public_modules(built["wheel"])
     assert {"sparkhvd", "sparkhvd.collective.torch", "sparkhvd.collective.tensorflow", "sparkhvd.collective.keras",
-            "sparkhvd.data", "sparkhvd.runner"} <= set(modules)
+            "sparkhvd.data", "sparkhvd.runner", "sparkhvd.ml"} <= set(modules)
     out = _run([built["python"], "-c", IMPORT_ALL, *modules], cwd=built["run_dir"], env=_env(built))
     files = json.loads(out.stdout.splitlines()[-1])
     assert sorted(files) == sorted(modules)
