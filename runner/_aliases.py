@@ -60,6 +60,13 @@ ALIASES: dict = {
     "horovod.common.elastic": _CORE + "._elastic",
     "horovod.spark": "sparkhvd.runner._horovod_spark",
     "horovod.spark.runner": "sparkhvd.runner._horovod_spark",
+    # horovod.spark's Spark ML Estimators (named by string: the runner never imports sparkhvd.ml)
+    "horovod.spark.torch": {"TorchEstimator": "sparkhvd.ml", "TorchModel": "sparkhvd.ml"},
+    "horovod.spark.keras": {"KerasEstimator": "sparkhvd.ml", "KerasModel": "sparkhvd.ml"},
+    "horovod.spark.lightning": {"LightningEstimator": "sparkhvd.ml", "LightningModel": "sparkhvd.ml"},
+    "horovod.spark.common": None,
+    "horovod.spark.common.store": {name: "sparkhvd.ml" for name in ("Store", "LocalStore", "HDFSStore",
+                                                                    "DBFSLocalStore", "FilesystemStore")},
     "sparkdl": "sparkhvd.runner._sparkdl",
     "sparkdl.horovod": "sparkhvd.runner._sparkdl",
     "sparkdl.horovod.runner_base": "sparkhvd.runner._sparkdl",
@@ -71,15 +78,16 @@ _TOPS = {"horovod": "Horovod", "sparkdl": "Databricks' sparkdl"}
 
 #: What to use instead of a module that has no stand-in (the longest matching prefix wins).
 _INSTEAD = {
-    "horovod": "sparkhvd stands in for Horovod's torch, TensorFlow and Keras APIs and horovod.spark.run only; "
+    "horovod": "sparkhvd stands in for Horovod's torch, TensorFlow and Keras APIs, horovod.spark.run and its Estimators "
+               "only; "
                "import a module the alias table in docs/migration.md lists",
     "horovod.mxnet": "sparkhvd has no MXNet API (torch, TensorFlow and Keras only)",
     "horovod.ray": "sparkhvd runs on Spark, not Ray: run the function with sparkhvd.HorovodRunner or "
                    "horovod.spark.run",
     "horovod.runner": "horovodrun's launcher has no stand-in: run the script with `sparkhvd run --np N train.py`, or "
                       "a function with sparkhvd.HorovodRunner(np).run(fn)",
-    "horovod.spark": "of horovod.spark, sparkhvd has run() only (Horovod's Spark ML Estimators have no stand-in): "
-                     "train in a function with horovod.spark.run and read the data with sparkhvd.data",
+    "horovod.spark": "of horovod.spark, sparkhvd has run(), the torch, keras and lightning Estimators and "
+                     "common.store only: import those (docs/ml.md)",
     "horovod.tensorflow.data": "the tf.data service has no stand-in in sparkhvd; read the data with sparkhvd.data",
     "sparkdl": "sparkhvd stands in for sparkdl's HorovodRunner, sparkdl.horovod.log_to_driver and "
                "sparkdl.horovod.tensorflow.keras.LogCallback only",

@@ -362,6 +362,12 @@ def test_the_aliases_are_sparkhvd_modules(aliases):
 
     assert horovod.__version__ == _aliases.HOROVOD_API_VERSION
     assert horovod.spark.run is sparkhvd.runner.horovod_spark_run is horovod_spark_run
+    from horovod.spark.common.store import Store
+    from horovod.spark.torch import TorchEstimator
+
+    import sparkhvd.ml
+
+    assert (TorchEstimator, Store) == (sparkhvd.ml.TorchEstimator, sparkhvd.ml.Store)
     assert (hvd.init, hvd.allreduce, hvd.DistributedOptimizer) == (ours.init, ours.allreduce, ours.DistributedOptimizer)
     assert horovod.torch.elastic.TorchState is ours.elastic.TorchState
     assert horovod.common.exceptions.HorovodInternalError is core.HorovodInternalError
@@ -383,7 +389,7 @@ def test_another_name_is_simply_not_found_as_a_finder_answers(aliases, name):
 
 
 @pytest.mark.parametrize("name, instead", [
-    ("horovod.spark.keras", "of horovod.spark, sparkhvd has run() only"),
+    ("horovod.spark.tensorflow", "of horovod.spark, sparkhvd has run(), the torch, keras and lightning Estimators"),
     ("horovod.runner", "horovodrun's launcher has no stand-in: run the script with `sparkhvd run"),
     ("horovod.ray", "sparkhvd runs on Spark, not Ray"),
     ("horovod.mxnet", "sparkhvd has no MXNet API"),
