@@ -76,6 +76,13 @@ def _load(spec: FitSpec, device, torch):
     return run, model, optimizer, epoch, history
 
 
+def scaled_lr(state: dict, factor: float) -> dict:
+    """An optimizer state dict with every group's learning rate times ``factor``: horovod.spark trains with the lr
+    times the ranks, and keeps the lr as given in its checkpoints (so a run resumed on other ranks rescales)."""
+    groups = [{**group, "lr": group["lr"] * factor} if "lr" in group else group for group in state["param_groups"]]
+    return {**state, "param_groups": groups}
+
+
 def _loss(losses, weights, outputs, labels, sample_weights):
     """horovod.spark's loss: the weighted sum of each label's loss; with sample weights, each row's loss weighted."""
     total = 0
@@ -98,6 +105,7 @@ def train(spec: FitSpec, framework: dict):
         torch.manual_seed(spec.random_seed)
     device = _device(spec.use_gpu, hvd, torch)
     run, model, optimizer, start_epoch, history = _load(spec, device, torch)
+    optimizer.load_state_dict(scaled_lr(optimizer.state_dict(), hvd.size()))  # horovod.spark's scaling rule
     compression = framework["compression"] or hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compression,
                                          backward_passes_per_step=spec.backward_passes_per_step)
@@ -158,8 +166,8 @@ def train(spec: FitSpec, framework: dict):
 
     def checkpoint(epoch: int) -> None:
         def write(out):
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
-                        "history": state.history}, out)
+            torch.save({"model": model.state_dict(), "optimizer": scaled_lr(optimizer.state_dict(), 1 / hvd.size()),
+                        "epoch": epoch, "history": state.history}, out)
 
         run.write_checkpoint(epoch, {CHECKPOINT: write})
 
