@@ -12,53 +12,17 @@ from __future__ import annotations
 import numbers
 import time
 import uuid
-from dataclasses import dataclass
 
 from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 
 from ..data import make_spark_converter
 from ._checkpoints import RunDir
-from ._columns import Column, columns_of, with_shapes
+from ._columns import columns_of, with_shapes
 from ._params import EstimatorParams
 from ._persistence import Reader, Writer
+from ._spec import DataSpec, FitSpec
 from ._store import Store
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    """The training (and validation) data as the ranks read it: Parquet URLs, row counts and columns."""
-
-    train_url: str
-    train_rows: int
-    val_url: str | None
-    val_rows: int
-    features: tuple[Column, ...]
-    labels: tuple[Column, ...]
-    weight: Column | None
-
-
-@dataclass(frozen=True)
-class FitSpec:
-    """Everything the ranks need besides the framework's own objects: pickled into the run, a few KB."""
-
-    data: DataSpec
-    store: Store
-    run_id: str
-    epochs: int
-    start_epoch: int  # epochs the run's newest checkpoint held when the fit began (the ranks look again: restarts)
-    batch_size: int
-    val_batch_size: int
-    shuffle: bool
-    seed: int
-    random_seed: int | None
-    train_steps_per_epoch: int | None
-    validation_steps_per_epoch: int | None
-    verbose: int
-    use_gpu: bool
-    backward_passes_per_step: int
-    batches_per_commit: int  # 0: no commits (no restarts to use them)
-    output_shapes: tuple[tuple[int, ...], ...]  # per label, per row, as the model's dry run gave them
 
 
 def _positive(who: str, name: str, value, allow_none: bool = False) -> None:

@@ -21,11 +21,11 @@ import posixpath
 import numpy as np
 
 from ._checkpoints import RunDir
-from ._estimator import FitSpec, HorovodEstimator
+from ._estimator import HorovodEstimator
 from ._keras_train import CHECKPOINT, INITIAL, MODEL, STATE, as_outputs, keras_bytes, load_keras, train
 from ._model import HorovodModel
 from ._params import _accessors, _p
-from ._torch import metadata
+from ._spec import FitSpec, metadata
 
 
 def fingerprint(model) -> dict:
@@ -47,7 +47,7 @@ def _callables(value) -> dict:
     for item in values:
         if isinstance(item, (list, tuple, dict)):
             found.update(_callables(item))
-        elif inspect.isfunction(item):
+        elif inspect.isfunction(item) or isinstance(item, type):
             found[item.__name__] = item
         elif item is not None and not isinstance(item, str) and not type(item).__module__.startswith("keras"):
             found[type(item).__name__] = type(item)
@@ -58,9 +58,9 @@ def _callables(value) -> dict:
 class KerasEstimator(HorovodEstimator):
     """horovod.spark's ``KerasEstimator``: fit a DataFrame with a Keras 3 model, get a ``KerasModel``.
 
-    ``model``: a ``keras.Model``, compiled, or compiled on the ranks from ``optimizer`` (a Keras
-    optimizer or its name) and ``loss`` (and ``metrics``, ``loss_weights``), which override the
-    model's own. The model is called with one float32 tensor ``(rows, *shape)`` per feature column
+    ``model``: a ``keras.Model``, compiled, or given ``optimizer`` (a Keras optimizer or its name)
+    and ``loss`` (and ``metrics``, ``loss_weights``), which override the model's own: a copy of
+    the model is compiled with them, the model itself is left as it is. The model is called with one float32 tensor ``(rows, *shape)`` per feature column
     (a list where there are several; a number is ``(rows, 1)``). Integer labels arrive as int64
     class indices, others as float32. ``callbacks``: Keras callbacks, run on every rank.
     ``custom_objects``: what ``keras.models.load_model`` needs to load the model. See docs/ml.md.
@@ -87,7 +87,8 @@ class KerasEstimator(HorovodEstimator):
         if not model.compiled:
             missing = [name for name in ("optimizer", "loss") if self.getOrDefault(name) is None]
             if missing:
-                raise ValueError(f"{who}: the model is not compiled and {' and '.join(missing)} is not given; compile "
+                raise ValueError(f"{who}: the model is not compiled and {' and '.join(missing)} "
+                                 f"{'is' if len(missing) == 1 else 'are'} not given; compile "
                                  "it (model.compile(optimizer='adam', loss='mse')) or pass optimizer= and loss= to "
                                  "the estimator.")
         if optimizer is not None and not isinstance(optimizer, (str, keras.optimizers.Optimizer)):
@@ -212,9 +213,10 @@ class KerasEstimator(HorovodEstimator):
                                f"{run.checkpoints_url}; fit again with the same run_id to resume it.")
         data = run.store.read(f"{newest[1]}/{CHECKPOINT}")
         state = json.loads(run.store.read(f"{newest[1]}/{STATE}"))
-        model = load_keras(data, self._custom_objects())
+        objects = self._custom_objects()  # the loss and metric functions too: KerasModel.load compiles the model
+        model = load_keras(data, objects)
         fitted = KerasModel(model=model, history=state["history"], feature_columns=self.getFeatureCols(),
-                            label_columns=self.getLabelCols(), custom_objects=self.getCustomObjects(),
+                            label_columns=self.getLabelCols(), custom_objects=objects or None,
                             run_id=run.run_id, _metadata=metadata(spec))
         model_url = run.file_url(MODEL)
         run.store.write(model_url, data)  # the checkpoint's bytes: exactly the fitted model

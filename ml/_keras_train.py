@@ -24,7 +24,7 @@ import numpy as np
 
 from ._batches import epoch_batches, steps
 from ._checkpoints import RunDir
-from ._estimator import FitSpec
+from ._spec import FitSpec
 
 INITIAL = "initial.keras"  # the model as the ranks start it: compiled, its optimizer built
 CHECKPOINT = "checkpoint.keras"  # in each checkpoint directory: the model, its optimizer's state

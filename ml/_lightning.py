@@ -16,10 +16,11 @@ import cloudpickle
 
 from ..runner._framework_env import NODE_PER_TASK
 from ._checkpoints import RunDir
-from ._estimator import FitSpec, HorovodEstimator
+from ._estimator import HorovodEstimator
 from ._lightning_train import CHECKPOINT, lightning, train
 from ._params import _accessors, _p
-from ._torch import TorchModel, dry_run, fingerprint, input_shapes_of, metadata
+from ._spec import FitSpec, metadata
+from ._torch import TorchModel, dry_run, fingerprint, input_shapes_of
 from ._torch_train import INITIAL, MODEL
 
 

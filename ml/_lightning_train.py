@@ -15,7 +15,7 @@ import tempfile
 from .._common import settings
 from ._batches import epoch_batches, steps
 from ._checkpoints import RunDir
-from ._estimator import FitSpec
+from ._spec import FitSpec
 from ._torch_train import INITIAL, column_tensor
 
 CHECKPOINT = "checkpoint.ckpt"  # Lightning's own checkpoint (trainer.save_checkpoint), in each checkpoint directory

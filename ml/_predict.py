@@ -49,11 +49,10 @@ _LOADED_MAX = 4
 _LOCK = threading.Lock()
 
 
-def device_for(gpus: list[str] | None, cuda_available: bool) -> str:
-    """The device a task predicts on: the first GPU Spark assigned it, else the CPU."""
-    if gpus and cuda_available:
-        return f"cuda:{int(gpus[0])}"
-    return "cpu"
+def device_for(gpus: list[str] | None) -> str:
+    """The device a task predicts on: the first GPU Spark assigned it (``cuda:<address>``), else the CPU. The
+    framework's loader falls back to the CPU where it sees no such GPU."""
+    return f"cuda:{int(gpus[0])}" if gpus else "cpu"
 
 
 def task_gpus() -> list[str] | None:
@@ -64,18 +63,6 @@ def task_gpus() -> list[str] | None:
         return None
     gpu = context.resources().get("gpu")
     return list(gpu.addresses) if gpu is not None else None
-
-
-def _cuda_available() -> bool:
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is None:
-        try:
-            import torch
-        except ImportError:
-            return False
-    return torch.cuda.is_available()
 
 
 def loaded(spec: PredictSpec, device: str):
@@ -121,7 +108,7 @@ def from_numpy(values: np.ndarray, output: Output) -> pa.Array:
 
 def predict_batches(spec: PredictSpec, batches: Iterator[pa.Array]) -> Iterator[pa.Array]:
     """The UDF's body: for each Arrow batch of the feature struct, the predictions (a struct where there are several)."""
-    predict = loaded(spec, device_for(task_gpus(), _cuda_available()))
+    predict = loaded(spec, device_for(task_gpus()))
     for batch in batches:
         inputs = [to_numpy(batch.field(i), column, shape)
                   for i, (column, shape) in enumerate(zip(spec.features, spec.input_shapes))]

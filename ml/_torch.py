@@ -17,9 +17,10 @@ import numpy as np
 
 from ._checkpoints import RunDir
 from ._columns import numel
-from ._estimator import FitSpec, HorovodEstimator
+from ._estimator import HorovodEstimator
 from ._model import HorovodModel
 from ._params import _accessors, _p
+from ._spec import FitSpec, metadata
 from ._torch_train import CHECKPOINT, INITIAL, MODEL, as_outputs, feature_tensors, label_tensors, matched, train
 
 
@@ -179,13 +180,6 @@ class TorchEstimator(HorovodEstimator):
         return fitted
 
 
-def metadata(spec: FitSpec) -> dict:
-    """What a model needs to predict: the columns it was fitted on, and its outputs' per-row shapes."""
-    data = spec.data
-    return {"features": [c.to_dict() for c in data.features], "labels": [c.to_dict() for c in data.labels],
-            "output_shapes": [list(shape) for shape in spec.output_shapes]}
-
-
 def load_for_predict(source: str | None, blob: bytes | None, device: str):
     """Executor side: the model from its file (or bytes) on ``device``, as ``predict(list of arrays)``."""
     import io
@@ -195,6 +189,8 @@ def load_for_predict(source: str | None, blob: bytes | None, device: str):
 
     from ..data._metadata import resolve_url
 
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        device = "cpu"  # Spark assigned a GPU this torch build cannot use
     if source is not None:
         fs, path = resolve_url(source)
         with fs.open_input_file(path) as f:

@@ -14,7 +14,7 @@ import numpy as np
 
 from ._batches import epoch_batches, steps
 from ._checkpoints import RunDir
-from ._estimator import FitSpec
+from ._spec import FitSpec
 
 INITIAL = "initial.pt"  # the model and optimizer as given, pickled together (the optimizer holds the parameters)
 CHECKPOINT = "checkpoint.pt"  # in each checkpoint directory: the state dicts, the epoch, the history

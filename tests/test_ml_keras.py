@@ -53,7 +53,13 @@ def fitted(spark, tmp_path_factory):
 
 
 def _predictions(df) -> list[float]:
-    return [row["y__output"] for row in df.orderBy("id").select("y__output").collect()]
+    return [row["y__output"] for row in sorted(df.select("id", "y__output").collect())]
+
+
+@pytest.fixture(scope="module")
+def predicted(fitted) -> list[float]:
+    df, _, _, model = fitted
+    return _predictions(model.transform(df))
 
 
 def test_importing_sparkhvd_ml_does_not_import_tensorflow():
@@ -65,7 +71,7 @@ def test_importing_sparkhvd_ml_does_not_import_tensorflow():
 def test_an_uncompiled_model_without_a_loss_is_refused_before_anything_launches(spark, tmp_path):
     estimator = KerasEstimator(num_proc=2, store=Store.create(str(tmp_path)), model=_model(compiled=False),
                                feature_cols=["x"], label_cols=["y"])
-    with pytest.raises(ValueError, match=r"the model is not compiled and optimizer and loss is not given; compile it"):
+    with pytest.raises(ValueError, match=r"the model is not compiled and optimizer and loss are not given; compile it"):
         estimator.fit(_frame(spark, rows=4))
 
 
@@ -92,21 +98,20 @@ def test_fit_trains_every_epoch_with_validation_averaged_over_the_ranks(fitted):
     assert history[1]["train"]["loss"] < history[0]["train"]["loss"]
 
 
-def test_transform_predicts_on_the_executors_as_the_model_does_on_the_driver(fitted):
+def test_transform_predicts_on_the_executors_as_the_model_does_on_the_driver(fitted, predicted):
     df, _, _, model = fitted
-    predicted = _predictions(model.transform(df))
     assert len(predicted) == 64 and all(isinstance(v, float) and math.isfinite(v) for v in predicted)
-    x = np.asarray([row["x"] for row in df.orderBy("id").collect()], dtype=np.float32)
+    x = np.asarray([row["x"] for row in sorted(df.collect())], dtype=np.float32)
     np.testing.assert_allclose(predicted, np.asarray(model.getModel()(x)).reshape(-1), rtol=1e-5, atol=1e-6)
 
 
-def test_a_saved_model_loads_and_predicts_the_same(fitted, tmp_path):
+def test_a_saved_model_loads_and_predicts_the_same(fitted, predicted, tmp_path):
     df, _, _, model = fitted
     path = str(tmp_path / "keras_model")
     model.write().overwrite().save(path)
     loaded = KerasModel.load(path)
     assert loaded.getHistory() == model.getHistory() and loaded.getRunId() == RUN_ID
-    assert _predictions(loaded.transform(df)) == _predictions(model.transform(df))
+    assert _predictions(loaded.transform(df)) == predicted
 
 
 def test_a_second_fit_with_the_run_id_trains_only_the_epochs_not_done(fitted):
