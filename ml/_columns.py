@@ -99,3 +99,8 @@ def numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def count_values(n: int) -> str:
+    """``n`` values, in words: "1 value", "3 values"."""
+    return f"{n} value" if n == 1 else f"{n} values"

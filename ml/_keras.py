@@ -21,6 +21,7 @@ import posixpath
 import numpy as np
 
 from ._checkpoints import RunDir
+from ._columns import count_values
 from ._estimator import HorovodEstimator
 from ._keras_train import CHECKPOINT, INITIAL, MODEL, STATE, as_outputs, keras_bytes, load_keras, train
 from ._model import HorovodModel
@@ -175,8 +176,8 @@ class KerasEstimator(HorovodEstimator):
             if int(np.prod(per_row)) != int(np.prod(column.shape)) and not classes:
                 raise ValueError(
                     f"{who}: the model's output for label {column.name!r} has shape {per_row} per row "
-                    f"({int(np.prod(per_row))} values), but the label has shape {column.shape} "
-                    f"({int(np.prod(column.shape))} values); make the model's last layer match the label, or pass "
+                    f"({count_values(int(np.prod(per_row)))}), but the label has shape {column.shape} "
+                    f"({count_values(int(np.prod(column.shape)))}); make the model's last layer match the label, or pass "
                     "the matching label column.")
             output_shapes.append(per_row)
             shape = per_row if not classes else column.shape

@@ -112,7 +112,7 @@ def train(spec: FitSpec, framework: dict):
                 print(f"epoch {trainer.current_epoch + 1}/{spec.epochs}: {shown}", flush=True)
             with tempfile.TemporaryDirectory(prefix="sparkhvd-ckpt-") as folder:
                 path = os.path.join(folder, CHECKPOINT)
-                trainer.save_checkpoint(path)  # every rank calls it; rank 0 writes
+                trainer.save_checkpoint(path, weights_only=False)  # every rank calls it; rank 0 writes; optimizer too
                 if trainer.is_global_zero:
                     with open(path, "rb") as f:
                         blob = f.read()

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import numpy as np
 import pyarrow as pa
 
-from ._columns import Column, numel
+from ._columns import Column, count_values, numel
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,8 @@ def to_numpy(array: pa.Array, column: Column, shape: tuple[int, ...]) -> np.ndar
     flat = np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.float32)
     if flat.size != n * numel(shape):
         raise ValueError(f"The feature column {column.name!r} has rows of {flat.size // max(n, 1)} values where the "
-                         f"model was fitted on rows of shape {tuple(column.shape)} ({numel(shape)} values); transform "
+                         f"model was fitted on rows of shape {tuple(column.shape)} "
+                         f"({count_values(numel(shape))}); transform "
                          "a DataFrame whose rows have the training data's shapes.")
     return flat.reshape((n, *shape))
 

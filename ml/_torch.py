@@ -16,7 +16,7 @@ import cloudpickle
 import numpy as np
 
 from ._checkpoints import RunDir
-from ._columns import numel
+from ._columns import count_values, numel
 from ._estimator import HorovodEstimator
 from ._model import HorovodModel
 from ._params import _accessors, _p
@@ -76,8 +76,9 @@ def dry_run(model, features, labels, row, given_shapes, who: str):
         if numel(per_row) != numel(column.shape) and not classes:
             raise ValueError(
                 f"{who}: the model's output for label {column.name!r} has shape {per_row} per row "
-                f"({numel(per_row)} values), but the label has shape {column.shape} ({numel(column.shape)} "
-                "values); make the model's last layer match the label, or pass the matching label column.")
+                f"({count_values(numel(per_row))}), but the label has shape {column.shape} "
+                f"({count_values(numel(column.shape))}); make the model's last layer match the label, or pass the "
+                "matching label column.")
         output_shapes.append(per_row)
     return outputs, label_values, output_shapes
 

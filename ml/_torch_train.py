@@ -2,10 +2,11 @@
 
 Each rank loads the model and optimizer from the run's directory (the newest checkpoint's state
 on top: the one the fit resumes, or one written since, after a restart), wraps the optimizer in
-``hvd.DistributedOptimizer``, and trains under ``hvd.elastic.run``: with restarts, the state (weights, optimizer, epoch, batch, the epoch's
-running sums) is committed every ``batches_per_commit`` steps, and a relaunched rank resumes the
-reader at the committed batch. Rank 0 writes a checkpoint after every epoch. The tensor helpers
-here are shared with the driver's dry run (``_torch.py``), which imports this module, never the reverse.
+``hvd.DistributedOptimizer``, and trains under ``hvd.elastic.run``. With restarts, the state
+(weights, optimizer, epoch, batch, the epoch's running sums) is committed every
+``batches_per_commit`` steps, and a relaunched rank resumes the reader at the committed batch.
+Rank 0 writes a checkpoint after every epoch. The tensor helpers here are shared with the
+driver's dry run (``_torch.py``), which imports this module, never the reverse.
 """
 
 from __future__ import annotations

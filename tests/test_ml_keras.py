@@ -83,7 +83,7 @@ def test_a_model_whose_output_does_not_match_the_label_is_refused_on_the_driver(
     estimator = KerasEstimator(num_proc=2, store=Store.create(str(tmp_path)), model=model, feature_cols=["x"],
                                label_cols=["y"])
     with pytest.raises(ValueError, match=r"output for label 'y' has shape \(2,\) per row \(2 values\), but the label "
-                                         r"has shape \(\) \(1 values\)"):
+                                         r"has shape \(\) \(1 value\)"):
         estimator.fit(_frame(spark, rows=4))
     assert not (tmp_path / "runs").exists()  # refused before the run's directory
 

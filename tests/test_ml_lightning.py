@@ -82,7 +82,7 @@ def test_fit_transform_save_load_and_resume(df, tmp_path):
 
 def test_a_forward_that_does_not_match_the_labels_fails_before_the_launch(df, tmp_path, rank_processes):
     with pytest.raises(ValueError, match=r"LightningEstimator.fit: the model's output for label 'y' has shape \(2,\) per "
-                                         r"row \(2 values\), but the label has shape \(\) \(1 values\)"):
+                                         r"row \(2 values\), but the label has shape \(\) \(1 value\)"):
         _estimator(tmp_path, model=Regression(outputs=2)).fit(df)
     with pytest.raises(ValueError, match=r"a LightningModule brings its own optimizer \(configure_optimizers\) and "
                                          r"loss \(training_step\); drop optimizer= and loss="):
