@@ -60,7 +60,6 @@ def as_outputs(outputs) -> list:
     return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
 
 
-
 def _load(spec: FitSpec, hvd, custom_objects: dict):
     """The model to train, the epochs done and the history: rank 0's view of the run's newest checkpoint."""
     run = RunDir(spec.store, spec.run_id)
@@ -77,6 +76,14 @@ def _load(spec: FitSpec, hvd, custom_objects: dict):
                            "(Keras could not rebuild its optimizer, loss or metrics); pass their custom classes and "
                            "functions as custom_objects= to the estimator.")
     return run, model, epoch, history
+
+
+def scale_lr(optimizer, factor: float, keras) -> None:
+    """Multiply the optimizer's learning rate by ``factor``: horovod.spark trains with the rate times the ranks, and
+    here the checkpoints keep it as given (a schedule's rates are left as they are)."""
+    if isinstance(getattr(optimizer, "_learning_rate", None), keras.optimizers.schedules.LearningRateSchedule):
+        return
+    optimizer.learning_rate = float(np.asarray(optimizer.learning_rate)) * factor
 
 
 def _shapes(data, output_shapes) -> tuple[list, list]:
@@ -101,8 +108,9 @@ def train(spec: FitSpec, framework: dict):
         keras.utils.set_random_seed(spec.random_seed)
     run, model, start, history = _load(spec, hvd, framework["custom_objects"])
     model.jit_compile = False  # DistributedOptimizer's averaging runs outside XLA
-    hvd.DistributedOptimizer(model.optimizer, compression=framework["compression"] or hvd.Compression.none)
     data, rank, size = spec.data, hvd.rank(), hvd.size()
+    scale_lr(model.optimizer, size, keras)
+    hvd.DistributedOptimizer(model.optimizer, compression=framework["compression"] or hvd.Compression.none)
     transform = framework["transformation_fn"]
     feature_shapes, label_shapes = _shapes(data, spec.output_shapes)
 
@@ -167,7 +175,11 @@ def train(spec: FitSpec, framework: dict):
             if spec.verbose:
                 shown = ", ".join(f"{k} {v:.6g}" for k, v in logs.items())
                 print(f"epoch {epoch + 1}/{spec.epochs}: {shown}", flush=True)
-            saved = keras_bytes(self.model)
+            scale_lr(self.model.optimizer, 1 / size, keras)  # the checkpoint keeps the rate as given
+            try:
+                saved = keras_bytes(self.model)
+            finally:
+                scale_lr(self.model.optimizer, size, keras)
             state = json.dumps({"epoch": epoch + 1, "history": history}).encode()
             run.write_checkpoint(epoch + 1, {CHECKPOINT: lambda out: out.write(saved),
                                              STATE: lambda out: out.write(state)})

@@ -19,10 +19,12 @@ RUN_ID = "keras_resume"
 
 
 def _frame(spark, rows=64):
+    """One partition: transform then starts one Python worker, which imports TensorFlow once."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(rows, 3))
     y = x @ np.array([1.0, -2.0, 0.5]) + 0.3
-    return spark.createDataFrame([(i, [float(v) for v in x[i]], float(y[i])) for i in range(rows)], ["id", "x", "y"])
+    rows = [(i, [float(v) for v in x[i]], float(y[i])) for i in range(rows)]
+    return spark.createDataFrame(rows, ["id", "x", "y"]).coalesce(1)
 
 
 def _model(compiled=True):

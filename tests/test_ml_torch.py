@@ -1,8 +1,8 @@
 """TorchEstimator and TorchModel on a real local[2] Spark session, real ranks (np=2) and real Parquet:
 
 - fit a DataFrame, transform it on the executors, save, load, transform again: identical predictions; the history
-  has every epoch's training and validation loss; a second fit of the same DataFrame writes no Parquet;
-- a fit resumed by run_id trains only the epochs left, and a rank killed mid-fit (a restart from the last commit,
+  has every epoch's training and validation loss;
+- a fit resumed by run_id trains only the epochs left and writes no Parquet, and a rank killed mid-fit (a restart from the last commit,
   or a failed fit fitted again) both end with the weights of an uninterrupted fit, bit for bit;
 - several labels, a tensor column with input_shapes, an ML vector label, integer class labels;
 - a Pipeline with the estimator fits, saves and loads;
@@ -94,25 +94,19 @@ def test_fit_transform_save_load_transform_again(df, fitted):
     assert [r.y__output for r in again] == [r.y__output for r in out]
 
 
-def test_a_second_fit_of_the_same_dataframe_writes_no_parquet(df, fitted):
-    root, _ = fitted
-    data = root / "store" / "intermediate_train_data"
-    before = sorted(p.name for p in data.iterdir())
-    assert len(before) == 2  # the training and the validation rows
-    _estimator(root, validation=0.25, run_id="second", epochs=1).fit(df)
-    assert sorted(p.name for p in data.iterdir()) == before
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(df, tmp_path_factory):
     """Four epochs in one fit: the weights every interrupted fit below must end with."""
     return _weights(_estimator(tmp_path_factory.mktemp("whole"), epochs=4, run_id="whole").fit(df))
 
 
-def test_a_fit_resumed_by_run_id_trains_only_the_epochs_left(df, tmp_path, uninterrupted):
+def test_a_fit_resumed_by_run_id_trains_only_the_epochs_left_and_writes_no_parquet(df, tmp_path, uninterrupted):
     first = _estimator(tmp_path, epochs=2, run_id="resumed").fit(df)
     assert len(first.getHistory()) == 2
+    data = tmp_path / "store" / "intermediate_train_data"
+    written = sorted(p.name for p in data.iterdir())
     second = _estimator(tmp_path, epochs=4, run_id="resumed").fit(df)
+    assert sorted(p.name for p in data.iterdir()) == written  # the same DataFrame: its Parquet is reused
     assert [e["epoch"] for e in second.getHistory()] == [0, 1, 2, 3]
     assert second.getHistory()[:2] == first.getHistory()
     assert _same(_weights(second), uninterrupted)
@@ -223,7 +217,7 @@ def test_bad_input_fails_before_launch_with_one_sentence(spark, df, tmp_path, ra
     _fails(_estimator(tmp_path), df.limit(0), r"TorchEstimator.fit: the DataFrame is empty: there is nothing to train on")
     _fails(_estimator(tmp_path, net=torch.nn.Linear(3, 2)), df,
            r"the model's output for label 'y' has shape \(2,\) per row \(2 values\), but the label has shape \(\) \(1 "
-           r"values\); make the model's last layer match the label")
+           r"value\); make the model's last layer match the label")
     _fails(_estimator(tmp_path, net=torch.nn.Linear(4, 1)), df,
            r"the model fails on the first row of the DataFrame \(inputs of shapes \[\(1, 3\)\] from feature_cols "
            r"\['features'\]\): RuntimeError")

@@ -260,23 +260,3 @@ def test_lightning_and_ddp(jupyter_env):
         weights = [float(w) for w in re.search(r"weights: \[([^\]]+)\]", cell).group(1).split(",")]
         assert len(weights) == 8 and all(abs(w - 1) < 0.1 for w in weights), cell
 
-
-@pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_estimators(jupyter_env):
-    pytest.importorskip("lightning")
-    nb, _ = execute("06_estimators.ipynb", jupyter_env)
-    fit = texts(nb.cells[cell_with(nb, "model = estimator(epochs=3).fit(train_df)")])
-    val_losses = losses(fit, r"^\[0\] epoch \d/3: loss \S+, val_loss (\S+)$")
-    assert len(val_losses) == 3 and val_losses[-1] < val_losses[0] / 4, fit
-    transform = texts(nb.cells[cell_with(nb, "predicted = model.transform(test_df)")])
-    assert float(re.search(r"test MSE: (\S+)", transform).group(1)) < 0.2, transform
-    assert "loaded model predicts the same: True" in texts(nb.cells[cell_with(nb, "TorchModel.load(path)")])
-    resumed = texts(nb.cells[cell_with(nb, "longer = estimator(epochs=5)")])
-    assert "[0] epoch 1/5" not in resumed and "[0] epoch 4/5" in resumed, resumed  # epochs 4 and 5 only
-    assert "epochs in the history: [0, 1, 2, 3, 4]" in resumed and "Parquet written again: False" in resumed
-    assert "the model's output for label 'y' has shape (2,) per row (2 values), but the label has shape () (1 " \
-           "value)" in texts(nb.cells[cell_with(nb, "wrong = torch.nn.Linear(3, 2)")])
-    lightning = texts(nb.cells[cell_with(nb, "LightningEstimator(num_proc=2")])
-    assert len(losses(lightning, r"^\[0\] epoch \d/3: train_loss (\S+)$")) == 3 and "y__output" in lightning
-    assert "Traceback" not in _outputs(nb)
