@@ -2,8 +2,9 @@
 
 - fit a DataFrame, transform it on the executors, save, load, transform again: identical predictions; the history
   has every epoch's training and validation loss;
-- a fit resumed by run_id trains only the epochs left and writes no Parquet, and a rank killed mid-fit (a restart from the last commit,
-  or a failed fit fitted again) both end with the weights of an uninterrupted fit, bit for bit;
+- a rank killed mid-fit ends with the weights of an uninterrupted fit, bit for bit, whether the run restarts from
+  its last commit or the failed fit is fitted again with its run_id (which trains only the epochs left and writes
+  no Parquet);
 - several labels, a tensor column with input_shapes, an ML vector label, integer class labels;
 - a Pipeline with the estimator fits, saves and loads;
 - every bad input fails before the barrier stage launches, with one sentence.
@@ -100,18 +101,6 @@ def uninterrupted(df, tmp_path_factory):
     return _weights(_estimator(tmp_path_factory.mktemp("whole"), epochs=4, run_id="whole").fit(df))
 
 
-def test_a_fit_resumed_by_run_id_trains_only_the_epochs_left_and_writes_no_parquet(df, tmp_path, uninterrupted):
-    first = _estimator(tmp_path, epochs=2, run_id="resumed").fit(df)
-    assert len(first.getHistory()) == 2
-    data = tmp_path / "store" / "intermediate_train_data"
-    written = sorted(p.name for p in data.iterdir())
-    second = _estimator(tmp_path, epochs=4, run_id="resumed").fit(df)
-    assert sorted(p.name for p in data.iterdir()) == written  # the same DataFrame: its Parquet is reused
-    assert [e["epoch"] for e in second.getHistory()] == [0, 1, 2, 3]
-    assert second.getHistory()[:2] == first.getHistory()
-    assert _same(_weights(second), uninterrupted)
-
-
 def _killing_loss(flag: str, at_call: int):
     """mse_loss, but the rank whose call count reaches ``at_call`` first (once, across restarts) is killed."""
     calls = [0]
@@ -137,11 +126,20 @@ def test_a_rank_killed_mid_fit_restarts_from_the_last_commit_with_the_weights_of
     assert _same(_weights(model), uninterrupted)
 
 
-def test_a_fit_killed_mid_run_and_fitted_again_resumes_from_its_last_checkpoint(df, tmp_path, uninterrupted):
+def test_a_fit_killed_mid_run_and_fitted_again_trains_only_the_epochs_left_and_writes_no_parquet(
+        df, tmp_path, uninterrupted):
     est = _estimator(tmp_path, epochs=4, run_id="killed", loss=_killing_loss(str(tmp_path / "killed"), at_call=10))
     with pytest.raises(HorovodRunError, match=r"killed by signal 9"):
         est.fit(df)
-    assert _same(_weights(est.fit(df)), uninterrupted)
+    checkpoints = tmp_path / "store" / "runs" / "killed" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch-00001"]  # epoch 2 was cut short
+    marker = checkpoints / "epoch-00001" / "_COMPLETE.json"
+    written, data = marker.stat().st_mtime_ns, sorted((tmp_path / "store" / "intermediate_train_data").iterdir())
+    model = est.fit(df)  # the same run_id
+    assert [e["epoch"] for e in model.getHistory()] == [0, 1, 2, 3]
+    assert marker.stat().st_mtime_ns == written  # resumed from epoch 1's checkpoint: that epoch was not trained again
+    assert sorted((tmp_path / "store" / "intermediate_train_data").iterdir()) == data  # the same DataFrame's Parquet
+    assert _same(_weights(model), uninterrupted)
 
 
 class _TwoHeads(torch.nn.Module):

@@ -88,7 +88,9 @@ def _spark_submit(tmp_path, body):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_spark_submit_job_succeeds(tmp_path):
+def test_a_spark_submit_job_returns_values_and_a_rank_that_fails_exits_it_non_zero(tmp_path):
+    """One spark-submit (a JVM and a Spark application are the cost): a run that returns every rank's value, then
+    a run whose rank raises, which ends the job with a non-zero status and the rank's error."""
     out = _spark_submit(tmp_path, """
         from pyspark.sql import SparkSession
         from sparkhvd import HorovodRunner
@@ -96,24 +98,12 @@ def test_spark_submit_job_succeeds(tmp_path):
         def train(base):
             from sparkhvd._common import context as _context
             return base + _context.current().placement.rank
-        print("JOB RESULT", HorovodRunner(np=2).run_all(train, base=40).values)
-        spark.stop()
-    """)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "JOB RESULT [40, 41]" in out.stdout
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_spark_submit_job_whose_rank_fails_exits_non_zero(tmp_path):
-    out = _spark_submit(tmp_path, """
-        from pyspark.sql import SparkSession
-        from sparkhvd import HorovodRunner
-        spark = SparkSession.builder.getOrCreate()
-        def train():
+        print("JOB RESULT", HorovodRunner(np=2).run_all(train, base=40).values, flush=True)
+        def fail():
             raise FileNotFoundError("no such table: events")
-        HorovodRunner(np=2).run(train)
+        HorovodRunner(np=2).run(fail)
     """)
+    assert "JOB RESULT [40, 41]" in out.stdout, out.stderr[-3000:]
     assert out.returncode != 0
     assert "FileNotFoundError: no such table: events" in out.stdout + out.stderr
     assert "sparkhvd.runner.HorovodRunError: HorovodRunner run" in out.stdout + out.stderr
