@@ -22,6 +22,8 @@ import pytest
 import torch
 
 from sparkhvd.ml import Store, TorchEstimator, TorchModel
+from sparkhvd.ml._checkpoints import RunDir
+from sparkhvd.ml._torch import fingerprint
 from sparkhvd.runner import HorovodRunError
 
 ROWS = 96
@@ -67,13 +69,13 @@ def _same(a, b) -> bool:
 @pytest.fixture(scope="module")
 def fitted(df, tmp_path_factory):
     root = tmp_path_factory.mktemp("fit")
-    model = _estimator(root, validation=0.25, run_id="first").fit(df)
+    model = _estimator(root, validation="held_out", run_id="first").fit(df)  # a fraction: test_ml_lightning.py
     return root, model
 
 
 def test_fit_transform_save_load_transform_again(df, fitted):
     root, model = fitted
-    history = model.getHistory()
+    history = model.getHistory()  # validation: the rows of the column held_out
     assert [entry["epoch"] for entry in history] == [0, 1]
     assert all(set(entry) == {"epoch", "train", "validation"} and np.isfinite(entry["train"]["loss"])
                and np.isfinite(entry["validation"]["loss"]) for entry in history)
@@ -225,7 +227,7 @@ def test_bad_input_fails_before_launch_with_one_sentence(spark, df, tmp_path, ra
     blocker.write_text("")
     _fails(_estimator(tmp_path, store=Store.create(str(blocker / "store"))), df,
            r"The store '.*a-file/store' cannot be written", OSError)
-    _estimator(tmp_path, run_id="taken", epochs=1, num_proc=-1).fit(df)
+    RunDir(Store.create(str(tmp_path / "store")), "taken").claim(fingerprint(_net()))  # as a fit of _net() does
     _fails(_estimator(tmp_path, run_id="taken", net=torch.nn.Sequential(torch.nn.Linear(3, 1))), df,
            r"run_id='taken' in the store .* holds checkpoints of another model")
     _fails(_estimator(tmp_path, validation=1.5), df, r"validation=1.5 must be a fraction in \[0, 1\) or a column name")
@@ -239,15 +241,13 @@ def test_bad_input_fails_before_launch_with_one_sentence(spark, df, tmp_path, ra
     assert rank_processes() == []
 
 
-def test_a_validation_column_and_fit_on_parquet(spark, df, tmp_path):
-    est = _estimator(tmp_path, validation="held_out", epochs=1, num_proc=-1)
-    assert "validation" in est.fit(df).getHistory()[0]
+def test_fit_on_parquet(spark, df, tmp_path):
     path = str(tmp_path / "parquet")
     df.select("xs", "y").write.parquet(path)
     model = _estimator(tmp_path, feature_cols=["xs"], epochs=1, num_proc=-1).fit_on_parquet(path)
     assert len(model.transform(df).select("y__output").collect()) == ROWS
+    df.select("features", "y").write.parquet(str(tmp_path / "vectors"))
     with pytest.raises(ValueError, match=r"the column 'features' is vector, which the readers cannot take from Parquet"):
-        df.select("features", "y").write.parquet(str(tmp_path / "vectors"))
         _estimator(tmp_path, epochs=1).fit_on_parquet(str(tmp_path / "vectors"))
 
 
