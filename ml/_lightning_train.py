@@ -81,6 +81,9 @@ def train(spec: FitSpec, framework: dict):
     world = settings.WORLD_SIZE.get() or 1
     if data.val_url is not None and data.val_rows >= world:
         val_loader = _Loader(spec, data.val_url, data.val_rows, spec.val_batch_size, False, framework, torch)
+    elif data.val_url is not None and spec.verbose and settings.RANK.get() in (None, 0):
+        print(f"The validation data has {data.val_rows} row(s), fewer than the {world} ranks; training without "
+              "validation: hold out more rows (a larger validation fraction) or use fewer processes.", flush=True)
 
     class StoreCheckpoint(pl.Callback):
         """Hands the loaders the trainer; after each epoch, writes Lightning's checkpoint and the history to the store."""

@@ -64,6 +64,9 @@ class HorovodModel(Model, ModelParams, MLReadable, MLWritable):
         return tuple(column.shape or (1,) for column in features)
 
     def _predict_spec(self, batch_size: int = 1024) -> PredictSpec:
+        if not self.isDefined(self._metadata) or self.getModel() is None:
+            raise ValueError(f"This {type(self).__name__} has no fitted model and column metadata to predict with; "
+                             f"get one from an estimator's fit(df), or {type(self).__name__}.load(path).")
         meta = self.getOrDefault(self._metadata)
         features = tuple(Column.from_dict(d) for d in meta["features"])
         labels = [Column.from_dict(d) for d in meta["labels"]]

@@ -105,7 +105,7 @@ class ModelParams(_KeywordParams):
 
     def __init__(self):
         super().__init__()
-        self._setDefault(history=[], run_id=None)
+        self._setDefault(history=[], run_id=None, model=None)
 
     def getOutputCols(self) -> list[str]:
         if self.isDefined(self.outputCols):

@@ -73,3 +73,13 @@ def test_a_model_that_returns_other_rows_fails_saying_so():
 def test_a_task_predicts_on_the_gpu_spark_gave_it():
     assert device_for(["3"]) == "cuda:3"
     assert device_for(None) == device_for([]) == "cpu"
+
+
+def test_a_model_built_without_a_fit_says_how_to_get_one():
+    from sparkhvd.ml import TorchModel
+
+    model = TorchModel(feature_columns=["x"], label_columns=["y"])
+    assert model.getOutputCols() == ["y__output"] and model.getHistory() == []
+    with pytest.raises(ValueError, match=r"^This TorchModel has no fitted model and column metadata to predict with; "
+                                         r"get one from an estimator's fit\(df\), or TorchModel.load\(path\).$"):
+        model._predict_spec()
