@@ -21,6 +21,7 @@ from ._estimator import HorovodEstimator
 from ._model import HorovodModel
 from ._params import _accessors, _p
 from ._spec import FitSpec, metadata
+from ._torch_predict import load_for_predict
 from ._torch_train import CHECKPOINT, INITIAL, MODEL, as_outputs, feature_tensors, label_tensors, matched, train
 
 
@@ -179,35 +180,6 @@ class TorchEstimator(HorovodEstimator):
             torch.save(model, out, pickle_module=cloudpickle)
         fitted._use_file(model_url)
         return fitted
-
-
-def load_for_predict(source: str | None, blob: bytes | None, device: str):
-    """Executor side: the model from its file (or bytes) on ``device``, as ``predict(list of arrays)``."""
-    import io
-    import warnings
-
-    import torch
-
-    from ..data._metadata import resolve_url
-
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        device = "cpu"  # Spark assigned a GPU this torch build cannot use
-    if source is not None:
-        fs, path = resolve_url(source)
-        with fs.open_input_file(path) as f:
-            model = torch.load(f, map_location=device, weights_only=False)
-    else:
-        model = torch.load(io.BytesIO(blob), map_location=device, weights_only=False)
-    model.eval()
-
-    def predict(inputs: list) -> list:
-        with torch.inference_mode(), warnings.catch_warnings():
-            # Arrow's zero-copy arrays are read-only; the model only reads its inputs, so they are not copied
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            outputs = as_outputs(model(*[torch.from_numpy(x).to(device) for x in inputs]))
-        return [output.detach().float().cpu().numpy() for output in outputs]
-
-    return predict
 
 
 @_accessors

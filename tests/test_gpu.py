@@ -356,3 +356,27 @@ def test_lightning_ddp_on_the_gpu():
     pytest.importorskip("lightning")
     environment, device = HorovodRunner(np=-1).run(_lightning_on_gpu)
     assert environment == "TorchElasticEnvironment" and device == "cuda:0"
+
+
+def test_transforms_model_loader_predicts_on_the_gpu_spark_assigned_as_on_the_cpu(tmp_path):
+    """TorchModel.transform's executor side (ml/_torch_predict.py, no pyspark): a task Spark gave GPU 0 loads the
+    model file onto cuda:0, once, and predicts what the CPU does (to float32 rounding)."""
+    pytest.importorskip("pyarrow")
+    import cloudpickle
+    import numpy as np
+
+    from sparkhvd.ml._predict import device_for
+    from sparkhvd.ml._torch_predict import load_for_predict
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
+    path = tmp_path / "model.pt"
+    torch.save(net, path, pickle_module=cloudpickle)
+    x = np.random.default_rng(0).normal(size=(4096, 8)).astype(np.float32)
+    on_cpu = load_for_predict(str(path), None, "cpu")([x])[0]
+    before = torch.cuda.memory_allocated(0)
+    predict = load_for_predict(str(path), None, device_for(["0"]))
+    assert torch.cuda.memory_allocated(0) > before  # the weights went to the GPU
+    on_gpu = predict([x])[0]
+    assert on_gpu.shape == (4096, 2) and on_gpu.dtype == np.float32
+    np.testing.assert_allclose(on_gpu, on_cpu, rtol=1e-4, atol=1e-5)
