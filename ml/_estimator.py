@@ -14,13 +14,12 @@ import time
 import uuid
 
 from pyspark.ml import Estimator
-from pyspark.ml.util import MLReadable, MLWritable
 
 from ..data import make_spark_converter
 from ._checkpoints import RunDir
 from ._columns import columns_of, with_shapes
 from ._params import EstimatorParams
-from ._persistence import Reader, Writer
+from ._persistence import Persisted
 from ._spec import DataSpec, FitSpec
 from ._store import Store
 
@@ -32,25 +31,14 @@ def _positive(who: str, name: str, value, allow_none: bool = False) -> None:
         raise ValueError(f"{who}: {name} must be a positive int, got {value!r}.")
 
 
-class HorovodEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
+class HorovodEstimator(Estimator, EstimatorParams, Persisted):
     """The shared ``fit``; a framework subclass supplies the model's part."""
 
     _framework = ""
-    _extra_defaults: dict = {}  # the framework's own Params' defaults
 
     def __init__(self, **kwargs):
         super().__init__()
-        self._setDefault(**self._extra_defaults)
         self._set_keywords(kwargs)
-
-    # ---- persistence ----
-
-    def write(self) -> Writer:
-        return Writer(self)
-
-    @classmethod
-    def read(cls) -> Reader:
-        return Reader(cls)
 
     # ---- fit ----
 
@@ -62,14 +50,8 @@ class HorovodEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         if not sample:
             raise ValueError(f"{who}: the DataFrame is empty: there is nothing to train on. Check the filters and "
                              "joins that built it (df.count() is 0).")
-        features, labels = with_shapes(features, sample[0], who), with_shapes(labels, sample[0], who)
-        weight = with_shapes([weight], sample[0], who)[0] if weight else None
-        output_shapes = self._check_model(features, labels, weight, sample[0], who)
-        store = self.getStore()
-        store.check_writable()
-        run = RunDir(store, self.getRunId() or f"sparkhvd_{int(time.time())}_{uuid.uuid4().hex[:6]}")
-        run.claim(self._fingerprint(self.getModel()))
-        data = self._write_data(df, features, labels, weight, store, who)
+        features, labels, weight, output_shapes, run = self._prepare(features, labels, weight, sample[0], who)
+        data = self._write_data(df, features, labels, weight, run.store, who)
         return self._fit_data(data, run, output_shapes, who)
 
     def fit_on_parquet(self, train_path: str, validation_path: str | None = None):
@@ -89,16 +71,22 @@ class HorovodEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         sample = df.limit(1).collect()
         if not sample:
             raise ValueError(f"{who}: {train_path!r} holds no rows: there is nothing to train on.")
-        features, labels = with_shapes(features, sample[0], who), with_shapes(labels, sample[0], who)
-        weight = with_shapes([weight], sample[0], who)[0] if weight else None
-        output_shapes = self._check_model(features, labels, weight, sample[0], who)
+        features, labels, weight, output_shapes, run = self._prepare(features, labels, weight, sample[0], who)
+        val_rows = spark.read.parquet(validation_path).count() if validation_path else 0
+        data = DataSpec(train_path, df.count(), validation_path, val_rows, tuple(features), tuple(labels), weight)
+        return self._fit_data(data, run, output_shapes, who)
+
+    def _prepare(self, features, labels, weight, row, who: str):
+        """What fit and fit_on_parquet check alike on the sampled ``row``: the columns' shapes, the model's dry run,
+        the store and the run's model; ``(features, labels, weight, output shapes, run)``."""
+        features, labels = with_shapes(features, row, who), with_shapes(labels, row, who)
+        weight = with_shapes([weight], row, who)[0] if weight else None
+        output_shapes = self._check_model(features, labels, weight, row, who)
         store = self.getStore()
         store.check_writable()
         run = RunDir(store, self.getRunId() or f"sparkhvd_{int(time.time())}_{uuid.uuid4().hex[:6]}")
         run.claim(self._fingerprint(self.getModel()))
-        val_rows = spark.read.parquet(validation_path).count() if validation_path else 0
-        data = DataSpec(train_path, df.count(), validation_path, val_rows, tuple(features), tuple(labels), weight)
-        return self._fit_data(data, run, output_shapes, who)
+        return features, labels, weight, output_shapes, run
 
     def _check_params(self, who: str, parquet: bool = False) -> None:
         if self.getModel() is None:

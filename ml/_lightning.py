@@ -10,8 +10,6 @@ int64); its ``configure_optimizers`` and logged metrics are its own. The rank si
 
 from __future__ import annotations
 
-import copy
-
 import cloudpickle
 
 from ..runner._framework_env import NODE_PER_TASK
@@ -19,9 +17,9 @@ from ._checkpoints import RunDir
 from ._estimator import HorovodEstimator
 from ._lightning_train import CHECKPOINT, lightning, train
 from ._params import _accessors, _p
-from ._spec import FitSpec, metadata
-from ._torch import TorchModel, dry_run, fingerprint, input_shapes_of
-from ._torch_train import INITIAL, MODEL
+from ._spec import FitSpec
+from ._torch import TorchModel, dry_run, final_checkpoint, fingerprint, fitted_model, input_shapes_of
+from ._torch_train import INITIAL
 
 
 @_accessors
@@ -79,25 +77,8 @@ class LightningEstimator(HorovodEstimator):
         return train
 
     def _fitted(self, run: RunDir, spec: FitSpec, history) -> LightningModel:
-        import torch
-
-        newest = run.newest()
-        if newest is None or newest[0] != spec.epochs:
-            raise RuntimeError(f"The run {run.run_id!r} ended without its checkpoint of epoch {spec.epochs} in "
-                               f"{run.checkpoints_url}; fit again with the same run_id to resume it.")
-        with run.store.filesystem.open_input_file(run.store.path_of(f"{newest[1]}/{CHECKPOINT}")) as f:
-            state = torch.load(f, map_location="cpu", weights_only=False)
-        model = copy.deepcopy(self.getModel())
-        model.load_state_dict(state["state_dict"])
-        model.eval()
-        fitted = LightningModel(model=model, history=state["sparkhvd_history"], feature_columns=self.getFeatureCols(),
-                                label_columns=self.getLabelCols(), run_id=run.run_id,
-                                input_shapes=self.getInputShapes(), _metadata=metadata(spec))
-        model_url = run.file_url(MODEL)
-        with run.store.open_output(model_url) as out:
-            torch.save(model, out, pickle_module=cloudpickle)
-        fitted._use_file(model_url)
-        return fitted
+        state = final_checkpoint(run, spec, CHECKPOINT)  # Lightning's own, with the history beside its state
+        return fitted_model(LightningModel, self, run, spec, state["state_dict"], state["sparkhvd_history"])
 
 
 @_accessors

@@ -11,34 +11,24 @@ from __future__ import annotations
 import uuid
 
 from pyspark.ml import Model
-from pyspark.ml.util import MLReadable, MLWritable
 
 from ._columns import Column, numel
 from ._params import ModelParams
-from ._persistence import Reader, Writer
+from ._persistence import Persisted
 from ._predict import Output, PredictSpec, transform
 
 
-class HorovodModel(Model, ModelParams, MLReadable, MLWritable):
+class HorovodModel(Model, ModelParams, Persisted):
     """A fitted model; a framework subclass supplies its file format and its executor-side loader."""
 
     _model_file_name = ""
     _load_for_predict = None  # staticmethod load(source, blob, device) -> predict, in the subclass
-    _extra_defaults: dict = {}  # the framework's own Params' defaults
 
     def __init__(self, **kwargs):
         super().__init__()
         self._file: tuple[int, str] | None = None  # (id of the model object, the URL of its file)
         self._key = uuid.uuid4().hex
-        self._setDefault(**self._extra_defaults)
         self._set_keywords(kwargs)
-
-    def write(self) -> Writer:
-        return Writer(self)
-
-    @classmethod
-    def read(cls) -> Reader:
-        return Reader(cls)
 
     def _use_file(self, url: str) -> None:
         """The executors load the current model from ``url`` (which holds exactly it)."""

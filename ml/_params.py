@@ -37,7 +37,11 @@ _INT, _BOOL, _STR, _STRS = TypeConverters.toInt, TypeConverters.toBoolean, TypeC
 class _KeywordParams(Params):
     """Params set from constructor keywords; an unknown keyword is a TypeError naming the known ones."""
 
+    _extra_defaults: dict = {}  # a framework subclass's own Params' defaults
+
     def _set_keywords(self, kwargs: dict) -> None:
+        """The framework's defaults, then ``kwargs``."""
+        self._setDefault(**self._extra_defaults)
         unknown = sorted(name for name in kwargs if not self.hasParam(name))
         if unknown:
             known = ", ".join(sorted(p.name for p in self.params))

@@ -15,7 +15,7 @@ import posixpath
 
 import cloudpickle
 import pyarrow.fs as pafs
-from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
+from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
 
 from ..data._metadata import resolve_url
 from ._store import _as_url
@@ -81,3 +81,14 @@ class Reader(MLReader):
         if hasattr(instance, "_loaded_from"):
             instance._loaded_from(_as_url(path))
         return instance
+
+
+class Persisted(MLReadable, MLWritable):
+    """``write()`` and ``read()`` through Writer and Reader: the estimators' and models' ML persistence."""
+
+    def write(self) -> Writer:
+        return Writer(self)
+
+    @classmethod
+    def read(cls) -> Reader:
+        return Reader(cls)

@@ -161,25 +161,38 @@ class TorchEstimator(HorovodEstimator):
         return train
 
     def _fitted(self, run: RunDir, spec: FitSpec, history) -> TorchModel:
-        import torch
+        state = final_checkpoint(run, spec, CHECKPOINT)
+        return fitted_model(TorchModel, self, run, spec, state["model"], state["history"])
 
-        newest = run.newest()
-        if newest is None or newest[0] != spec.epochs:
-            raise RuntimeError(f"The run {run.run_id!r} ended without its checkpoint of epoch {spec.epochs} in "
-                               f"{run.checkpoints_url}; fit again with the same run_id to resume it.")
-        with run.store.filesystem.open_input_file(run.store.path_of(f"{newest[1]}/{CHECKPOINT}")) as f:
-            state = torch.load(f, map_location="cpu", weights_only=False)
-        model = copy.deepcopy(self.getModel())
-        model.load_state_dict(state["model"])
-        model.eval()
-        fitted = TorchModel(model=model, history=state["history"], feature_columns=self.getFeatureCols(),
-                            label_columns=self.getLabelCols(), run_id=run.run_id, input_shapes=self.getInputShapes(),
-                            _metadata=metadata(spec))
-        model_url = run.file_url(MODEL)
-        with run.store.open_output(model_url) as out:
-            torch.save(model, out, pickle_module=cloudpickle)
-        fitted._use_file(model_url)
-        return fitted
+
+def final_checkpoint(run: RunDir, spec: FitSpec, name: str) -> dict:
+    """The file ``name`` of the run's checkpoint of its last epoch, loaded on the driver's CPU."""
+    import torch
+
+    newest = run.newest()
+    if newest is None or newest[0] != spec.epochs:
+        raise RuntimeError(f"The run {run.run_id!r} ended without its checkpoint of epoch {spec.epochs} in "
+                           f"{run.checkpoints_url}; fit again with the same run_id to resume it.")
+    with run.store.filesystem.open_input_file(run.store.path_of(f"{newest[1]}/{name}")) as f:
+        return torch.load(f, map_location="cpu", weights_only=False)
+
+
+def fitted_model(model_class, estimator, run: RunDir, spec: FitSpec, state_dict: dict, history: list):
+    """A ``model_class`` (TorchModel, LightningModel) holding a copy of the estimator's model with ``state_dict``, whose
+    file (``model.pt`` in the run's directory) the executors load."""
+    import torch
+
+    model = copy.deepcopy(estimator.getModel())
+    model.load_state_dict(state_dict)
+    model.eval()
+    fitted = model_class(model=model, history=history, feature_columns=estimator.getFeatureCols(),
+                         label_columns=estimator.getLabelCols(), run_id=run.run_id,
+                         input_shapes=estimator.getInputShapes(), _metadata=metadata(spec))
+    model_url = run.file_url(MODEL)
+    with run.store.open_output(model_url) as out:
+        torch.save(model, out, pickle_module=cloudpickle)
+    fitted._use_file(model_url)
+    return fitted
 
 
 @_accessors
