@@ -4,11 +4,15 @@ Each rank loads the model from the run's newest complete checkpoint (``checkpoin
 its optimizer's state, and ``state.json``: the epochs done and the history), or else from
 ``initial.keras``, wraps its optimizer in ``hvd.DistributedOptimizer`` (in place: the compiled
 loss and metrics stay), and runs ``model.fit`` from the next epoch on a ``tf.data`` stream of its
-shard (``_batches.epoch_batches``: every row once per epoch, the same steps on every rank).
-Every rank starts from rank 0's weights (BroadcastGlobalVariablesCallback) and logs the metrics
-averaged over the ranks (MetricAverageCallback); rank 0 writes a checkpoint after every epoch, so
-a restarted or resumed fit goes on from the last finished epoch. The ``.keras`` helpers here are
-shared with the driver (``_keras.py``), which imports this module, never the reverse.
+shard (``_batches.epoch_batches``: every row once per epoch, the same steps on every rank), under
+``hvd.elastic.run`` with a ``KerasState``: every rank starts from rank 0's weights, or after a
+restart from the last commit. Metrics are averaged over the ranks (MetricAverageCallback); rank 0
+writes a checkpoint after every epoch, so a resumed fit goes on from the last finished epoch. With
+restarts the state (weights, optimizer, epoch, steps into it, the metrics' sums, the history) is
+committed every ``batches_per_commit`` steps and after each epoch: a relaunched fit trains the rest
+of the committed epoch alone (Keras runs the same steps every epoch), then the epochs left. The
+``.keras`` helpers here are shared with the driver (``_keras.py``), which imports this module,
+never the reverse.
 """
 
 from __future__ import annotations
@@ -133,9 +137,9 @@ def train(spec: FitSpec, framework: dict):
         out = (xs[0] if len(xs) == 1 else xs, ys[0] if len(ys) == 1 else ys)
         return out + ((tf.TensorSpec((None,), tf.float32),) if data.weight is not None else ())
 
-    def batches(url, rows, epoch, batch_size, shuffle, limit):
+    def batches(url, rows, epoch, batch_size, shuffle, limit, skip=0):
         with contextlib.closing(epoch_batches(url, rows, rank=rank, ranks=size, epoch=epoch, batch_size=batch_size,
-                                              shuffle=shuffle, seed=spec.seed)) as read:
+                                              shuffle=shuffle, seed=spec.seed, skip=skip)) as read:
             for step, (_, batch) in enumerate(read):
                 if step >= limit:
                     break
@@ -144,9 +148,13 @@ def train(spec: FitSpec, framework: dict):
     per_epoch = steps(data.train_rows, size, spec.batch_size)
     per_epoch = min(per_epoch, spec.train_steps_per_epoch or per_epoch)
 
-    def train_stream():  # every epoch in one stream: with steps_per_epoch, Keras goes on with the same iterator
-        for epoch in range(start, spec.epochs):
-            yield from batches(data.train_url, data.train_rows, epoch, spec.batch_size, spec.shuffle, per_epoch)
+    def train_stream(first: int, skip: int, end: int):
+        """Epochs ``first`` to ``end`` in one stream, the first from reader batch ``skip`` (with steps_per_epoch, Keras
+        goes on with the same iterator)."""
+        for epoch in range(first, end):
+            yield from batches(data.train_url, data.train_rows, epoch, spec.batch_size, spec.shuffle,
+                               per_epoch - skip, skip)
+            skip = 0
 
     def dataset(generator):
         return tf.data.Dataset.from_generator(generator, output_signature=signature()).prefetch(2)
@@ -160,6 +168,10 @@ def train(spec: FitSpec, framework: dict):
         print(f"The validation data has {data.val_rows} row(s), fewer than the {size} ranks; training without "
               "validation: hold out more rows (a larger validation fraction) or use fewer processes.", flush=True)
 
+    # The model, its optimizer, where the fit is (epoch, and steps into it) and the history: committed every
+    # batches_per_commit steps and after each epoch with restarts, so a relaunched rank goes on from the last commit.
+    state = hvd.elastic.KerasState(model, epoch=start, batch=0, history=history, metrics=None)
+
     class Checkpoint(keras.callbacks.Callback):
         """Each epoch's history entry; on rank 0 the line and the checkpoint. After MetricAverageCallback."""
 
@@ -169,7 +181,7 @@ def train(spec: FitSpec, framework: dict):
             val = {k[len("val_"):]: v for k, v in logs.items() if k.startswith("val_")}
             if val:
                 entry["validation"] = val
-            history.append(entry)
+            state.history = [*state.history, entry]
             if rank != 0:
                 return
             if spec.verbose:
@@ -180,14 +192,70 @@ def train(spec: FitSpec, framework: dict):
                 saved = keras_bytes(self.model)
             finally:
                 scale_lr(self.model.optimizer, size, keras)
-            state = json.dumps({"epoch": epoch + 1, "history": history}).encode()
+            written = json.dumps({"epoch": epoch + 1, "history": state.history}).encode()
             run.write_checkpoint(epoch + 1, {CHECKPOINT: lambda out: out.write(saved),
-                                             STATE: lambda out: out.write(state)})
+                                             STATE: lambda out: out.write(written)})
 
-    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
-                 *framework["callbacks"], Checkpoint()]
-    if start < spec.epochs:
-        model.fit(dataset(train_stream), epochs=spec.epochs, initial_epoch=start, steps_per_epoch=per_epoch,
-                  validation_data=validation, validation_steps=val_steps, callbacks=callbacks, shuffle=False,
-                  verbose=0)  # the reader shuffles
+    class Commit(keras.callbacks.Callback):
+        """Keeps ``state`` at the next step to run; commits it every ``batches_per_commit`` steps and after each epoch
+        (with restarts). A fit resumed mid-epoch starts ``skip`` steps in, with the metrics' sums of those steps."""
+
+        def __init__(self, skip: int):
+            super().__init__()
+            self.skip = skip
+
+        def on_epoch_begin(self, epoch, logs=None):
+            mine = resumed_metrics()
+            if self.skip and mine is not None:
+                for variable, value in zip(model.metrics_variables, mine):  # Keras has just reset them
+                    variable.assign(value)
+
+        def on_train_batch_end(self, batch, logs=None):
+            state.batch = self.skip + batch + 1
+            if spec.batches_per_commit and state.batch % spec.batches_per_commit == 0 and state.batch < per_epoch:
+                # every rank's sums (the committed state is rank 0's): a collective, at the same step on every rank
+                state.metrics = hvd.allgather_object([variable.numpy() for variable in model.metrics_variables],
+                                                     name="sparkhvd.ml.keras_metrics")
+                state.commit()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.skip = 0
+            state.epoch, state.batch, state.metrics = epoch + 1, 0, None
+            if spec.batches_per_commit:
+                state.commit()
+
+    def resumed_metrics() -> list | None:
+        """This rank's committed metric sums, where the commit has them for this many ranks and these metrics."""
+        if state.metrics is None or len(state.metrics) != size or len(state.metrics[rank]) != len(model.metrics_variables):
+            return None
+        return state.metrics[rank]
+
+    def build_metrics() -> None:
+        """Build the compiled loss and metrics, which Keras builds at the first step, so that a resumed epoch can put
+        their committed sums back before it. A model whose metrics cannot be built on zeros resumes without them: that
+        epoch's metrics then cover the steps after the commit (they are history, not training state)."""
+        xs = [np.zeros((1, *shape), np.float32) for shape in feature_shapes]
+        ys = [np.zeros((1, *shape), np.int64 if c.integer else np.float32) for c, shape in zip(data.labels, label_shapes)]
+        x, y = (xs[0] if len(xs) == 1 else tuple(xs)), (ys[0] if len(ys) == 1 else tuple(ys))
+        try:
+            predicted = model(x, training=False)
+            model.compute_loss(x, y, predicted)
+            model.compute_metrics(x, y, predicted)
+        except Exception:  # noqa: BLE001 - see above
+            pass
+
+    @hvd.elastic.run
+    def loop(state):
+        while state.epoch < spec.epochs:
+            first, skip = state.epoch, state.batch
+            if skip and state.metrics is not None and resumed_metrics() is None:
+                build_metrics()
+            end = first + 1 if skip else spec.epochs  # a resumed epoch alone: Keras takes the same steps every epoch
+            callbacks = [hvd.callbacks.MetricAverageCallback(), *framework["callbacks"], Checkpoint(), Commit(skip)]
+            model.fit(dataset(lambda: train_stream(first, skip, end)), epochs=end, initial_epoch=first,
+                      steps_per_epoch=per_epoch - skip, validation_data=validation, validation_steps=val_steps,
+                      callbacks=callbacks, shuffle=False, verbose=0)  # the reader shuffles
+        return state.history
+
+    history = loop(state)  # every rank starts from rank 0's state (or the last commit, after a restart)
     return history if rank == 0 else None

@@ -1,10 +1,13 @@
 """LightningEstimator's training, on every rank: Lightning's own ``Trainer`` with DDP over the runner's ranks.
 
 Each rank loads the module from the run's directory and hands ``trainer.fit`` the newest
-checkpoint (Lightning resumes its epoch, optimizer and loops from it; after a restart, the
-newest one this fit wrote). The loaders yield this rank's batches of the epoch Lightning is in,
-every row once and the same number of steps on every rank. After each epoch rank 0 writes
-Lightning's checkpoint, with the history so far, into the store.
+checkpoint (Lightning resumes its epoch, optimizer and loops from it). The loaders yield this
+rank's batches of the epoch Lightning is in, every row once and the same number of steps on every
+rank. After each epoch rank 0 writes Lightning's checkpoint, with the history so far, into the
+store. With restarts, rank 0 also sends Lightning's checkpoint off the ranks as a commit
+(``_common/commits.py``) every ``batches_per_commit`` steps and after each epoch; a relaunched
+rank fetches the newest commit and resumes from it mid-epoch: the training loader is resumable
+(Lightning keeps its ``state_dict``, the steps done, in the checkpoint), and skips those steps.
 """
 
 from __future__ import annotations
@@ -12,13 +15,14 @@ from __future__ import annotations
 import os
 import tempfile
 
-from .._common import settings
+from .._common import commits, settings
 from ._batches import epoch_batches, steps
 from ._checkpoints import RunDir
 from ._spec import FitSpec
 from ._torch_train import INITIAL, column_tensor
 
 CHECKPOINT = "checkpoint.ckpt"  # Lightning's own checkpoint (trainer.save_checkpoint), in each checkpoint directory
+COMMIT = "sparkhvd.ml.lightning"  # the key of the fit's commits (Lightning's checkpoint, as bytes)
 
 
 def lightning():
@@ -49,10 +53,34 @@ class _Loader:
         epoch = trainer.current_epoch if self.shuffle else 0
         for _, batch in epoch_batches(self.url, self.rows, rank=trainer.global_rank, ranks=trainer.world_size,
                                       epoch=epoch, batch_size=self.batch_size, shuffle=self.shuffle,
-                                      seed=self.spec.seed):
+                                      seed=self.spec.seed, skip=self._skip()):
             if transform is not None:
                 batch = transform(batch)
             yield {name: _tensor(values, shapes.get(name), data, name, torch) for name, values in batch.items()}
+
+    def _skip(self) -> int:
+        return 0
+
+
+class _TrainLoader(_Loader):
+    """The training loader, resumable mid-epoch: Lightning keeps its ``state_dict`` (the epoch, the steps done) in a
+    checkpoint and hands it back to ``load_state_dict`` when it resumes from one; the next epoch then starts that many
+    steps in (a step reads one reader batch, except the last step of an epoch, after which the epoch is done)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.done = 0  # steps of the current epoch trained: set after each step by the callback
+        self.resume: dict | None = None
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.trainer.current_epoch, "steps": self.done}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.resume = state
+
+    def _skip(self) -> int:
+        resume, self.resume = self.resume, None
+        return resume["steps"] if resume is not None and resume["epoch"] == self.trainer.current_epoch else 0
 
 
 def _tensor(values, shape, data, name, torch):
@@ -76,7 +104,7 @@ def train(spec: FitSpec, framework: dict):
     if spec.random_seed is not None:
         pl.seed_everything(spec.random_seed, workers=True, verbose=False)
     data = spec.data
-    train_loader = _Loader(spec, data.train_url, data.train_rows, spec.batch_size, spec.shuffle, framework, torch)
+    train_loader = _TrainLoader(spec, data.train_url, data.train_rows, spec.batch_size, spec.shuffle, framework, torch)
     val_loader = None
     world = settings.WORLD_SIZE.get() or 1
     if data.val_url is not None and data.val_rows >= world:
@@ -90,6 +118,7 @@ def train(spec: FitSpec, framework: dict):
 
         def __init__(self):
             self.history = []
+            self.commits = 0
 
         def setup(self, trainer, module, stage):
             train_loader.trainer = trainer
@@ -102,6 +131,12 @@ def train(spec: FitSpec, framework: dict):
         def on_load_checkpoint(self, trainer, module, checkpoint):
             self.history = list(checkpoint.get("sparkhvd_history", []))
 
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            train_loader.done = batch_idx + 1
+            every = spec.batches_per_commit
+            if every and train_loader.done % every == 0 and train_loader.done < trainer.num_training_batches:
+                self._save(trainer, stored=False)
+
         def on_train_epoch_end(self, trainer, module):
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
             entry = {"epoch": trainer.current_epoch,
@@ -113,22 +148,41 @@ def train(spec: FitSpec, framework: dict):
             if spec.verbose and trainer.is_global_zero:
                 shown = ", ".join(f"{k} {v:.6g}" for k, v in metrics.items())
                 print(f"epoch {trainer.current_epoch + 1}/{spec.epochs}: {shown}", flush=True)
+            self._save(trainer, stored=True)
+
+        def _save(self, trainer, stored: bool) -> None:
+            """Lightning's checkpoint: into the store after an epoch (``stored``); with restarts, off the ranks too."""
+            if not (stored or spec.batches_per_commit):
+                return
             with tempfile.TemporaryDirectory(prefix="sparkhvd-ckpt-") as folder:
                 path = os.path.join(folder, CHECKPOINT)
                 trainer.save_checkpoint(path, weights_only=False)  # every rank calls it; rank 0 writes; optimizer too
-                if trainer.is_global_zero:
-                    with open(path, "rb") as f:
-                        blob = f.read()
-                    run.write_checkpoint(trainer.current_epoch + 1, {CHECKPOINT: lambda out: out.write(blob)})
+                if not trainer.is_global_zero:
+                    return
+                with open(path, "rb") as f:
+                    blob = f.read()
+            epoch = trainer.current_epoch + 1 if stored else trainer.current_epoch
+            if stored:
+                run.write_checkpoint(epoch, {CHECKPOINT: lambda out: out.write(blob)})
+            if spec.batches_per_commit:
+                self.commits += 1
+                fields = {"epoch": epoch, "batch": 0 if stored else train_loader.done}
+                commits.publish({"key": COMMIT, "seq": self.commits, "size": trainer.world_size, "fields": fields},
+                                blob)
 
     saver = StoreCheckpoint()
     resume = None
     newest = run.newest()
+    committed = commits.fetch(COMMIT) if spec.batches_per_commit else None  # after a restart: the last commit
     with tempfile.TemporaryDirectory(prefix="sparkhvd-lightning-") as folder:
-        if newest is not None:
+        if committed is not None or newest is not None:
             resume = os.path.join(folder, CHECKPOINT)
-            with fs.open_input_stream(spec.store.path_of(f"{newest[1]}/{CHECKPOINT}")) as f, open(resume, "wb") as out:
-                out.write(f.read())
+            with open(resume, "wb") as out:
+                if committed is not None:
+                    out.write(committed[1])
+                else:
+                    with fs.open_input_stream(spec.store.path_of(f"{newest[1]}/{CHECKPOINT}")) as f:
+                        out.write(f.read())
         gpu = spec.use_gpu and torch.cuda.is_available()
         trainer = pl.Trainer(
             accelerator="gpu" if gpu else "cpu", devices=1, num_nodes=world, strategy="ddp", max_epochs=spec.epochs,

@@ -111,7 +111,7 @@ def train(spec: FitSpec, framework: dict):
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compression,
                                          backward_passes_per_step=spec.backward_passes_per_step)
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, epoch=start_epoch, batch=0,
-                                   steps=0, history=history, sums={})
+                                   steps=0, history=history, sums={}, rank_sums=None)
     data = spec.data
     losses = framework["losses"]
     loss_weights = framework["loss_weights"] or [1.0 / len(losses)] * len(losses)
@@ -177,6 +177,8 @@ def train(spec: FitSpec, framework: dict):
         per_epoch = steps(data.train_rows, hvd.size(), spec.batch_size)
         if spec.train_steps_per_epoch is not None:
             per_epoch = min(per_epoch, spec.train_steps_per_epoch)
+        if state.rank_sums is not None:  # resumed mid-epoch: this rank's own running sums
+            state.sums = state.rank_sums[hvd.rank()] if len(state.rank_sums) == hvd.size() else {}
         for epoch in range(state.epoch, spec.epochs):
             model.train()
             done = state.steps
@@ -198,6 +200,8 @@ def train(spec: FitSpec, framework: dict):
                 state.steps, state.batch = done, state.batch + consumed
                 if spec.batches_per_commit and done % spec.batches_per_commit == 0 \
                         and done % spec.backward_passes_per_step == 0:
+                    # every rank's sums (the committed state is rank 0's): a collective, at the same step on every rank
+                    state.rank_sums = hvd.allgather_object(state.sums, name="sparkhvd.ml.commit_sums")
                     state.commit()
             entry = {"epoch": epoch, "train": averaged(state.sums)}
             val = validate(epoch)
@@ -209,7 +213,7 @@ def train(spec: FitSpec, framework: dict):
                 if val:
                     shown += ", " + ", ".join(f"val_{k} {v:.6g}" for k, v in val.items())
                 print(f"epoch {epoch + 1}/{spec.epochs}: {shown}", flush=True)
-            state.epoch, state.batch, state.steps, state.sums = epoch + 1, 0, 0, {}
+            state.epoch, state.batch, state.steps, state.sums, state.rank_sums = epoch + 1, 0, 0, {}, None
             if hvd.rank() == 0:
                 checkpoint(epoch + 1)
             if spec.batches_per_commit:

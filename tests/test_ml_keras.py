@@ -1,13 +1,17 @@
 """sparkhvd.ml's KerasEstimator on a real local Spark: fit on 2 ranks (with validation), transform on the executors,
-save and load the model, and resume a run from its checkpoint. TensorFlow's imports are slow: the module fits once,
-and the resume test fits once more."""
+save and load the model, resume a run from its checkpoint, and, with max_restarts, restart a fit whose rank was killed
+mid-epoch from its last commit, ending with the weights and history of the resumed fit. TensorFlow's imports are slow:
+the module fits once, the resume test fits once more, and the restart test once more (and relaunches once)."""
 
 from __future__ import annotations
 
 import math
+import os
+import signal
 import subprocess
 import sys
 
+import cloudpickle
 import numpy as np
 import pytest
 
@@ -16,6 +20,7 @@ pytest.importorskip("tensorflow")
 from sparkhvd.ml import KerasEstimator, KerasModel, Store
 
 RUN_ID = "keras_resume"
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this file
 
 
 def _frame(spark, rows=64):
@@ -41,9 +46,9 @@ def _estimator(store, model, epochs, **kwargs):
     import keras
 
     # the model's own loss and metrics stay; the given optimizer replaces its Adam
-    return KerasEstimator(num_proc=2, store=store, model=model, optimizer=keras.optimizers.SGD(0.05),
-                          feature_cols=["x"], label_cols=["y"], validation=0.25, epochs=epochs, batch_size=8,
-                          run_id=RUN_ID, random_seed=1, verbose=0, **kwargs)
+    args = dict(num_proc=2, store=store, model=model, optimizer=keras.optimizers.SGD(0.05), feature_cols=["x"],
+                label_cols=["y"], validation=0.25, epochs=epochs, batch_size=8, run_id=RUN_ID, random_seed=1, verbose=0)
+    return KerasEstimator(**{**args, **kwargs})
 
 
 @pytest.fixture(scope="module")
@@ -116,11 +121,54 @@ def test_a_saved_model_loads_and_predicts_the_same(fitted, predicted, tmp_path):
     assert _predictions(loaded.transform(df)) == predicted
 
 
-def test_a_second_fit_with_the_run_id_trains_only_the_epochs_not_done(fitted):
-    df, store, user_model, first = fitted
-    second = _estimator(store, user_model, epochs=3).fit(df)
+@pytest.fixture(scope="module")
+def resumed(fitted):
+    """The run fitted again with epochs=3: it trains the third epoch only."""
+    df, store, user_model, _ = fitted
+    return _estimator(store, user_model, epochs=3).fit(df)
+
+
+def test_a_second_fit_with_the_run_id_trains_only_the_epochs_not_done(fitted, resumed):
+    _, store, _, first = fitted
+    second = resumed
     history = second.getHistory()
     assert [entry["epoch"] for entry in history] == [0, 1, 2]
     assert history[:2] == first.getHistory()  # read from the checkpoint of epoch 2, not trained again
     assert store.list_dir(store.get_checkpoint_path(RUN_ID)) == ["epoch-00001", "epoch-00002", "epoch-00003"]
     assert not np.array_equal(second.getModel().get_weights()[0], first.getModel().get_weights()[0])
+
+
+def _killer(flag: str, epoch: int, step: int):
+    """A callback: the first rank to finish ``step`` (1-based) of ``epoch`` (once, across restarts: the flag) is
+    killed there."""
+    import keras
+
+    class KillOnce(keras.callbacks.Callback):
+        def on_epoch_begin(self, index, logs=None):
+            self.epoch = index
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.epoch != epoch or batch + 1 != step:
+                return
+            try:
+                os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return KillOnce()
+
+
+def test_a_rank_killed_mid_epoch_restarts_from_the_last_commit_and_ends_as_the_resumed_fit(fitted, resumed, tmp_path,
+                                                                                          capsys):
+    df, store, _, _ = fitted
+    # 3 steps per epoch and rank (48 training rows, batches of 8), committed after step 2 and after each epoch: killed
+    # after step 3 of epoch 3, the relaunched ranks train step 3 of epoch 3 again, from the commit of step 2
+    flag = str(tmp_path / "killed")
+    restarted = _estimator(store, _model(), epochs=3, run_id="keras_restarted", max_restarts=1, batches_per_commit=2,
+                           callbacks=[_killer(flag, epoch=2, step=3)]).fit(df)
+    assert os.path.exists(flag)
+    assert "from the last commit (epoch=2 batch=2)" in capsys.readouterr().out  # the runner's line on the restart
+    assert restarted.getHistory() == resumed.getHistory()  # the metrics of epoch 3 too: their sums were committed
+    for a, b in zip(restarted.getModel().get_weights(), resumed.getModel().get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -2,13 +2,16 @@
 
 - fit (with validation), transform, save, load, transform again: identical predictions, and the history has each
   epoch's logged training and validation loss;
-- a fit resumed by run_id (Lightning's own ckpt_path) trains only the epoch left (the weights of an interrupted
-  fit are compared with an uninterrupted one's for TorchEstimator, in test_ml_torch.py);
+- a fit resumed by run_id (Lightning's own ckpt_path) trains only the epoch left;
+- with max_restarts, a rank killed mid-epoch restarts from the last commit (Lightning's checkpoint, mid-epoch, with
+  the training loader's place in it) and ends with the weights of that fit of 2 epochs resumed for a third, bit for bit;
 - a module whose forward does not match the labels fails before the launch.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 import cloudpickle
@@ -56,6 +59,24 @@ def df(spark):
     return spark.createDataFrame([(Vectors.dense(x[i]), float(y[i])) for i in range(ROWS)], ["features", "y"]).cache()
 
 
+class KilledOnce(Regression):
+    """Regression, but the first rank to reach global step ``at`` (once, across restarts: the flag) is killed there."""
+
+    def __init__(self, flag: str, at: int):
+        super().__init__()
+        self.flag, self.at = flag, at
+
+    def training_step(self, batch, index):
+        if self.trainer.global_step == self.at:
+            try:
+                os.close(os.open(self.flag, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().training_step(batch, index)
+
+
 def _estimator(root, **kw):
     args = dict(num_proc=2, store=Store.create(str(root / "store")), model=Regression(), feature_cols=["features"],
                 label_cols=["y"], batch_size=8, epochs=2, random_seed=3, verbose=0)
@@ -63,7 +84,7 @@ def _estimator(root, **kw):
     return LightningEstimator(**args)
 
 
-def test_fit_transform_save_load_and_resume(df, tmp_path):
+def test_fit_transform_save_load_resume_and_restart(df, tmp_path, capsys):
     model = _estimator(tmp_path, validation=0.25, run_id="a").fit(df)
     history = model.getHistory()
     assert [e["epoch"] for e in history] == [0, 1]
@@ -78,6 +99,17 @@ def test_fit_transform_save_load_and_resume(df, tmp_path):
     resumed = _estimator(tmp_path, validation=0.25, epochs=3, run_id="a").fit(df)  # Lightning's own ckpt_path
     assert [e["epoch"] for e in resumed.getHistory()] == [0, 1, 2]
     assert resumed.getHistory()[:2] == history
+
+    # 3 steps per epoch and rank (48 training rows, batches of 8), committed after step 2 of each epoch and after each
+    # epoch: killed before global step 6 (step 3 of epoch 2), the relaunched ranks resume from step 2 of epoch 2
+    flag = tmp_path / "killed"
+    restarted = _estimator(tmp_path, validation=0.25, epochs=3, run_id="b", max_restarts=1, batches_per_commit=2,
+                           model=KilledOnce(str(flag), at=5)).fit(df)
+    assert flag.exists()
+    assert "from the last commit (epoch=1 batch=2)" in capsys.readouterr().out  # the runner's line on the restart
+    assert [e["epoch"] for e in restarted.getHistory()] == [0, 1, 2]
+    assert all(torch.equal(a, b) for a, b in zip(restarted.getModel().state_dict().values(),
+                                                 resumed.getModel().state_dict().values(), strict=True))
 
 
 def test_a_forward_that_does_not_match_the_labels_fails_before_the_launch(df, tmp_path, rank_processes):

@@ -99,8 +99,8 @@ def test_fit_transform_save_load_transform_again(df, fitted):
 
 @pytest.fixture(scope="module")
 def uninterrupted(df, tmp_path_factory):
-    """Four epochs in one fit: the weights every interrupted fit below must end with."""
-    return _weights(_estimator(tmp_path_factory.mktemp("whole"), epochs=4, run_id="whole").fit(df))
+    """Four epochs in one fit: the weights and history every interrupted fit below must end with."""
+    return _estimator(tmp_path_factory.mktemp("whole"), epochs=4, run_id="whole").fit(df)
 
 
 def _killing_loss(flag: str, at_call: int):
@@ -125,7 +125,8 @@ def test_a_rank_killed_mid_fit_restarts_from_the_last_commit_with_the_weights_of
                      loss=_killing_loss(str(tmp_path / "killed"), at_call=10))
     model = est.fit(df)
     assert os.path.exists(tmp_path / "killed")
-    assert _same(_weights(model), uninterrupted)
+    assert _same(_weights(model), _weights(uninterrupted))
+    assert model.getHistory() == uninterrupted.getHistory()  # epoch 2's too: every rank's running sums were committed
 
 
 def test_a_fit_killed_mid_run_and_fitted_again_trains_only_the_epochs_left_and_writes_no_parquet(
@@ -141,7 +142,8 @@ def test_a_fit_killed_mid_run_and_fitted_again_trains_only_the_epochs_left_and_w
     assert [e["epoch"] for e in model.getHistory()] == [0, 1, 2, 3]
     assert marker.stat().st_mtime_ns == written  # resumed from epoch 1's checkpoint: that epoch was not trained again
     assert sorted((tmp_path / "store" / "intermediate_train_data").iterdir()) == data  # the same DataFrame's Parquet
-    assert _same(_weights(model), uninterrupted)
+    assert _same(_weights(model), _weights(uninterrupted))
+    assert model.getHistory() == uninterrupted.getHistory()
 
 
 class _TwoHeads(torch.nn.Module):
