@@ -17,10 +17,14 @@ os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors run this in
 _SESSION_TMP = tempfile.mkdtemp(prefix="sparkhvd-tests-")
 os.environ["TMPDIR"] = tempfile.tempdir = _SESSION_TMP
 # The JVMs read java.io.tmpdir, not TMPDIR (Spark extracts liblz4-java-*.so there): every pyspark
-# driver the suite starts, here or in a subprocess, and its executors, get the same folder.
-_JVM_TMP = f"-Djava.io.tmpdir={_SESSION_TMP}"
-os.environ.setdefault("PYSPARK_SUBMIT_ARGS", f"--driver-java-options {_JVM_TMP} --conf "
-                                             f"spark.executor.extraJavaOptions={_JVM_TMP} pyspark-shell")
+# driver the suite starts, here or in a subprocess (a notebook's kernel, spark-submit), and its executors, get the
+# same folder. They also compile with C1 only and collect with one thread (as tests/cluster's JVMs): short-lived JVMs
+# that start quickly and leave the 2 cores to the ranks; tests/test_ml_torch.py and the estimators' notebook took
+# 63 s instead of 76 s with -n 2.
+_JVM_OPTS = f"-Djava.io.tmpdir={_SESSION_TMP} -XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+os.environ.setdefault("PYSPARK_SUBMIT_ARGS", f"--driver-java-options '{_JVM_OPTS}' --conf "
+                                             f"'spark.executor.extraJavaOptions={_JVM_OPTS}' pyspark-shell")
+os.environ.setdefault("SPARK_SUBMIT_OPTS", _JVM_OPTS)  # spark-submit's own driver JVM (the CLI's tests)
 # Every process this session starts inherits this mark, the warm zygotes too (whatever TMPDIR a test gives its
 # ranks, which starts a zygote of that temp folder's own): how the session finds the zygotes to end. Each
 # pytest-xdist worker marks its own, so a worker that finishes first ends only its own zygotes.
