@@ -133,8 +133,10 @@ def train(spec: FitSpec, framework: dict):
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             train_loader.done = batch_idx + 1
-            every = spec.batches_per_commit
-            if every and train_loader.done % every == 0 and train_loader.done < trainer.num_training_batches:
+            done, every = train_loader.done, spec.batches_per_commit
+            # not inside a gradient accumulation: the gradients summed so far are in no checkpoint
+            if every and done % every == 0 and done % trainer.accumulate_grad_batches == 0 \
+                    and done < trainer.num_training_batches:
                 self._save(trainer, stored=False)
 
         def on_train_epoch_end(self, trainer, module):
