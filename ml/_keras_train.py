@@ -224,6 +224,33 @@ def train(spec: FitSpec, framework: dict):
             if spec.batches_per_commit:
                 state.commit()
 
+    class Shifted(keras.callbacks.Callback):
+        """A user's callback in the fit that finishes a resumed epoch: it sees that epoch's steps and step numbers as
+        in an uninterrupted fit (``batch + skip`` of ``per_epoch``), so warm-ups and schedules set the same rates."""
+
+        def __init__(self, inner, skip: int):
+            super().__init__()
+            self.inner, self.skip = inner, skip
+
+        def set_model(self, model):
+            super().set_model(model)
+            self.inner.set_model(model)
+
+        def set_params(self, params):
+            super().set_params(params)
+            self.inner.set_params({**params, "steps": per_epoch})
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.inner.on_train_batch_begin(batch + self.skip, logs)
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.inner.on_train_batch_end(batch + self.skip, logs)
+
+    for hook in ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_test_begin", "on_test_end",
+                 "on_test_batch_begin", "on_test_batch_end", "on_predict_begin", "on_predict_end",
+                 "on_predict_batch_begin", "on_predict_batch_end"):  # the others as they are
+        setattr(Shifted, hook, lambda self, *args, _hook=hook, **kwargs: getattr(self.inner, _hook)(*args, **kwargs))
+
     def resumed_metrics() -> list | None:
         """This rank's committed metric sums, where the commit has them for this many ranks and these metrics."""
         if state.metrics is None or len(state.metrics) != size or len(state.metrics[rank]) != len(model.metrics_variables):
@@ -251,11 +278,15 @@ def train(spec: FitSpec, framework: dict):
             if skip and state.metrics is not None and resumed_metrics() is None:
                 build_metrics()
             end = first + 1 if skip else spec.epochs  # a resumed epoch alone: Keras takes the same steps every epoch
-            callbacks = [hvd.callbacks.MetricAverageCallback(), *framework["callbacks"], Checkpoint(), Commit(skip)]
+            users = [Shifted(c, skip) for c in framework["callbacks"]] if skip else framework["callbacks"]
+            callbacks = [hvd.callbacks.MetricAverageCallback(), *users, Checkpoint(), Commit(skip)]
             model.fit(dataset(lambda: train_stream(first, skip, end)), epochs=end, initial_epoch=first,
                       steps_per_epoch=per_epoch - skip, validation_data=validation, validation_steps=val_steps,
                       callbacks=callbacks, shuffle=False, verbose=0)  # the reader shuffles
+            if model.stop_training:  # EarlyStopping, TerminateOnNaN: the fit ends here
+                break
         return state.history
 
     history = loop(state)  # every rank starts from rank 0's state (or the last commit, after a restart)
     return history if rank == 0 else None
+

@@ -140,7 +140,7 @@ def test_a_second_fit_with_the_run_id_trains_only_the_epochs_not_done(fitted, re
 
 def _killer(flag: str, epoch: int, step: int):
     """A callback: the first rank to finish ``step`` (1-based) of ``epoch`` (once, across restarts: the flag) is
-    killed there."""
+    killed there. Every step it sees is written to ``<flag>.steps`` as ``pid epoch batch steps``."""
     import keras
 
     class KillOnce(keras.callbacks.Callback):
@@ -148,6 +148,8 @@ def _killer(flag: str, epoch: int, step: int):
             self.epoch = index
 
         def on_train_batch_end(self, batch, logs=None):
+            with open(flag + ".steps", "a") as f:
+                f.write(f"{os.getpid()} {self.epoch} {batch} {self.params['steps']}\n")
             if self.epoch != epoch or batch + 1 != step:
                 return
             try:
@@ -169,6 +171,31 @@ def test_a_rank_killed_mid_epoch_restarts_from_the_last_commit_and_ends_as_the_r
                            callbacks=[_killer(flag, epoch=2, step=3)]).fit(df)
     assert os.path.exists(flag)
     assert "from the last commit (epoch=2 batch=2)" in capsys.readouterr().out  # the runner's line on the restart
+    firsts = {}  # each rank process's first step (epoch, batch, steps per epoch), as the user's callback saw it
+    for line in open(flag + ".steps"):
+        pid, *step = line.split()
+        firsts.setdefault(pid, tuple(map(int, step)))
+    assert sorted(set(firsts.values())) == [(0, 0, 3), (2, 2, 3)]  # relaunched at step 3 of epoch 3, not at its start
     assert restarted.getHistory() == resumed.getHistory()  # the metrics of epoch 3 too: their sums were committed
     for a, b in zip(restarted.getModel().get_weights(), resumed.getModel().get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _stop_after(epochs: int):
+    """A callback that ends training after ``epochs`` epochs, as EarlyStopping does (``model.stop_training``)."""
+    import keras
+
+    class Stop(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch + 1 >= epochs:
+                self.model.stop_training = True
+
+    return Stop()
+
+
+def test_a_callback_that_stops_training_ends_the_fit(fitted):
+    df, store, _, _ = fitted
+    stopped = _estimator(store, _model(), num_proc=-1, epochs=3, run_id="keras_stopped",
+                         callbacks=[_stop_after(1)]).fit(df)  # one process on the driver
+    assert [entry["epoch"] for entry in stopped.getHistory()] == [0]
+    assert store.list_dir(store.get_checkpoint_path("keras_stopped")) == ["epoch-00001"]

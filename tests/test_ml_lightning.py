@@ -60,13 +60,16 @@ def df(spark):
 
 
 class KilledOnce(Regression):
-    """Regression, but the first rank to reach global step ``at`` (once, across restarts: the flag) is killed there."""
+    """Regression, but the first rank to reach global step ``at`` (once, across restarts: the flag) is killed there.
+    Every step is written to ``<flag>.steps`` as ``pid global_step``."""
 
     def __init__(self, flag: str, at: int):
         super().__init__()
         self.flag, self.at = flag, at
 
     def training_step(self, batch, index):
+        with open(self.flag + ".steps", "a") as f:
+            f.write(f"{os.getpid()} {self.trainer.global_step}\n")
         if self.trainer.global_step == self.at:
             try:
                 os.close(os.open(self.flag, os.O_CREAT | os.O_EXCL))
@@ -107,6 +110,11 @@ def test_fit_transform_save_load_resume_and_restart(df, tmp_path, capsys):
                            model=KilledOnce(str(flag), at=5)).fit(df)
     assert flag.exists()
     assert "from the last commit (epoch=1 batch=2)" in capsys.readouterr().out  # the runner's line on the restart
+    firsts = {}  # each rank process's first global step
+    for line in open(f"{flag}.steps"):
+        pid, step = line.split()
+        firsts.setdefault(pid, int(step))
+    assert sorted(set(firsts.values())) == [0, 5]  # relaunched at step 3 of epoch 2, not at its start (step 3)
     assert [e["epoch"] for e in restarted.getHistory()] == [0, 1, 2]
     assert all(torch.equal(a, b) for a, b in zip(restarted.getModel().state_dict().values(),
                                                  resumed.getModel().state_dict().values(), strict=True))
