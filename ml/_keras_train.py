@@ -205,10 +205,9 @@ def train(spec: FitSpec, framework: dict):
             self.skip = skip
 
         def on_epoch_begin(self, epoch, logs=None):
-            mine = resumed_metrics()
-            if self.skip and mine is not None:
-                for variable, value in zip(model.metrics_variables, mine):  # Keras has just reset them
-                    variable.assign(value)
+            mine = resumed_metrics() if self.skip else None
+            for variable, value in zip(model.metrics_variables, mine or ()):  # Keras has just reset them
+                variable.assign(value)
 
         def on_train_batch_end(self, batch, logs=None):
             state.batch = self.skip + batch + 1
