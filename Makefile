@@ -35,7 +35,7 @@ check-python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "error: sparkhvd needs Python 3.10+ but $(PYTHON) is " + sys.version.split()[0] + "; run make PYTHON=python3.11 (or another 3.10+ interpreter).")'
 
 check-java:
-	@$(PYTHON) runner/_java.py
+	@$(PYTHON) runner/_backends/java.py
 
 # Reinstalled only when the package's requirements, its build (setup.py) or the pins change.
 $(STAMP): pyproject.toml setup.py constraints.txt | check-python check-java

@@ -11,7 +11,7 @@ from .protocol import AuthenticatedChannel, Kind, Message
 _UNSERVED_RETRIES = 5  # a connection the driver dropped unserved (flooded listener) is made again
 
 
-#: A driver unreachable this long ends the connection (and so the rank: see runner/_rank_exit.py, watch), instead of
+#: A driver unreachable this long ends the connection (and so the rank: see runner/_rank/exit.py, watch), instead of
 #: leaving ranks on a cut-off host running until TCP gives up: idle, 30 s then 3 probes
 #: 10 s apart; with unacknowledged data, 60 s.
 _KEEPALIVE = (30, 10, 3)

@@ -5,7 +5,7 @@ Horovod does; inside a HorovodRunner run, rank 0 then hands that copy to a ``Pub
 thread that pickles it and sends it to the driver as one authenticated COMMIT frame, or, with
 ``HorovodRunner(commit_dir=URL)``, writes it to that pyarrow filesystem and sends the driver only
 its path. Training does not wait for it; a newer commit replaces one not yet sent. The driver
-keeps it (``runner/_commits.py``); a restarted run's rank 0 asks for it back (``fetch``).
+keeps it (``runner/_service/commit_store.py``); a restarted run's rank 0 asks for it back (``fetch``).
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ _group_builder: str | None = None  # "hvd.init()" while sparkhvd's engine owns t
 
 def built_default_group(by: str | None) -> None:
     """Note who built this process's default process group (None: nobody now), so that a second
-    ``dist.init_process_group()``'s error can say which to call (``runner/_worker.py``)."""
+    ``dist.init_process_group()``'s error can say which to call (``runner/_rank/worker.py``)."""
     global _group_builder
     _group_builder = by
 

@@ -1,7 +1,7 @@
 """The names ops are matched by across ranks, and how to show one to a user.
 
 The engine negotiates each op by a full name (``allreduce.grads``, ``allreduce.noname.3``,
-``join``); the stall report (``runner/_stall.py``) and the engine's errors show it with ``label``.
+``join``); the stall report (``runner/_policy/stall_report.py``) and the engine's errors show it with ``label``.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ from torch's flight recorder (``torch_ops.py``) and are reported alongside.
 
 A collective registers while it waits on its peers (the control exchange before each op, and
 the wait for an op's data) and leaves when the wait is over; finished waits are counted. The
-worker's heartbeat (``runner/_heartbeat.py``) sends ``snapshot()`` to the driver, which
-prints the stall report (``runner/_stall.py``). Nothing here sends anything or imports torch.
+worker's heartbeat (``runner/_rank/heartbeat.py``) sends ``snapshot()`` to the driver, which
+prints the stall report (``runner/_policy/stall_report.py``). Nothing here sends anything or imports torch.
 
 An op is matched across ranks by the name the engine negotiates (``op``: "allreduce.grads",
 "allreduce.noname.3", "join"), not by its place in this process's order: ranks may submit named

@@ -53,7 +53,7 @@ class Kind(enum.IntEnum):
     RESULT = 21
     ERROR = 22
     EXIT = 23  # a rank's process exited with this code
-    PROGRESS = 24  # one-way: a rank's heartbeat, with the collectives it is in (runner/_heartbeat.py)
+    PROGRESS = 24  # one-way: a rank's heartbeat, with the collectives it is in (runner/_rank/heartbeat.py)
     STORE_SET = 30
     STORE_GET = 31
     STORE_ADD = 32
@@ -62,7 +62,7 @@ class Kind(enum.IntEnum):
     STORE_CAS = 35
     STORE_DELETE = 36
     STORE_NUM_KEYS = 37
-    COMMIT = 40  # rank 0 -> server: an elastic state's newest commit (runner/_commits.py)
+    COMMIT = 40  # rank 0 -> server: an elastic state's newest commit (runner/_service/commit_store.py)
     RESTORE = 41  # rank -> server; answered with OK carrying the newest commit of a state, if any
 
 

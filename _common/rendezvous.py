@@ -2,7 +2,7 @@
 
 ``RendezvousStore`` keeps c10d Store semantics (set, blocking get and wait, add, compare-set,
 check, delete, count) over plain Python values; it knows nothing of frames or torch, so the
-driver imports it without torch. ``runner/_service.py`` serves it over its authenticated frames
+driver imports it without torch. ``runner/_service/service.py`` serves it over its authenticated frames
 (``Kind.STORE_*``), and ``collective/_engine/store.py``'s ``DriverStore`` is the ranks' c10d client.
 It shares the service's condition variable and asks ``closed()`` whether the run is over, so
 the service's abort and close, which notify that condition, end every blocked get and wait.

@@ -165,7 +165,7 @@ def _is_one(raw: str) -> bool:
     return raw == "1"
 
 
-section("The warm process (runner/_warm_*.py)")
+section("The warm process (runner/_warm/)")
 
 WARM_FORKED = "forked"  # WARM's value in a rank forked by the zygote
 WARM = Setting("SPARKHVD_WARM", "1", text,
@@ -187,7 +187,7 @@ GOTO_NUM_THREADS = Setting("GOTO_NUM_THREADS", None, text,
                            "OpenBLAS's threads where OPENBLAS_NUM_THREADS is unset (OpenBLAS's own fallback).")
 
 
-section("What the agent tells the rank process it starts (runner/_rank_env.py, runner/_worker.py)")
+section("What the agent tells the rank process it starts (runner/_agent/env.py, runner/_rank/worker.py)")
 
 DRIVER = Setting("SPARKHVD_DRIVER", None, text, "The driver service's host:port.", internal=True)
 RUN_ID = Setting("SPARKHVD_RUN_ID", None, text, "The run this rank belongs to.", internal=True)
@@ -225,7 +225,7 @@ NCCL_SOCKET_IFNAME = Setting("NCCL_SOCKET_IFNAME", None, text,
                              "The interface NCCL uses; set to network_interface= where it is given.", internal=True)
 
 
-section("Logs on the driver (runner/_logs.py)")
+section("Logs on the driver (runner/_service/logs.py)")
 
 LOG_ROOT = Setting("SPARKHVD_LOG_ROOT", None, text,
                    "The folder under which each run without log_dir= gets its own log folder (made with mode 0700).",
@@ -238,7 +238,7 @@ KEEP_FAILED_LOGS = Setting("SPARKHVD_KEEP_FAILED_LOGS", 20, whole(
     "a run's logs where you choose."), "How many failed runs' log folders are kept under the log root (0: none).")
 
 
-section("Commits (_common/commits.py on the rank, runner/_commits.py on the driver)")
+section("Commits (_common/commits.py on the rank, runner/_service/commit_store.py on the driver)")
 
 COMMIT_DIR = Setting("SPARKHVD_COMMIT_DIR", None, text,
                      "HorovodRunner(commit_dir=): the folder (a path or a pyarrow filesystem URI) the rank writes its "
@@ -248,7 +248,7 @@ COMMIT_MEMORY_BYTES = Setting("SPARKHVD_COMMIT_MEMORY_BYTES", 256 << 20, byte_co
     "Bytes of commits the driver keeps in memory; larger ones go to a file on the driver.")
 
 
-section("Horovod's module names (runner/_aliases.py)")
+section("Horovod's module names (runner/_rank/aliases.py)")
 
 
 def _not_zero(raw: str) -> bool:
@@ -260,7 +260,7 @@ HOROVOD_ALIASES = Setting("SPARKHVD_HOROVOD_ALIASES", True, _not_zero,
                           "installs, not sparkhvd's stand-ins (on the driver and the ranks).", shown="`1`")
 
 
-section("The script's folder, in `sparkhvd run` (runner/_script_folder.py)")
+section("The script's folder, in `sparkhvd run` (runner/_payload/script_folder.py)")
 
 SHIP_SCRIPT_FOLDER = Setting("SPARKHVD_SHIP_SCRIPT_FOLDER", True, flag(
     "set it to 0 to ship the script alone (not the modules beside it), or unset it."),
@@ -276,9 +276,9 @@ TMPDIR = Setting("TMPDIR", None, text,
                  shown="unset (`/tmp`)")
 
 
-section("Stalls and lost ranks (runner/_stall.py, runner/_heartbeat.py)")
+section("Stalls and lost ranks (runner/_policy/stall_report.py, runner/_rank/heartbeat.py)")
 # Never fatal: each rank sends the values its environment sets to the driver, which warns of a bad one and
-# uses the default (runner/_stall.py: lenient), so the fix sentences say so.
+# uses the default (runner/_shared/stall_settings.py: lenient), so the fix sentences say so.
 
 STALL_CHECK_TIME = Setting("HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0, seconds(
     "using 60 s instead. Set it to a number such as 60.", positive=True),
@@ -297,16 +297,16 @@ HEARTBEAT_TIMEOUT = Setting("SPARKHVD_HEARTBEAT_TIMEOUT_SECONDS", 60.0, seconds(
     "Seconds without a heartbeat after which a rank's host is taken for lost and the run fails (0: never).")
 
 
-section("Horovod's Spark API (runner/_horovod_spark.py)")
+section("Horovod's Spark API (runner/_dropins/horovod_spark.py)")
 
 HOROVOD_SPARK_START_TIMEOUT = Setting("HOROVOD_SPARK_START_TIMEOUT", 600.0, seconds(
     "set it to e.g. 600, or pass start_timeout=.", minimum=None, finite=False),
     "horovod.spark.run(start_timeout=None): seconds for the ranks to start, as Horovod's.")
 
 
-section("Spark and Java on the driver (runner/_cli.py, runner/_java.py, runner/_spark.py, runner/_spark_connect.py)")
+section("Spark and Java on the driver (runner/_cli.py, runner/_backends/java.py, runner/_backends/spark.py, runner/_backends/connect.py)")
 
-# runner/_java.py reads JAVA_HOME itself: `make check-java` runs that file alone, before sparkhvd is installed.
+# runner/_backends/java.py reads JAVA_HOME itself: `make check-java` runs that file alone, before sparkhvd is installed.
 JAVA_HOME = Setting("JAVA_HOME", None, text,
                     "The Java that Spark runs (else `java` on PATH); sparkhvd checks it is 17 or newer before a "
                     "SparkSession starts.")
@@ -324,7 +324,7 @@ SPARK_CONNECT_MODE_ENABLED = Setting("SPARK_CONNECT_MODE_ENABLED", None, text,
                                      internal=True)
 
 
-section("MLflow (runner/_mlflow.py)")
+section("MLflow (runner/_payload/mlflow.py)")
 # Every MLFLOW_* variable of the driver goes to the ranks of a run started inside an active MLflow run, and:
 
 MLFLOW_TRACKING_URI = Setting("MLFLOW_TRACKING_URI", None, text,

@@ -1,5 +1,5 @@
 """torch.distributed's own collectives in this process, as the stall report sees them: read from torch's flight
-recorder (``TORCH_FR_BUFFER_SIZE``, which the runner sets in every rank's environment, runner/_rank_env.py).
+recorder (``TORCH_FR_BUFFER_SIZE``, which the runner sets in every rank's environment, runner/_agent/env.py).
 
 A function that calls ``dist.all_reduce`` or trains under DDP, FSDP, Lightning or Hugging Face never calls
 sparkhvd's collectives, so ``progress.py`` sees nothing of it. The flight recorder keeps each process group's

@@ -14,7 +14,7 @@ interpreter) runs, in the same process:
 imports ``sparkhvd.collective.torch`` and calls ``hvd.init()``; the peer imports
 ``torch.distributed`` and calls ``init_process_group("gloo")`` (and destroys it). With ``--fn
 trivial`` both run ``return 1`` and import nothing. Ours forks its ranks from the warm zygote
-(runner/_warm_server.py, docs/performance.md) from the second run on; run with ``SPARKHVD_WARM=0`` in
+(runner/_warm/server.py, docs/performance.md) from the second run on; run with ``SPARKHVD_WARM=0`` in
 the environment for fresh rank processes, the baseline.
 
 Each gets one warm-up run (floor first, then ours, then the peer; each is reported as that
@@ -169,7 +169,8 @@ PHASES = [
 
 def breakdown_ours(fns: dict, reps: int) -> dict[str, dict[str, list[float]]]:
     """For each launch in ``fns`` ({name: callable}), reps runs -> {name: {phase: [seconds]}}."""
-    from sparkhvd.runner import _run_policy, _service
+    from sparkhvd.runner._policy import policy as _run_policy
+    from sparkhvd.runner._service import service as _service
 
     events: dict[str, list[float]] = {}
 
@@ -295,7 +296,7 @@ def main() -> int:
             timed(local)  # its own warm-up
             parts = breakdown_ours({"spark": launches["ours"], "local": local}, args.reps)
             python_s = subprocess_seconds([sys.executable, "-c", "pass"])
-            worker_s = subprocess_seconds([sys.executable, "-c", "import sparkhvd.runner._worker, cloudpickle"])
+            worker_s = subprocess_seconds([sys.executable, "-c", "import sparkhvd.runner._rank.worker, cloudpickle"])
             deps_s = subprocess_seconds([sys.executable, "-c", "import ctypes, json, signal, socket, subprocess, "
                                          "hmac, hashlib, secrets, struct, dataclasses, cloudpickle"])
     finally:
@@ -348,7 +349,7 @@ def main() -> int:
         print("- ours_init() imports sparkhvd.collective.torch and calls hvd.init(); peer_init() calls "
               'torch.distributed.init_process_group("gloo") and destroys it.')
     warm = os.environ.get("SPARKHVD_WARM", "1") != "0"
-    print(f"- ours' ranks: {'forked from the warm zygote (runner/_warm_server.py)' if warm else 'fresh processes (SPARKHVD_WARM=0)'}.")
+    print(f"- ours' ranks: {'forked from the warm zygote (runner/_warm/server.py)' if warm else 'fresh processes (SPARKHVD_WARM=0)'}.")
     if parts:
         print()
         print(f"## Where ours' time goes: {args.reps} more runs each, instrumented (driver-side timestamps "
@@ -362,7 +363,7 @@ def main() -> int:
                      for label in PHASES]))
         print()
         print(f"One process alone, no Spark (median of 5): python -c pass {python_s:.3f} s; "
-              f"import sparkhvd.runner._worker, cloudpickle {worker_s:.3f} s; "
+              f"import sparkhvd.runner._rank.worker, cloudpickle {worker_s:.3f} s; "
               f"just the stdlib modules the rank needs + cloudpickle {deps_s:.3f} s.")
     print()
     print(f"machine: {os.cpu_count()} CPUs ({platform.machine()}, Linux {platform.release()}), no GPU used; "
@@ -375,7 +376,7 @@ def main() -> int:
 
 def stop_zygotes() -> None:
     """End the warm zygotes this benchmark's tasks started (they would otherwise idle out)."""
-    from sparkhvd.runner._warm_client import marked
+    from sparkhvd.runner._warm.client import marked
 
     for pid in marked(f"SPARKHVD_BENCH_LAUNCH={os.getpid()}"):
         try:

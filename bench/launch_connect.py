@@ -4,7 +4,7 @@ One real Spark Connect server (the pip pyspark's ``SparkConnectServer`` on ``loc
 tests/_connect_server.py) and one client session on it; this process holds no SparkContext. In the same run:
 
 - ours:  ``HorovodRunner(np=2, driver_log_verbosity="log_callback_only").run(fn)``
-         (runner/_spark_connect.py: ``mapInArrow(..., barrier=True)``, ranks forked from the warm process)
+         (runner/_backends/connect.py: ``mapInArrow(..., barrier=True)``, ranks forked from the warm process)
 - peer:  ``TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(fn)``, which pyspark runs
          under Connect the same way (SPARK-42993)
 - floor: a bare barrier stage, ``spark.range(0, 2, 1, 2).mapInArrow(fn, "x long", barrier=True).collect()``

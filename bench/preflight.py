@@ -43,7 +43,7 @@ def main() -> None:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
-    from sparkhvd.runner import _preflight
+    from sparkhvd.runner._backends import preflight as _preflight
 
     def session():
         spark = (SparkSession.builder.master(f"local[{args.np}]").appName("sparkhvd-bench-preflight")

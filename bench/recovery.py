@@ -120,7 +120,8 @@ class SuperviseStamps:
     does, and removed afterwards."""
 
     def __init__(self):
-        from sparkhvd.runner import _run_policy, _supervise
+        from sparkhvd.runner._policy import policy as _run_policy
+        from sparkhvd.runner._policy import supervise as _supervise
 
         policy = _run_policy.RunPolicy
         self._patched = [(policy, "_ended", policy._ended), (_supervise, "stop", _supervise.stop)]
@@ -502,7 +503,7 @@ def main() -> int:
     print_commits(commits, repeats)
     print()
     print("Notes:")
-    print("- ours' restart: the driver sees rank 0's exit, waits runner/_supervise.py's FAILURE_GRACE_S (1 s) for the other "
+    print("- ours' restart: the driver sees rank 0's exit, waits runner/_policy/supervise.py's FAILURE_GRACE_S (1 s) for the other "
           "ranks' errors unless every rank has exited, aborts and stops the tasks, relaunches every rank; rank 0 "
           "loads the commit, state.sync() gives it to rank 1. The fresh run's ranks pay the same start-up.")
     print("- commit(): TorchState.save() deepcopies the model's and optimizer's state_dicts in the loop; rank 0's "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import cloudpickle
 
-from ..runner._framework_env import NODE_PER_TASK
+from ..runner._shared.framework_env import NODE_PER_TASK
 from ._checkpoints import RunDir
 from ._estimator import HorovodEstimator
 from ._lightning_train import CHECKPOINT, lightning, train

@@ -1,6 +1,6 @@
 """Launching training functions: ``HorovodRunner`` and what it returns or raises.
 
-Names are imported on first use, so a rank process (``python -m sparkhvd.runner._worker``)
+Names are imported on first use, so a rank process (``python -m sparkhvd.runner._rank.worker``)
 does not import the driver-side modules.
 """
 
@@ -22,16 +22,16 @@ __all__ = [
 
 _WHERE = {
     "HorovodRunner": "._horovod_runner",
-    "RunResult": "._run_result",
-    "log_to_driver": "._horovod_runner",
-    "HorovodRunError": "._errors",
-    "StartTimeoutError": "._errors",
-    "JavaNotFoundError": "._java",
+    "RunResult": "._policy.result",
+    "log_to_driver": "._rank.log",
+    "HorovodRunError": "._shared.errors",
+    "StartTimeoutError": "._shared.errors",
+    "JavaNotFoundError": "._backends.java",
     "Placement": ".._common.topology",
     "assign_ranks": ".._common.topology",
-    "TorchDistributor": "._torch_distributor",  # pyspark's TorchDistributor, on HorovodRunner
-    "MirroredStrategyRunner": "._mirrored_strategy_runner",  # spark-tensorflow-distributor's, on HorovodRunner
-    "horovod_spark_run": "._horovod_spark",  # Horovod's horovod.spark.run, on HorovodRunner
+    "TorchDistributor": "._dropins.torch_distributor",  # pyspark's TorchDistributor, on HorovodRunner
+    "MirroredStrategyRunner": "._dropins.mirrored_strategy_runner",  # spark-tensorflow-distributor's, on HorovodRunner
+    "horovod_spark_run": "._dropins.horovod_spark",  # Horovod's horovod.spark.run, on HorovodRunner
 }
 
 _RENAMED = {"horovod_spark_run": "run"}

@@ -67,12 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     if ns.master and ns.remote:
         parser.error(f"--master {ns.master} and --remote {ns.remote} both say where to run: a Spark Connect server "
                      "has its own master; give one of them.")
-    from sparkhvd.runner._errors import HorovodRunError
     from sparkhvd.runner._horovod_runner import HorovodRunner
-    from sparkhvd.runner._script import as_payload
+    from sparkhvd.runner._payload.script import as_payload
+    from sparkhvd.runner._shared.errors import HorovodRunError
 
     try:
-        # The script read and its folder collected (runner/_script_folder.py) here, so that a script or folder
+        # The script read and its folder collected (runner/_payload/script_folder.py) here, so that a script or folder
         # that cannot run is bad usage (exit 2), before any session starts.
         main_fn, kwargs = as_payload(ns.script, tuple(ns.args), {})
         runner = HorovodRunner(ns.np, log_dir=ns.log_dir, max_restarts=ns.max_restarts,
@@ -135,12 +135,12 @@ def _under_spark_submit() -> bool:
 
 
 def _session(master: str | None, confs: list, np: int) -> None:
-    """Start the SparkSession that HorovodRunner then finds active (runner/_spark.py: spark_context)."""
+    """Start the SparkSession that HorovodRunner then finds active (runner/_backends/spark.py: spark_context)."""
     from pyspark.sql import SparkSession
 
     builder = SparkSession.builder
     if not _under_spark_submit():
-        from sparkhvd.runner._java import check_java
+        from sparkhvd.runner._backends.java import check_java
 
         check_java()
         os.environ.setdefault(settings.PYSPARK_PYTHON.name, sys.executable)  # executors run this interpreter
@@ -153,7 +153,7 @@ def _session(master: str | None, confs: list, np: int) -> None:
 
 
 def _remote_session(url: str, confs: list) -> None:
-    """Open the Spark Connect session that HorovodRunner then finds (runner/_spark_connect.py: remote_session)."""
+    """Open the Spark Connect session that HorovodRunner then finds (runner/_backends/connect.py: remote_session)."""
     from pyspark.sql import SparkSession
 
     builder = SparkSession.builder.remote(url)
@@ -168,7 +168,7 @@ def _stop_spark() -> None:
     if settings.SPARK_CONNECT_MODE_ENABLED.raw() is not None:
         from pyspark.sql.connect.session import SparkSession as RemoteSession
 
-        from sparkhvd.runner._spark_connect import reachable
+        from sparkhvd.runner._backends.connect import reachable
 
         session = RemoteSession.getActiveSession()
         if session is not None and reachable(session, timeout=2.0):

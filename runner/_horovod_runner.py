@@ -2,37 +2,36 @@
 
 ``run`` pickles the function, checks Spark's slots, and sets up what every attempt of the run
 shares (the logs, the commits, a secret); ``_Cluster`` launches each attempt (a driver service and
-a launcher); the run's policy (``_run_policy.py``) decides what happens after each.
+a launcher); the run's policy (``_policy/policy.py``) decides what happens after each.
 """
 
 from __future__ import annotations
 
 import secrets
 import socket
-import sys
 import time
 import warnings
 
 import cloudpickle
 
-from .._common import context as _context
 from .._common import settings
-from .._common.protocol import Kind, new_secret
-from . import _spark, _spark_connect
-from ._agent import TaskSpec
-from ._commits import CommitStore
-from ._launcher import LocalLauncher
-from ._logs import LogRouter, end_run_logs, run_log_dir
-from ._mlflow import shared_run
-from ._pickled_function import pickle_function, size
-from ._run_policy import RunPolicy
-from ._run_result import RestartEvent, RunResult
-from ._run_status import RunStatus
+from .._common.protocol import new_secret
+from ._agent.agent import TaskSpec
+from ._backends import connect as _spark_connect
+from ._backends import spark as _spark
+from ._backends.launcher import LocalLauncher
+from ._payload.function import pickle_function, size
+from ._payload.mlflow import shared_run
+from ._payload.script import as_payload
+from ._policy.policy import RunPolicy
+from ._policy.result import RestartEvent, RunResult
 from ._runner_config import RunnerConfig
-from ._script import as_payload
-from ._service import DriverService
+from ._service.commit_store import CommitStore
+from ._service.logs import LogRouter, end_run_logs, run_log_dir
+from ._service.service import DriverService
+from ._service.status import RunStatus
 
-__all__ = ["HorovodRunner", "RestartEvent", "RunResult", "RunnerConfig", "log_to_driver"]
+__all__ = ["HorovodRunner", "RestartEvent", "RunResult", "RunnerConfig"]
 
 
 class HorovodRunner:
@@ -118,7 +117,7 @@ class HorovodRunner:
         run_id = secrets.token_hex(4)
         if sc is not None and cfg._warn_unencrypted:
             _spark.warn_unencrypted(sc, run_id)
-        log_dir = run_log_dir(run_id, cfg.log_dir)  # cfg.log_dir, or a new folder under the log root (_logs.py)
+        log_dir = run_log_dir(run_id, cfg.log_dir)  # cfg.log_dir, or a new folder under the log root (_service/logs.py)
         logs = LogRouter(log_dir, cfg.driver_log_verbosity)
         commits = CommitStore(commit_dir=cfg.commit_dir, run_id=run_id)
         cluster = _Cluster(sc, cfg, run_id=run_id, payload=payload, logs=logs, commits=commits,
@@ -232,7 +231,7 @@ def _result(status: RunStatus, logs: LogRouter, run_id: str, payload: bytes, sta
 
 def _forwarded_settings() -> dict:
     """The driver's settings that the ranks must share wherever they run (executors do not inherit the driver's
-    environment): ``SPARKHVD_HOROVOD_ALIASES`` (runner/_aliases.py)."""
+    environment): ``SPARKHVD_HOROVOD_ALIASES`` (runner/_rank/aliases.py)."""
     raw = settings.HOROVOD_ALIASES.raw()
     return {} if raw is None else {settings.HOROVOD_ALIASES.name: raw}
 
@@ -242,16 +241,3 @@ def _driver_bind_host(sc) -> str:
     if sc.master.startswith("local"):
         return "127.0.0.1"
     return sc.getConf().get("spark.driver.host") or socket.gethostbyname(socket.gethostname())
-
-
-def log_to_driver(message) -> None:
-    """From inside a training function: print ``message`` on the driver as ``[rank] message``.
-
-    Shown even with ``driver_log_verbosity="log_callback_only"``. Outside a run it prints
-    locally.
-    """
-    ctx = _context.current()
-    if ctx is None:
-        print(message, file=sys.stdout, flush=True)
-        return
-    ctx.client.notify(Kind.LOG, {"rank": ctx.placement.rank, "stream": "driver", "lines": str(message).splitlines()})

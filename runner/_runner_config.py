@@ -6,9 +6,9 @@ import numbers
 from dataclasses import dataclass, field
 
 from .._common import settings
-from ._commits import check_commit_dir
-from ._framework_env import LAYOUTS
-from ._logs import VERBOSITIES
+from ._service.commit_store import check_commit_dir
+from ._service.logs import VERBOSITIES
+from ._shared.framework_env import LAYOUTS
 
 
 @dataclass
@@ -25,7 +25,7 @@ class RunnerConfig:
     max_np: int | None = None
     commit_dir: str | None = None
     _stall_tasks: frozenset = field(default=frozenset(), repr=False)  # fault tests only
-    _layout: str = field(default="torchrun", repr=False)  # torchrun's variables (runner/_framework_env.py): the drop-ins'
+    _layout: str = field(default="torchrun", repr=False)  # torchrun's variables (runner/_shared/framework_env.py): the drop-ins'
     _use_gpu: bool = field(default=True, repr=False)  # False: tasks ask for no GPU and ranks see none (the drop-ins')
     _warn_unencrypted: bool = field(default=True, repr=False)  # False: a drop-in checked Spark's encryption itself
 

@@ -83,7 +83,7 @@ def case_np2(spark, folder):
 
 
 def _description() -> str:
-    from sparkhvd.runner._spark_connect import ConnectLauncher, remote_session
+    from sparkhvd.runner._backends.connect import ConnectLauncher, remote_session
 
     return ConnectLauncher(remote_session(), 2).description
 

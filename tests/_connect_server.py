@@ -28,7 +28,7 @@ def connect_server(master: str = "local[2]", timeout: float = 120):
     RuntimeError, with the end of its log, when it does not start within ``timeout`` seconds."""
     import pyspark
 
-    from sparkhvd.runner._java import check_java
+    from sparkhvd.runner._backends.java import check_java
 
     check_java()
     home = os.path.dirname(os.path.abspath(pyspark.__file__))

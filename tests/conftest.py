@@ -38,9 +38,9 @@ def pytest_unconfigure(config):
 
 
 def session_zygotes() -> list:
-    """The pids of the warm zygotes (runner/_warm_server.py) this test session started: they run detached,
+    """The pids of the warm zygotes (runner/_warm/server.py) this test session started: they run detached,
     with this session's mark in their environment."""
-    from sparkhvd.runner._warm_client import marked
+    from sparkhvd.runner._warm.client import marked
 
     return marked(_SESSION_MARK)
 
@@ -83,7 +83,7 @@ def _live_rank_processes() -> list:
             pass
     for p in processes:
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and "sparkhvd.runner._worker" in " ".join(p.cmdline()):
+            if p.status() != psutil.STATUS_ZOMBIE and "sparkhvd.runner._rank.worker" in " ".join(p.cmdline()):
                 found.append(p)
         except psutil.NoSuchProcess:
             pass

@@ -129,7 +129,7 @@ def _rank_pids(pid: int) -> list:
     ranks = []
     for p in psutil.Process(pid).children(recursive=True):
         try:
-            if "sparkhvd.runner._worker" in " ".join(p.cmdline()):
+            if "sparkhvd.runner._rank.worker" in " ".join(p.cmdline()):
                 ranks.append(p)
         except psutil.NoSuchProcess:
             pass

@@ -17,8 +17,8 @@ from sparkhvd._common.client import ServiceClient, ServiceError
 from sparkhvd._common.commits import Publisher
 from sparkhvd._common.protocol import Kind, new_secret
 from sparkhvd._common.topology import Placement
-from sparkhvd.runner._commits import CommitStore
-from sparkhvd.runner._service import DriverService
+from sparkhvd.runner._service.commit_store import CommitStore
+from sparkhvd.runner._service.service import DriverService
 
 
 @pytest.fixture

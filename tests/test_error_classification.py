@@ -1,4 +1,4 @@
-"""Errors are classified by type, and by text only in runner/_error_text.py's ``read_text``: one test for each
+"""Errors are classified by type, and by text only in runner/_shared/error_text.py's ``read_text``: one test for each
 pattern it matches, with the text each source really gives (gloo's from torch 2.13, TensorFlow's, Spark's)."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import doctest
 
 import pytest
 
-from sparkhvd.runner import _collateral, _error_text
-from sparkhvd.runner._error_text import PEER_GONE, SPARK_STOPPED, WRAPPED, Reading, read_text
+from sparkhvd.runner._shared import collateral as _collateral
+from sparkhvd.runner._shared import error_text as _error_text
+from sparkhvd.runner._shared.error_text import PEER_GONE, SPARK_STOPPED, WRAPPED, Reading, read_text
 
 pytestmark = pytest.mark.unit
 

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sparkhvd.runner._service_tasks import Registration, _spark_task
-from sparkhvd.runner._spark import SparkLauncher
+from sparkhvd.runner._backends.spark import SparkLauncher
+from sparkhvd.runner._service.tasks import Registration, _spark_task
 
 pytestmark = pytest.mark.unit
 

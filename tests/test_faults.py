@@ -94,7 +94,7 @@ def test_tracebacks_show_the_users_frames_not_sparkhvds(capsys):
     text = str(info.value)
     assert 'hvd.allreduce("not a tensor")' in text
     assert "rank 0: TypeError: allreduce takes a torch.Tensor, got str." in text
-    for ours in ("_ops.py", "_worker.py", "_submit.py", "/_engine/", "/_common/"):
+    for ours in ("_ops.py", "_rank/worker.py", "_submit.py", "/_engine/", "/_common/"):
         assert ours not in text
     assert "inside sparkhvd hidden; the whole traceback is in this rank's log" in text
     with open(os.path.join(info.value.log_dir, "rank-0.log")) as f:
@@ -103,7 +103,7 @@ def test_tracebacks_show_the_users_frames_not_sparkhvds(capsys):
 
 def test_a_rank_that_stops_because_another_failed_shows_one_line_and_logs_its_traceback(monkeypatch, capsys):
     """The first traceback a reader meets is the cause's: no rank streams one; the error holds the cause's."""
-    from sparkhvd.runner import _supervise
+    from sparkhvd.runner._policy import supervise as _supervise
 
     # The driver waits for rank 0's own error, as it does whenever rank 0 reports within the grace period.
     monkeypatch.setattr(_supervise, "FAILURE_GRACE_S", 120.0)
@@ -140,9 +140,9 @@ def test_a_rank_that_stops_because_another_failed_shows_one_line_and_logs_its_tr
     for rank in (0, 1):
         with open(os.path.join(info.value.log_dir, f"rank-{rank}.log")) as f:
             logs[rank] = f.read()
-    assert re.search(r"(?s)Traceback \(most recent call last\):\n.*_worker\.py.*in train\n.*_engine/\w+\.py.*\n"
+    assert re.search(r"(?s)Traceback \(most recent call last\):\n.*_rank/worker\.py.*in train\n.*_engine/\w+\.py.*\n"
                      r"sparkhvd\.collective\._engine\.mesh\.MeshError: allreduce (failed|cannot run): ", logs[0]), logs[0]  # whole
-    assert re.search(r"(?s)Traceback \(most recent call last\):\n.*_worker\.py.*in train\n.*\nValueError: rank 1's "
+    assert re.search(r"(?s)Traceback \(most recent call last\):\n.*_rank/worker\.py.*in train\n.*\nValueError: rank 1's "
                      r"part of the data has no rows\n", logs[1]), logs[1]
     assert "stopped by the driver" not in logs[0]  # said once: an abort after its report adds nothing
 
@@ -151,7 +151,7 @@ def test_a_rank_that_stops_because_another_failed_shows_one_line_and_logs_its_tr
 def test_the_rule_for_collateral_errors_is_one_for_the_ranks_and_the_driver():
     import doctest
 
-    from sparkhvd.runner import _collateral
+    from sparkhvd.runner._shared import collateral as _collateral
 
     assert doctest.testmod(_collateral).failed == 0  # the examples in failure_line's docstring
     tf_wrapped = ("Graph execution error:\n\nDetected at node cond/PyFunc defined at (most recent call last):\n"
@@ -198,7 +198,7 @@ def test_gloo_uses_the_interface_that_reaches_the_driver_or_the_chosen_one(monke
 def test_the_configuration_bounds_the_slots():
     from pyspark import SparkConf
 
-    from sparkhvd.runner._spark import max_slots
+    from sparkhvd.runner._backends.spark import max_slots
 
     conf = SparkConf(loadDefaults=False)
     assert max_slots("local-cluster[2, 1, 1024]", conf) == 2
@@ -209,7 +209,7 @@ def test_the_configuration_bounds_the_slots():
 
 
 def test_spark_reason_keeps_what_spark_says_and_drops_the_java_stack(spark):
-    from sparkhvd.runner._spark_info import spark_reason
+    from sparkhvd.runner._backends.spark_info import spark_reason
 
     with pytest.raises(Exception) as info:
         spark.sparkContext.parallelize([1], 1).map(lambda x: x / 0).collect()

@@ -1,4 +1,4 @@
-"""Each rank's torchrun variables and TF_CONFIG (runner/_framework_env.py), for any layout of tasks on hosts."""
+"""Each rank's torchrun variables and TF_CONFIG (runner/_shared/framework_env.py), for any layout of tasks on hosts."""
 
 from __future__ import annotations
 
@@ -10,9 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparkhvd.runner import assign_ranks
-from sparkhvd.runner._framework_env import NODE_PER_TASK, TORCHRUN, Endpoint, framework_env, node_of, reserve_ports
-from sparkhvd.runner._rank_env import rank_env
-from sparkhvd.runner._task_spec import TaskSpec
+from sparkhvd.runner._agent.env import rank_env
+from sparkhvd.runner._agent.spec import TaskSpec
+from sparkhvd.runner._shared.framework_env import (
+    NODE_PER_TASK,
+    TORCHRUN,
+    Endpoint,
+    framework_env,
+    node_of,
+    reserve_ports,
+)
 
 pytestmark = pytest.mark.unit
 

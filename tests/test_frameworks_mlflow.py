@@ -1,5 +1,5 @@
 """Hugging Face's MLflow callback and Lightning's ``MLFlowLogger`` log into the driver's active MLflow run: one run,
-not one per rank (runner/_mlflow.py gives every rank ``MLFLOW_RUN_ID`` and ``MLFLOW_TRACKING_URI``)."""
+not one per rank (runner/_payload/mlflow.py gives every rank ``MLFLOW_RUN_ID`` and ``MLFLOW_TRACKING_URI``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """TensorFlow's own distributed training under sparkhvd: ``MultiWorkerMirroredStrategy`` built from the
 ``TF_CONFIG`` every rank gets trains a custom loop with the same weights on both workers of HorovodRunner(np=2),
-and the ``MirroredStrategyRunner`` drop-in (runner/_mirrored_strategy_runner.py) runs it as
+and the ``MirroredStrategyRunner`` drop-in (runner/_dropins/mirrored_strategy_runner.py) runs it as
 spark-tensorflow-distributor does, with its strategy or the function's own, on Spark or on the driver. Its checks
 and the way it maps onto HorovodRunner are unit tests against a fake runner and a fake Spark configuration."""
 
@@ -15,7 +15,7 @@ import pytest
 
 from sparkhvd import HorovodRunner, MirroredStrategyRunner
 from sparkhvd.runner import _horovod_runner
-from sparkhvd.runner import _mirrored_strategy_runner as msr
+from sparkhvd.runner._dropins import mirrored_strategy_runner as msr
 from sparkhvd.runner._runner_config import RunnerConfig
 
 needs_tf = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow isn't installed")

@@ -1,6 +1,6 @@
 """Each torch-family framework's own distributed training runs on sparkhvd's ranks, on CPU, as under torchrun.
 
-The ranks get torchrun's variables (runner/_framework_env.py), and each framework finds its distributed
+The ranks get torchrun's variables (runner/_shared/framework_env.py), and each framework finds its distributed
 environment in them by itself:
 
 - a DDP script gives the same weights, bit for bit, under ``torchrun`` and ``HorovodRunner(np=2).run("train.py")``;
@@ -32,7 +32,7 @@ from sparkhvd import HorovodRunError, HorovodRunner, TorchDistributor
 SEED = 0
 LR = 0.1
 STEPS = 3
-# torchrun's variables that sparkhvd sets too (runner/_framework_env.py), but for the ports and the run id
+# torchrun's variables that sparkhvd sets too (runner/_shared/framework_env.py), but for the ports and the run id
 TORCHRUN_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                   "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RESTART_COUNT",
                   "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")

@@ -217,8 +217,8 @@ def test_horovods_device_idiom_and_a_forked_rank_from_the_warm_process_use_the_g
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
     monkeypatch.delenv("SPARKHVD_WARM", raising=False)
     first = HorovodRunner(np=-1).run(_device_view)
-    from sparkhvd.runner import _warm_client
-    from sparkhvd.runner._warm_key import zygote_key
+    from sparkhvd.runner._warm import client as _warm_client
+    from sparkhvd.runner._warm.key import zygote_key
 
     key = zygote_key()
     import time

@@ -16,7 +16,7 @@ import threading
 import pytest
 
 from sparkhvd._common.topology import Placement, assign_ranks, host_gpus
-from sparkhvd.runner._agent import visible_gpus
+from sparkhvd.runner._agent.agent import visible_gpus
 
 
 def _pinned(hosts, devices):
@@ -125,9 +125,9 @@ def _view():
 def _run_two_tasks(monkeypatch, gpus, executor_visible):
     from sparkhvd._common.protocol import new_secret
     from sparkhvd._common.settings import WARM
-    from sparkhvd.runner import _payload
-    from sparkhvd.runner._agent import TaskSpec, run_task
-    from sparkhvd.runner._service import DriverService
+    from sparkhvd.runner._agent.agent import TaskSpec, run_task
+    from sparkhvd.runner._payload import payload as _payload
+    from sparkhvd.runner._service.service import DriverService
 
     monkeypatch.setenv(WARM.name, "0")  # fresh rank processes: nothing left behind
     if executor_visible is None:

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from sparkhvd.runner._agent import visible_gpus
-from sparkhvd.runner._host import host_id
+from sparkhvd.runner._agent.agent import visible_gpus
+from sparkhvd.runner._shared.host import host_id
 
 
 @pytest.mark.unit
@@ -33,7 +33,7 @@ def test_host_identity_is_more_than_the_hostname():
     assert here.startswith(socket.gethostname() + "-") and here == host_id()
     if shutil.which("unshare") is None:
         pytest.skip("unshare is not installed")
-    code = "from sparkhvd.runner._host import host_id; print(host_id())"
+    code = "from sparkhvd.runner._shared.host import host_id; print(host_id())"
     proc = subprocess.run(["unshare", "--net", sys.executable, "-c", code], capture_output=True, text=True)
     if proc.returncode != 0:
         pytest.skip(f"cannot make a network namespace here: {proc.stderr.strip()[-200:]}")
@@ -45,11 +45,11 @@ def test_host_identity_is_more_than_the_hostname():
 def test_a_failure_with_only_collateral_errors_names_the_silent_ranks(tmp_path):
     """What the driver says when ranks vanish without a word (an executor or host lost)."""
     from sparkhvd._common.topology import assign_ranks
-    from sparkhvd.runner._failure_report import explained
-    from sparkhvd.runner._failure_report import failure_error as _failure_error
-    from sparkhvd.runner._launcher import LocalLauncher
-    from sparkhvd.runner._logs import LogRouter
-    from sparkhvd.runner._service import DriverService, Failure, Registration
+    from sparkhvd.runner._backends.launcher import LocalLauncher
+    from sparkhvd.runner._policy.failure_report import explained
+    from sparkhvd.runner._policy.failure_report import failure_error as _failure_error
+    from sparkhvd.runner._service.logs import LogRouter
+    from sparkhvd.runner._service.service import DriverService, Failure, Registration
 
     service = DriverService(np=4, secret=b"k" * 32, payload=b"")
     logs = LogRouter(str(tmp_path), "all")
@@ -63,7 +63,7 @@ def test_a_failure_with_only_collateral_errors_names_the_silent_ranks(tmp_path):
                                                                 "it has exited or failed", traceback="tb")
                       for r in (0, 1)]
         assert not explained(collateral, {}, None, None)
-        from sparkhvd.runner._failure_report import is_collateral
+        from sparkhvd.runner._policy.failure_report import is_collateral
 
         assert not is_collateral(Failure(0, "ConnectionRefusedError", "[Errno 111] Connection refused", ""))
         assert is_collateral(Failure(0, "RuntimeError", "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "

@@ -21,8 +21,8 @@ from sparkhvd._common.client import ServiceClient, ServiceError
 from sparkhvd._common.listener import RefusalTally
 from sparkhvd._common.protocol import MAGIC, NONCE_BYTES, AuthenticatedChannel, Kind, PeerClosed, new_secret
 from sparkhvd.collective._engine.mesh import Endpoint, MeshError
-from sparkhvd.runner import _service
-from sparkhvd.runner._service import DriverService
+from sparkhvd.runner._service import service as _service
+from sparkhvd.runner._service.service import DriverService
 
 GREETING = len(MAGIC) + NONCE_BYTES
 
@@ -197,7 +197,7 @@ def test_running_out_of_descriptors_keeps_the_service_up_and_is_reported_once():
         import logging, os, resource, socket, time
         logging.basicConfig(format="LOG %(message)s")
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-        from sparkhvd.runner._service import DriverService
+        from sparkhvd.runner._service.service import DriverService
         from sparkhvd._common.client import ServiceClient
         from sparkhvd._common.protocol import Kind, new_secret
         svc = DriverService(np=1, secret=new_secret(), payload=b"")

@@ -25,7 +25,8 @@ import time
 
 from sparkhvd import HorovodRunner
 from sparkhvd._common.protocol import _HEADER, MAGIC, NONCE_BYTES, AuthenticatedChannel, Kind
-from sparkhvd.runner import _horovod_runner, _service
+from sparkhvd.runner import _horovod_runner
+from sparkhvd.runner._service import service as _service
 
 ATTACK_S = 40.0  # a hard bound on every attacking loop, far above the run's few seconds
 IDLE = 1200  # idle connections held against each listener: over twice its 512 handshake slots
@@ -319,7 +320,8 @@ _LOW_FD_DRIVER = textwrap.dedent("""
     import resource, sys, time
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
     from sparkhvd import HorovodRunner
-    from sparkhvd.runner import _horovod_runner, _service
+    from sparkhvd.runner import _horovod_runner
+    from sparkhvd.runner._service import service as _service
 
     class Announced(_service.DriverService):
         def __init__(self, **kw):

@@ -22,9 +22,9 @@ import pytest
 
 from sparkhvd import HorovodRunError, HorovodRunner
 from sparkhvd._common.settings import HOROVOD_ALIASES
-from sparkhvd.runner import _aliases
-from sparkhvd.runner._horovod_spark import _as_keywords
-from sparkhvd.runner._horovod_spark import run as horovod_spark_run
+from sparkhvd.runner._dropins.horovod_spark import _as_keywords
+from sparkhvd.runner._dropins.horovod_spark import run as horovod_spark_run
+from sparkhvd.runner._rank import aliases as _aliases
 
 SPARKHVD = os.path.join(os.path.dirname(sys.executable), "sparkhvd")  # the console script beside this interpreter
 LR = 0.01
@@ -129,7 +129,7 @@ def test_the_alias_finder_comes_after_the_path_finders(torch_run):
 
 
 def test_the_ranks_of_a_function_are_forked_from_the_warm_process(torch_run):
-    # forked from the warm process, which imported runner/_worker.py
+    # forked from the warm process, which imported runner/_rank/worker.py
     assert [value["warm"] for value in torch_run] == ["forked"] * 2
 
 
@@ -171,7 +171,7 @@ HOROVOD_SCRIPT = """
 
 def test_a_horovodrun_script_runs_unmodified_under_sparkhvd_run(tmp_path):
     (tmp_path / "train.py").write_text(textwrap.dedent(HOROVOD_SCRIPT))
-    env = dict(os.environ, SPARKHVD_WARM="0")  # fresh rank processes: python -m sparkhvd.runner._worker
+    env = dict(os.environ, SPARKHVD_WARM="0")  # fresh rank processes: python -m sparkhvd.runner._rank.worker
     out = subprocess.run([SPARKHVD, "run", "--np", "-2", "train.py"], cwd=tmp_path, capture_output=True, text=True,
                          env=env, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -283,9 +283,9 @@ result = HorovodRunner(np=-2, driver_log_verbosity="all").run(main, lr=0.1)
 
 
 def warm_process_serving():
-    """Start this session's warm process (runner/_warm_server.py) unless one serves, and return once it answers."""
-    from sparkhvd.runner import _warm_client
-    from sparkhvd.runner._warm_key import zygote_key
+    """Start this session's warm process (runner/_warm/server.py) unless one serves, and return once it answers."""
+    from sparkhvd.runner._warm import client as _warm_client
+    from sparkhvd.runner._warm.key import zygote_key
 
     key = zygote_key()
     _warm_client.start_server(key)  # exits at once where one already holds the key
@@ -327,7 +327,7 @@ def test_the_one_line_leaves_nothing_behind_when_undone(notebook_run):
 
 
 def test_sparkdl_log_verbosity_keeps_databricks_meaning():
-    from sparkhvd.runner._sparkdl import HorovodRunner as SparkdlRunner
+    from sparkhvd.runner._dropins.sparkdl import HorovodRunner as SparkdlRunner
 
     assert SparkdlRunner(np=2)._runner.config.driver_log_verbosity == "log_callback_only"  # Databricks' default
     assert SparkdlRunner(np=-2)._runner.config.driver_log_verbosity == "all"  # np<0: the ranks' output in the cell
@@ -576,8 +576,8 @@ def test_horovod_spark_start_timeout_is_read_as_horovod_does(monkeypatch):
 
 def test_without_a_spark_context_the_defaults_that_need_one_say_so():
     code = textwrap.dedent("""
-        from sparkhvd.runner._horovod_spark import run
-        from sparkhvd.runner._sparkdl import HorovodRunner
+        from sparkhvd.runner._dropins.horovod_spark import run
+        from sparkhvd.runner._dropins.sparkdl import HorovodRunner
         for call in (lambda: run(lambda: 1), lambda: HorovodRunner(np=0).run(lambda: 1)):
             try:
                 call()

@@ -138,7 +138,7 @@ def test_quickstart_torch(jupyter_env):
     assert failure.count("Traceback (most recent call last)") == 1 and "[0] Traceback" not in failure, failure
     assert "[1] sparkhvd: rank 1 failed: ValueError: rank 1's part of the data has no rows (whole traceback in " \
            "rank-1.log)" in failure, failure
-    # The cell's line is quoted: its source travels with the function (runner/_payload.py).
+    # The cell's line is quoted: its source travels with the function (runner/_payload/payload.py).
     assert re.search(r"Traceback of rank 1 \(the first to fail\):\n.*\n  File .*, line \d+, in train_with_bad_data\n"
                      r"    raise ValueError\(\"rank 1's part of the data has no rows\"\)\nValueError: ", failure), failure
 
@@ -150,7 +150,7 @@ def test_keras(jupyter_env):
     nb, _ = execute("02_keras.ipynb", jupyter_env)
     fit = texts(nb.cells[cell_with(nb, "HorovodRunner(np=2).run(train)")])
     assert len(re.findall(r"^\[0\] Epoch \d/4$", fit, re.M)) == 4, fit  # Keras's progress, from rank 0
-    # TensorFlow's start-up notices, printed by each rank (twice), show once (runner/_notices.py)
+    # TensorFlow's start-up notices, printed by each rank (twice), show once (runner/_service/notices.py)
     assert fit.count("All log messages before absl::InitializeLog() is called") == 1, fit
     assert fit.count("oneDNN custom operations are on") <= 1, fit
     assert not re.search(r"^\[1\] Epoch", fit, re.M)

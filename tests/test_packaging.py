@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from sparkhvd.runner import JavaNotFoundError
-from sparkhvd.runner._java import check_java
+from sparkhvd.runner._backends.java import check_java
 
 
 def test_import_sparkhvd_imports_neither_torch_nor_pyspark():

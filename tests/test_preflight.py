@@ -18,9 +18,11 @@ import sys
 import pytest
 
 from sparkhvd import HorovodRunner
-from sparkhvd.runner import StartTimeoutError, _preflight, _waits
-from sparkhvd.runner._spark import gpu_problem, slots_for_restart
-from sparkhvd.runner._spark_info import executor_resources
+from sparkhvd.runner import StartTimeoutError
+from sparkhvd.runner._backends import preflight as _preflight
+from sparkhvd.runner._backends.spark import gpu_problem, slots_for_restart
+from sparkhvd.runner._backends.spark_info import executor_resources
+from sparkhvd.runner._shared import waits as _waits
 
 
 def _rank():

@@ -21,15 +21,15 @@ from sparkhvd import HorovodRunError, HorovodRunner
 from sparkhvd._common.client import ServiceClient
 from sparkhvd._common.protocol import FILE_ONLY, MAX_LINE_BYTES, MAX_PROGRESS_CHARS, Kind, new_secret
 from sparkhvd._common.settings import KEEP_FAILED_LOGS, KEEP_LOGS, LOG_ROOT
-from sparkhvd.runner._logs import (
+from sparkhvd.runner._agent.output import PROGRESS_S, _Lines
+from sparkhvd.runner._service.logs import (
     FAILED,
     LogRouter,
     end_run_logs,
     log_root,
     run_log_dir,
 )
-from sparkhvd.runner._rank_output import PROGRESS_S, _Lines
-from sparkhvd.runner._service import DriverService
+from sparkhvd.runner._service.service import DriverService
 
 LINES = 200_000
 
@@ -201,7 +201,7 @@ _TF_NOTICES = [
 
 @pytest.mark.unit
 def test_start_up_notices_show_once_per_run_and_each_rank_logs_its_own(tmp_path):
-    from sparkhvd.runner._notices import notice
+    from sparkhvd.runner._service.notices import notice
 
     out = io.StringIO()
     router = LogRouter(str(tmp_path), "all", out=out)
@@ -236,7 +236,7 @@ def _imports_tensorflow():
 def test_tensorflows_start_up_notices_reach_the_screen_once_and_every_ranks_log(root, capsys):
     """A real TensorFlow in each rank (the notices differ by CPU and build: each one a rank logged counts)."""
     pytest.importorskip("tensorflow")
-    from sparkhvd.runner._notices import notice
+    from sparkhvd.runner._service.notices import notice
 
     result = HorovodRunner(np=-2).run_all(_imports_tensorflow)
     shown = [line[4:] for line in capsys.readouterr().out.splitlines() if re.match(r"\[[01]\] ", line)]

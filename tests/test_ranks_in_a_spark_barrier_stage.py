@@ -85,7 +85,7 @@ def test_a_task_that_never_registers_fails_at_start_timeout(spark):
 def test_dynamic_allocation_is_refused_with_the_fix(spark):
     from pyspark import SparkConf
 
-    from sparkhvd.runner._spark import check_barrier_conf
+    from sparkhvd.runner._backends.spark import check_barrier_conf
 
     check_barrier_conf(spark.sparkContext.getConf())  # the test session is fine
     with pytest.raises(RuntimeError, match="does not work with dynamic allocation; set "

@@ -93,7 +93,7 @@ def test_failing_rank_names_rank_type_message_and_source_line(rank_processes):
     text = str(info.value)
     assert "rank 1: ValueError: rank one cannot go on" in text
     assert 'raise ValueError("rank one cannot go on")  # the user\'s source line' in text
-    assert "_worker.py" not in text  # our wrapper frames are dropped
+    assert "_rank/worker.py" not in text  # our wrapper frames are dropped
     assert isinstance(info.value.__cause__, ValueError)
     assert info.value.failures[0][:3] == (1, "ValueError", "rank one cannot go on")
     assert os.path.exists(os.path.join(info.value.log_dir, "rank-1.log"))

@@ -17,7 +17,7 @@ dist = torch.distributed
 from sparkhvd._common.client import RunAborted, ServiceClient, ServiceError  # noqa: E402
 from sparkhvd._common.protocol import new_secret  # noqa: E402
 from sparkhvd.collective._engine.store import DriverStore  # noqa: E402
-from sparkhvd.runner._service import DriverService  # noqa: E402
+from sparkhvd.runner._service.service import DriverService  # noqa: E402
 
 
 @pytest.fixture
@@ -143,7 +143,7 @@ def test_a_blocked_wait_ends_when_the_service_closes(service):
 
 
 def test_the_rendezvous_module_does_not_import_torch():
-    code = ("import sys, sparkhvd._common.rendezvous, sparkhvd.runner._service; "
+    code = ("import sys, sparkhvd._common.rendezvous, sparkhvd.runner._service.service; "
             "print(sorted(m for m in ('torch', 'pyspark', 'tensorflow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -1,4 +1,4 @@
-"""The run's policy (runner/_run_policy.py, runner/_supervise.py): every transition of its state machine, driven by a
+"""The run's policy (runner/_policy/policy.py, runner/_policy/supervise.py): every transition of its state machine, driven by a
 fake cluster, fake driver services and fake launchers on a fake clock: no process, no Spark, no sleep.
 
 The real-process tests (test_ranks_on_the_driver.py, test_elastic_restart.py, test_faults.py, test_ranks_in_a_spark_barrier_stage.py,
@@ -12,12 +12,12 @@ from types import MappingProxyType
 import pytest
 
 from sparkhvd._common.topology import assign_ranks
-from sparkhvd.runner import _supervise
-from sparkhvd.runner._errors import HorovodRunError, StartTimeoutError
-from sparkhvd.runner._logs import LogRouter
-from sparkhvd.runner._run_policy import RunPolicy, RunState
-from sparkhvd.runner._run_status import RunStatus
-from sparkhvd.runner._service import DriverService, Failure, Registration
+from sparkhvd.runner._policy import supervise as _supervise
+from sparkhvd.runner._policy.policy import RunPolicy, RunState
+from sparkhvd.runner._service.logs import LogRouter
+from sparkhvd.runner._service.service import DriverService, Failure, Registration
+from sparkhvd.runner._service.status import RunStatus
+from sparkhvd.runner._shared.errors import HorovodRunError, StartTimeoutError
 
 pytestmark = pytest.mark.unit
 

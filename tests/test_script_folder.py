@@ -18,8 +18,8 @@ from sparkhvd import HorovodRunner
 from sparkhvd._common.settings import SCRIPT_FOLDER_MAX_BYTES, SCRIPT_FOLDER_MAX_FILES, SHIP_SCRIPT_FOLDER
 from sparkhvd.runner import HorovodRunError
 from sparkhvd.runner._cli import main as cli_main
-from sparkhvd.runner._script import as_payload
-from sparkhvd.runner._script_folder import FolderLimits, collect, unpack
+from sparkhvd.runner._payload.script import as_payload
+from sparkhvd.runner._payload.script_folder import FolderLimits, collect, unpack
 
 WAYS_OUT = ("move the script into a folder of its own with the modules it imports, install your code as a package "
             "on every host, or ship it with --py-files or sc.addPyFile and set SPARKHVD_SHIP_SCRIPT_FOLDER=0 to ship "

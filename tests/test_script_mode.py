@@ -11,7 +11,7 @@ import pytest
 
 from sparkhvd import HorovodRunner
 from sparkhvd.runner import HorovodRunError
-from sparkhvd.runner._script import as_payload
+from sparkhvd.runner._payload.script import as_payload
 
 # Each rank writes what it saw to <out>/rank-<r>.json; a sibling module proves the script's folder ships.
 REPORT = textwrap.dedent("""

@@ -11,7 +11,7 @@ import pytest
 
 from sparkhvd._common.client import ServiceClient, ServiceError
 from sparkhvd._common.protocol import _HEADER, MAGIC, NONCE_BYTES, AuthenticatedChannel, Kind, ProtocolError, new_secret
-from sparkhvd.runner._service import DriverService
+from sparkhvd.runner._service.service import DriverService
 
 
 @pytest.fixture
@@ -195,7 +195,7 @@ def test_unauthenticated_header_is_refused_before_any_body_is_read(service):
 
 @pytest.mark.unit
 def test_a_connection_that_never_authenticates_is_dropped(monkeypatch):
-    from sparkhvd.runner import _service
+    from sparkhvd.runner._service import service as _service
 
     monkeypatch.setattr(_service, "FIRST_FRAME_TIMEOUT_S", 0.3)
     svc = DriverService(np=1, secret=new_secret(), payload=b"")
@@ -235,7 +235,7 @@ def test_the_service_survives_running_out_of_file_descriptors(tmp_path):
     code = """
 import resource, socket, time
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-from sparkhvd.runner._service import DriverService
+from sparkhvd.runner._service.service import DriverService
 from sparkhvd._common.client import ServiceClient
 from sparkhvd._common.protocol import Kind, new_secret
 svc = DriverService(np=1, secret=new_secret(), payload=b"")

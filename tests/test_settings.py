@@ -198,13 +198,13 @@ def test_the_aliases_are_off_only_for_zero():
 # Where code outside _common/settings.py may touch os.environ as a whole, and why. Everything else reads a
 # variable with settings.X.get() (or .raw()) and writes one by settings.X.name.
 WHOLE_ENVIRONMENT = {
-    ("runner/_rank_env.py", "rank_env"): "the rank process starts from a copy of the agent's environment",
-    ("runner/_warm_child.py", "become_rank"): "a forked rank takes on the environment its agent gave it",
-    ("runner/_warm_client.py", "start_server"): "the warm process starts from a copy of the agent's environment",
-    ("runner/_warm_key.py", "zygote_key"): "the warm process's key hashes the variables Python and native "
+    ("runner/_agent/env.py", "rank_env"): "the rank process starts from a copy of the agent's environment",
+    ("runner/_warm/child.py", "become_rank"): "a forked rank takes on the environment its agent gave it",
+    ("runner/_warm/client.py", "start_server"): "the warm process starts from a copy of the agent's environment",
+    ("runner/_warm/key.py", "zygote_key"): "the warm process's key hashes the variables Python and native "
                                            "libraries read at start (a family of prefixes, not settings)",
-    ("runner/_mlflow.py", "tracking_env"): "every MLFLOW_* variable goes to the ranks (credentials, store options)",
-    ("runner/_java.py", "check_java"): "JAVA_HOME: `make check-java` runs this file alone, before sparkhvd is "
+    ("runner/_payload/mlflow.py", "tracking_env"): "every MLFLOW_* variable goes to the ranks (credentials, store options)",
+    ("runner/_backends/java.py", "check_java"): "JAVA_HOME: `make check-java` runs this file alone, before sparkhvd is "
                                        "installed, so it cannot import the settings module",
 }
 _WRITES = {"setdefault", "pop"}  # os.environ.<these>(settings.X.name, ...)

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from sparkhvd.runner import _spark_connect
-from sparkhvd.runner._spark_connect import bind_host, slots_bound
+from sparkhvd.runner._backends import connect as _spark_connect
+from sparkhvd.runner._backends.connect import bind_host, slots_bound
 
 pytestmark = pytest.mark.unit
 

@@ -16,8 +16,9 @@ import pytest
 
 from sparkhvd import HorovodRunError, HorovodRunner
 from sparkhvd._common.settings import HEARTBEAT, STALL_CHECK_DISABLE
-from sparkhvd.runner._stall import RankState, StallSettings, StallView, lenient, report
-from sparkhvd.runner._stall_inspector import Observation, StallInspector
+from sparkhvd.runner._policy.stall_inspector import Observation, StallInspector
+from sparkhvd.runner._policy.stall_report import RankState, StallSettings, StallView, report
+from sparkhvd.runner._shared.stall_settings import lenient
 
 SHORT = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "2", "SPARKHVD_HEARTBEAT_SECONDS": "0.5"}
 
@@ -475,8 +476,8 @@ def test_the_check_can_be_turned_off_and_a_failing_check_turns_itself_off():
 @pytest.mark.unit
 def test_hosts_named_alike_are_told_apart_by_their_address():
     from sparkhvd._common.topology import assign_ranks
-    from sparkhvd.runner._service import Registration
-    from sparkhvd.runner._stall_inspector import observe
+    from sparkhvd.runner._policy.stall_inspector import observe
+    from sparkhvd.runner._service.service import Registration
 
     class Service:
         cv = threading.Condition()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from sparkhvd import HorovodRunError, TorchDistributor
-from sparkhvd.runner import _torch_distributor
+from sparkhvd.runner._dropins import torch_distributor as _torch_distributor
 
 
 class _Conf(dict):
@@ -100,7 +100,7 @@ def test_distributed_mode_returns_rank_zeros_value_with_one_node_per_task_and_no
 
 @pytest.mark.unit
 def test_horovodrunner_warns_where_spark_encrypts_its_traffic_and_goes_on():
-    from sparkhvd.runner import _spark
+    from sparkhvd.runner._backends import spark as _spark
 
     class _Sc:
         def __init__(self, conf):

@@ -1,4 +1,4 @@
-"""The warm process, the zygote (runner/_warm_*.py): ranks forked from a process that has torch imported."""
+"""The warm process, the zygote (runner/_warm/): ranks forked from a process that has torch imported."""
 
 from __future__ import annotations
 
@@ -16,10 +16,16 @@ import uuid
 
 import pytest
 
+import sparkhvd._common.settings
+import sparkhvd.collective
 from sparkhvd import HorovodRunner
 from sparkhvd._common import settings
-from sparkhvd.runner import _warm_client, _warm_key, _warm_protocol, _warm_server
-from sparkhvd.runner._rank_process import kill_group
+from sparkhvd.runner._agent.process import kill_group
+from sparkhvd.runner._shared.package import PACKAGE_DIR
+from sparkhvd.runner._warm import client as _warm_client
+from sparkhvd.runner._warm import key as _warm_key
+from sparkhvd.runner._warm import protocol as _warm_protocol
+from sparkhvd.runner._warm import server as _warm_server
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the zygote is Linux only")
 
@@ -206,7 +212,7 @@ def test_killing_the_agent_kills_its_rank(zygote, tmp_path):
     script = tmp_path / "agent.py"
     script.write_text(textwrap.dedent("""
         import os, sys, time
-        from sparkhvd.runner import _warm_client
+        from sparkhvd.runner._warm import client as _warm_client
         proc = _warm_client.spawn(dict(os.environ), key=sys.argv[1], argv=["-c", "import time; time.sleep(600)"])
         print(proc.pid, flush=True)
         proc.wait()
@@ -254,9 +260,17 @@ def test_zygote_exits_after_its_idle_time(zygote):
 
 
 @pytest.mark.unit
+def test_key_hashes_the_whole_sparkhvd_package():
+    assert os.path.isfile(os.path.join(PACKAGE_DIR, "__init__.py"))
+    files = set(_warm_key._package_files(PACKAGE_DIR))
+    for module in (_warm_key, _warm_protocol, sparkhvd.collective, sparkhvd._common.settings):
+        assert os.path.abspath(module.__file__) in files, module.__name__
+
+
+@pytest.mark.unit
 def test_key_changes_when_sparkhvd_or_the_environment_changes(tmp_path):
     package = tmp_path / "sparkhvd"
-    shutil.copytree(os.path.dirname(_warm_key.__file__), package / "runner")
+    shutil.copytree(os.path.dirname(os.path.dirname(_warm_key.__file__)), package / "runner")
     (package / "__init__.py").write_text("")
     (package / "tests").mkdir()
     (package / "tests" / "__init__.py").write_text("")
@@ -291,7 +305,7 @@ def test_key_changes_when_sparkhvd_or_the_environment_changes(tmp_path):
     assert key(**{**spark_per_application, "PYTHON_WORKER_FACTORY_SECRET": "260616f2e31e09db"}) == before
     (package / "tests" / "__init__.py").write_text("# tests are not part of the package\n")
     assert key() == before
-    worker = package / "runner" / "_worker.py"
+    worker = package / "runner" / "_rank" / "worker.py"
     worker.write_text(worker.read_text() + "\n# edited\n")
     edited = key()
     assert edited != before

@@ -8,7 +8,7 @@ takes unauthenticated connections while the run lasts. In a rank of HorovodRunne
 torch's own handler runs.
 
 ``install()`` runs when the engine is imported: the warm process imports it before it forks a rank
-(runner/_warm_server.py), so DDP, FSDP, Lightning, Hugging Face and DeepSpeed ranks forked from it rendezvous
+(runner/_warm/server.py), so DDP, FSDP, Lightning, Hugging Face and DeepSpeed ranks forked from it rendezvous
 through the driver; a rank started afresh that never imports sparkhvd's collectives uses torch's handler, at
 ``MASTER_PORT``.
 """

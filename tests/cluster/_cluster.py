@@ -210,7 +210,7 @@ class Cluster:
         return found
 
     def rank_pids(self, host: Host) -> list[int]:
-        return [pid for pid, _ in self.processes(host, "sparkhvd.runner._worker")]
+        return [pid for pid, _ in self.processes(host, "sparkhvd.runner._rank.worker")]
 
     def executor_pids(self, host: Host) -> list[int]:
         return [pid for pid, _ in self.processes(host, "CoarseGrainedExecutorBackend")]

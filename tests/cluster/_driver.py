@@ -62,7 +62,7 @@ def executors(sc) -> list:
 
 def wait_ready(sc, config: dict) -> dict:
     """Handshake: wait until every worker's executor has registered and all task slots exist."""
-    from sparkhvd.runner._spark import task_slots
+    from sparkhvd.runner._backends.spark import task_slots
 
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:

@@ -16,10 +16,10 @@ from ._netns import Host, TestbedError, sh
 
 def rank_processes(cluster: Cluster) -> dict[int, tuple[Host, int]]:
     """The live rank processes on every host: ``{rank: (host, pid)}``, read from their command line
-    (``python -m sparkhvd.runner._worker rank=<r>``, forked from the warm zygote or not)."""
+    (``python -m sparkhvd.runner._rank.worker rank=<r>``, forked from the warm zygote or not)."""
     found = {}
     for host in cluster.hosts:
-        for pid, cmd in cluster.processes(host, "sparkhvd.runner._worker"):
+        for pid, cmd in cluster.processes(host, "sparkhvd.runner._rank.worker"):
             rank = next((arg[5:] for arg in cmd.split() if arg.startswith("rank=")), "")
             if rank.isdigit():
                 found[int(rank)] = (host, pid)

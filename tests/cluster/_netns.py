@@ -48,7 +48,7 @@ def unavailable_reason() -> str | None:
                           ("hostname", "hostname")):
         if shutil.which(tool) is None:
             return f"the cluster tests need `{tool}` on PATH (from {package})"
-    from sparkhvd.runner._java import JavaNotFoundError, check_java
+    from sparkhvd.runner._backends.java import JavaNotFoundError, check_java
 
     try:
         check_java()

@@ -36,7 +36,7 @@ def rank_processes():
     found = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and "sparkhvd.runner._worker" in " ".join(p.cmdline()):
+            if p.status() != psutil.STATUS_ZOMBIE and "sparkhvd.runner._rank.worker" in " ".join(p.cmdline()):
                 found.append(p)
         except psutil.NoSuchProcess:
             pass

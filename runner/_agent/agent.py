@@ -1,0 +1,130 @@
+"""The task agent: what runs in each Spark barrier task (or launcher thread) for one rank.
+
+It registers with the driver (with its GPUs, mapped through its executor's own
+``CUDA_VISIBLE_DEVICES``), receives its rank and this job's GPUs on its host, starts the rank's
+own Python process with those GPUs in its environment (a fresh process, so the list holds before
+any CUDA work even when Spark reuses its Python workers), forwards that process's stdout and stderr
+to the driver in batches of lines, and reports its exit code. The secret reaches the rank process on
+its stdin, never on a command line or in the environment.
+
+Its parts: ``runner/_agent/spec.py`` (what it is given), ``runner/_agent/env.py`` (the rank's environment),
+``runner/_agent/process.py`` (starting and killing the rank's process), ``runner/_agent/output.py``
+(forwarding its output).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import threading
+from typing import Callable
+
+from ..._common import settings
+from ..._common.client import RunAborted, ServiceClient, ServiceError
+from ..._common.network import local_address
+from ..._common.protocol import Kind
+from .._shared.framework_env import Endpoint, reserve_ports
+from .._shared.host import address_of, host_id
+from .env import rank_env, visible_gpus
+from .output import forward_output
+from .process import kill_group, start_rank
+from .spec import TaskSpec
+
+PUMP_DRAIN_S = 5.0  # after the rank's process group is gone, its pipes close at once
+
+
+def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[str] | None = None,
+             on_spawn: Callable[[subprocess.Popen], None] | None = None, spark_task: tuple | None = None) -> dict:
+    """Run rank ``task``'s process to the end; returns a small status row. ``spark_task``: ``(stage id, task id)``
+    of the Spark task it runs in, by which the driver finds its executor in Spark's status store.
+
+    Never raises for the user's failure: that reaches the driver through the service, so a
+    Spark barrier stage never retries a training run on its own.
+    """
+    client = ServiceClient(spec.address, spec.secret)
+    if task in spec.stall_tasks:  # fault tests: never register; leave when the run is aborted
+        try:
+            client.request(Kind.WATCH, {"rank": -1})
+        except (RunAborted, ServiceError, OSError, ConnectionError):
+            pass
+        client.close()
+        return {"task": task, "rank": None, "exit": None, "note": "stalled on purpose"}
+    host = host or socket.gethostname()
+    if not spec.use_gpu:  # Spark may still give the task GPUs (spark.task.resource.gpu.amount): its rank sees none
+        gpus = []
+    try:  # mapped here, through this executor's own list: another executor on the host may have another
+        devices, unusable = visible_gpus(list(gpus or []), settings.CUDA_VISIBLE_DEVICES.get()), None
+    except ValueError as exc:
+        devices, unusable = [], exc
+    endpoint, held = _endpoint(spec)
+    try:
+        answer = client.request(Kind.REGISTER, {
+            "task": task, "host": host, "host_id": host_id(), "pid": os.getpid(),
+            "gpus": list(gpus or []), "devices": devices, "spark_task": spark_task, "endpoint": endpoint}).meta
+    except (RunAborted, ServiceError) as exc:
+        client.close()
+        return {"task": task, "rank": None, "exit": None, "note": str(exc)}
+    finally:
+        for sock in held:  # every task has registered: the ports stay free until the rank binds them
+            sock.close()
+    host_gpus = [str(d) for d in answer.pop("host_gpus", None) or []]
+    endpoints = [None if e is None else Endpoint(*e) for e in answer.pop("endpoints", None) or []]
+    node = tuple(answer.pop("node", None) or (0, 1))
+    placement = answer  # exactly a Placement's fields: the rank process reads it back as one
+    rank = placement["rank"]
+    try:
+        if unusable is not None:
+            raise unusable
+        env = rank_env(spec, placement, host_gpus, endpoints=endpoints, node=node)
+    except ValueError as exc:  # the executor's GPU settings: the rank's error, not a Spark task failure
+        _report(client, Kind.ERROR, {"rank": rank, "type": "ValueError", "message": str(exc), "traceback": ""})
+        _report(client, Kind.EXIT, {"rank": rank, "code": 1})
+        client.close()
+        return {"task": task, "rank": rank, "exit": 1, "note": str(exc)}
+    code = _run_rank(client, spec, rank, env, on_spawn)
+    _report(client, Kind.EXIT, {"rank": rank, "code": code})
+    client.close()
+    return {"task": task, "rank": rank, "exit": code, "note": ""}
+
+
+def _endpoint(spec: TaskSpec) -> tuple[list | None, list]:
+    """This host's address toward its peers and two ports reserved on it (runner/_shared/framework_env.py), and the
+    sockets holding them until registration is over; None where the address cannot be told (the rank process then
+    reports why, runner/_shared/host.py: rank_address)."""
+    try:
+        address = address_of(spec.network_interface) if spec.network_interface else local_address(spec.address[0])
+        endpoint, held = reserve_ports(address)
+    except (OSError, ValueError):
+        return None, []
+    return [endpoint.address, endpoint.torch_port, endpoint.tf_port], held
+
+
+def _run_rank(client: ServiceClient, spec: TaskSpec, rank: int, env: dict,
+              on_spawn: Callable[[subprocess.Popen], None] | None) -> int:
+    """Start the rank's process, hand it the secret, forward its output until it exits; its exit code."""
+    proc = start_rank(spec.python, env, rank)
+    if on_spawn is not None:
+        on_spawn(proc)
+    proc.stdin.write(spec.secret)
+    proc.stdin.close()
+    pumps = [threading.Thread(target=forward_output, args=(client, rank, name, pipe), daemon=True)
+             for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+    for pump in pumps:
+        pump.start()
+    try:
+        code = proc.wait()
+    except BaseException:  # the Spark task was killed: take the rank process with us
+        kill_group(proc)
+        raise
+    kill_group(proc)  # whatever the rank started and left running goes with it
+    for pump in pumps:
+        pump.join(PUMP_DRAIN_S)
+    return code
+
+
+def _report(client: ServiceClient, kind: Kind, meta: dict) -> None:
+    try:
+        client.request(kind, meta)
+    except (OSError, ConnectionError, RunAborted, ServiceError):
+        pass  # the driver has gone or has finished; nothing left to tell it

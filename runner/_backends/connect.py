@@ -1,0 +1,236 @@
+"""Runs under a Spark Connect session: the user's process is a gRPC client, with no SparkContext and no JVM.
+
+As pyspark's TorchDistributor does under Connect, the barrier stage goes through the DataFrame API:
+``spark.range(0, np, 1, np).mapInArrow(task, schema, barrier=True).collect()``, tagged so that
+``spark.interruptTag`` cancels it; the conf is read through ``spark.conf``. Ranks reach the driver
+service in this process, which binds to ``spark.driver.host``: the client must run where the executors
+can reach it (a notebook on the cluster's driver node, a local server). What reads Spark's JVM in a
+classic session (the executors' status, lost-executor causes, executor replacement, the task slot count,
+the executors' Python check) has no Connect path; README's support table says what differs.
+
+pyspark's Connect modules are imported inside the functions that use them: ``import sparkhvd`` and
+classic sessions never import them.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import re
+import socket
+
+from ..._common import settings
+from .._agent.agent import TaskSpec, run_task
+from .launcher import JobLauncher
+from .spark_info import spark_reason
+
+
+def remote_session():
+    """The user's Spark Connect session; where ``SPARK_REMOTE`` is set and none exists yet, the session it names;
+    None where this process has no Connect session (a classic one, or none)."""
+    # pyspark sets SPARK_CONNECT_MODE_ENABLED once a remote session exists (pyspark.sql.utils.is_remote)
+    if settings.SPARK_CONNECT_MODE_ENABLED.raw() is None and not settings.SPARK_REMOTE.get():
+        return None
+    try:
+        from pyspark.sql.connect.session import SparkSession as RemoteSession
+    except ImportError as exc:  # SPARK_REMOTE without pyspark[connect]'s dependencies
+        raise RuntimeError(f"this process is set up for Spark Connect ({settings.SPARK_REMOTE.name}="
+                           f"{settings.SPARK_REMOTE.get()!r}) but pyspark's Connect client cannot be imported "
+                           f"({exc}); pip install 'pyspark[connect]', or unset {settings.SPARK_REMOTE.name} to use a "
+                           "classic session.") from exc
+    session = RemoteSession.getActiveSession() or getattr(RemoteSession, "_default_session", None)
+    if session is None and settings.SPARK_REMOTE.get():
+        from pyspark.sql import SparkSession
+
+        session = SparkSession.builder.getOrCreate()  # a Connect session to SPARK_REMOTE
+    return session
+
+
+class Conf:
+    """``spark.conf`` of a Connect session, read as the classic launcher reads a ``SparkConf``."""
+
+    def __init__(self, spark):
+        self._conf = spark.conf
+
+    def get(self, key: str, default: str | None = None) -> str | None:
+        value = self._conf.get(key, None)
+        return default if value is None else value
+
+
+def slots_bound(master: str, conf: Conf) -> int | None:
+    """The most task slots the server's configuration allows, where it says: ``local[N]``, ``local``,
+    ``local-cluster[...]`` and ``spark.cores.max``; None where only the cluster knows (no JVM here to ask)."""
+    from .spark import max_slots
+
+    task_cpus = max(1, int(conf.get("spark.task.cpus", "1") or 1))
+    if master == "local":
+        return 1
+    match = re.fullmatch(r"local\[\s*(\d+)\s*(?:,\s*\d+\s*)?\]", master)
+    if match:
+        return int(match.group(1)) // task_cpus
+    return max_slots(master, conf)
+
+
+def check(spark, np: int) -> str:
+    """The pre-flight under Connect, failing in seconds with one sentence: dynamic allocation, the slots the
+    configuration allows, and whether this process can serve the executors. Returns the address to bind."""
+    from .spark import check_barrier_conf
+
+    _reachable(spark)
+    conf = Conf(spark)
+    try:
+        master = conf.get("spark.master", "") or ""
+    except Exception as exc:
+        raise RuntimeError(f"the Spark Connect server ({_where(spark, master=False)}) did not answer: "
+                           f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}; "
+                           "check that it runs and that this address reaches it.") from exc
+    check_barrier_conf(conf)
+    bound = slots_bound(master, conf)
+    if bound is not None and bound < np:
+        raise RuntimeError(f"np={np} needs {np} task slots but the Spark Connect server's cluster has at most "
+                           f"{bound} ({master}, spark.task.cpus={conf.get('spark.task.cpus', '1')}); use "
+                           f"np<={max(bound, 1)}, add executors or cores, or use np=-{np} to run on the driver.")
+    return bind_host(master, conf.get("spark.driver.host"))
+
+
+def reachable(spark, timeout: float = 10.0) -> bool:
+    """Whether the session's server takes a TCP connection (pyspark's client retries an unreachable one for minutes)."""
+    try:
+        _reachable(spark, timeout)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _reachable(spark, timeout: float = 10.0) -> None:
+    """A TCP connection to the server, or a RuntimeError naming it: pyspark's client retries an unreachable server
+    for minutes before its first call fails."""
+    builder = getattr(getattr(spark, "client", None), "_builder", None)
+    host, port = getattr(builder, "host", None), getattr(getattr(builder, "url", None), "port", None)
+    if not host or not port:
+        return  # a custom channel builder: its first call says what is wrong
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        raise RuntimeError(f"the Spark Connect server (sc://{host}:{port}) did not answer: {exc.strerror or exc}; "
+                           "check that it runs and that this address reaches it (SPARK_REMOTE, or the session's "
+                           "remote URL).") from exc
+
+
+def bind_host(master: str, driver_host: str | None) -> str:
+    """Where this process's driver service listens: loopback for local masters, else ``spark.driver.host``,
+    which must be an address of this machine (the executors reach the driver there, and so this process)."""
+    if master.startswith("local"):
+        return "127.0.0.1"
+    if not driver_host:
+        raise RuntimeError("under Spark Connect the ranks reach this process at the Spark driver's address, but the "
+                           "server's spark.driver.host is not set; run the notebook on the cluster's driver node, or "
+                           "use np<0 to run on this machine.")
+    problem = _not_local(driver_host)
+    if problem is not None:
+        raise RuntimeError(
+            f"under Spark Connect the ranks reach this process at the Spark driver's address, "
+            f"spark.driver.host={driver_host}, but {problem}: this client does not run on the cluster's driver node "
+            "(Databricks Connect from a laptop, say), and the executors cannot reach it. Run the notebook or "
+            "script on the cluster (a notebook attached to it, or a job), or use np<0 to run on this machine.")
+    return driver_host
+
+
+def _not_local(host: str) -> str | None:
+    """Why this process cannot listen on ``host``, or None."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"that name does not resolve here ({exc.strerror or exc})"
+    for *_, sockaddr in infos:
+        address = sockaddr[0]
+        if ipaddress.ip_address(address).is_loopback:
+            return None
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address, 0))
+                return None
+            except OSError:
+                continue
+    return f"{host} is not an address of this machine"
+
+
+class ConnectLauncher(JobLauncher):
+    """Runs the task agents as one barrier stage of the Connect session's DataFrame API, tagged for cancelling."""
+
+    def __init__(self, spark, np: int):
+        super().__init__()
+        self.spark = spark
+        self.np = np
+        self.description = f"a Spark barrier stage through Spark Connect ({_where(spark)})"
+        self._tag: str | None = None
+
+    def start(self, spec: TaskSpec) -> None:
+        self._tag = f"sparkhvd-{spec.run_id}-{spec.attempt}"
+        self._submit(spec, "sparkhvd-connect-job")
+
+    def _job(self, spec: TaskSpec) -> None:
+        spark = self.spark
+        try:
+            spark.addTag(self._tag)  # this thread's operations carry it: interruptTag cancels the stage
+            df = spark.range(0, self.np, 1, self.np)
+            profile = _gpu_profile(spark) if spec.use_gpu else None
+            task = functools.partial(_arrow_task, spec)
+            stage = (df.mapInArrow(task, "task binary", barrier=True) if profile is None
+                     else df.mapInArrow(task, "task binary", barrier=True, profile=profile))
+            stage.collect()  # the outcome arrives through the driver service
+        except Exception as exc:  # noqa: BLE001 - reported through failure()
+            if not self._stopped:
+                self._error = f"the Spark job failed: {spark_reason(exc)}"
+        finally:
+            try:
+                spark.removeTag(self._tag)
+            except Exception:  # noqa: BLE001 - the session is closing: nothing to untag
+                pass
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._tag is not None:
+            try:
+                self.spark.interruptTag(self._tag)
+            except Exception:  # noqa: BLE001 - the session was stopped: no stage left to cancel
+                pass
+
+
+def _where(spark, *, master: bool = True) -> str:
+    """The server's address and master, for messages: ``sc://127.0.0.1:15002, local[2]``."""
+    url = getattr(getattr(getattr(spark, "client", None), "_builder", None), "url", None)
+    netloc = getattr(url, "netloc", None)
+    try:
+        master = Conf(spark).get("spark.master") if master else None
+    except Exception:  # noqa: BLE001 - the server is going away: the address alone
+        master = None
+    return ", ".join(part for part in (f"sc://{netloc}" if netloc else "the server", master) if part)
+
+
+def _gpu_profile(spark):
+    """One GPU per task where the executors have GPUs (spark.executor.resource.gpu.amount), as the classic launcher
+    asks; None otherwise."""
+    from .spark import gpu_task_profile
+
+    conf = Conf(spark)
+    if float(conf.get("spark.executor.resource.gpu.amount", "0") or 0) <= 0:
+        return None
+    return gpu_task_profile(int(conf.get("spark.task.cpus", "1") or 1))
+
+
+def _arrow_task(spec: TaskSpec, batches):
+    """Runs inside the barrier task on an executor: one rank's agent; yields one row saying how it ended."""
+    import json
+
+    import pyarrow as pa
+    from pyspark import BarrierTaskContext
+
+    for _ in batches:  # the task's one input row
+        pass
+    ctx = BarrierTaskContext.get()
+    gpu = ctx.resources().get("gpu")
+    row = run_task(spec, ctx.partitionId(), gpus=list(gpu.addresses) if gpu is not None else [],
+                   spark_task=(ctx.stageId(), ctx.taskAttemptId()))
+    yield pa.RecordBatch.from_pydict({"task": [json.dumps(row, default=str).encode()]})

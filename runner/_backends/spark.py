@@ -1,0 +1,419 @@
+"""The Spark launcher: one barrier-mode task per rank, on the active session or an embedded one.
+
+pyspark is imported inside the functions that use it, so that ``import sparkhvd`` and runs on the
+driver (np<0) never import it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import sys
+import time
+import warnings
+
+from ..._common import settings
+from .._agent.agent import TaskSpec, run_task
+from .._shared.error_text import SPARK_STOPPED, read_text, says
+from .._shared.waits import WaitNote
+from .java import check_java
+from .launcher import JobLauncher
+from .preflight import check_executors
+from .spark_info import executor_resources, spark_reason
+
+#: How long to wait for executors to register before judging the slot count (local-cluster,
+#: a cluster still starting): the slot check then fails in seconds, not after Spark's own wait for barrier slots.
+_SLOT_WAIT_S = 15.0
+_SLOT_SETTLE_S = 5.0  # executors that register together come within this of each other
+_embedded = None  # the SparkSession sparkhvd created, if any
+
+
+def spark_context(np: int):
+    """The active SparkContext; where there is none, start an embedded ``local[np]`` session."""
+    global _embedded
+    from pyspark import SparkContext
+
+    sc = SparkContext._active_spark_context
+    if sc is not None and _embedded is not None and sc is _embedded.sparkContext \
+            and sc.defaultParallelism < np:
+        _embedded.stop()  # ours and too small for this run: start a bigger one
+        sc = None
+    if sc is not None:
+        return sc
+    check_java()
+    os.environ.setdefault(settings.PYSPARK_PYTHON.name, sys.executable)  # executors run this interpreter
+    from pyspark.sql import SparkSession
+
+    _embedded = (SparkSession.builder.master(f"local[{max(np, 2)}]").appName("sparkhvd")
+                 .config("spark.ui.enabled", "false")
+                 .config("spark.ui.showConsoleProgress", "false")
+                 .getOrCreate())
+    return _embedded.sparkContext
+
+
+def _gpu_amount(sc) -> float:
+    conf = sc.getConf()
+    return float(conf.get("spark.executor.resource.gpu.amount", "0") or 0)
+
+
+def task_slots(sc) -> int:
+    """How many tasks the cluster can run at once (Spark's own barrier-stage count)."""
+    jsc = sc._jsc.sc()
+    try:
+        return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+    except Exception:  # noqa: BLE001 - a Spark without this private API
+        return int(sc.defaultParallelism)
+
+
+def check_barrier_conf(conf) -> None:
+    """Barrier stages fail under dynamic allocation: say so before Spark does."""
+    if (conf.get("spark.dynamicAllocation.enabled") or "false").lower() == "true":
+        raise RuntimeError(
+            "Spark barrier mode, which HorovodRunner uses, does not work with dynamic allocation; "
+            "set spark.dynamicAllocation.enabled=false for this session, or use np<0 to run on the driver.")
+
+
+#: Spark's settings that encrypt its own traffic; the ranks' gloo and NCCL traffic is not encrypted under either.
+ENCRYPTION_CONFS = ("spark.ssl.enabled", "spark.network.crypto.enabled")
+
+
+def encrypted_by(conf_get) -> list:
+    """Which of ``ENCRYPTION_CONFS`` are ``true``, read through ``conf_get(key, default)`` (a SparkConf's or a
+    session's ``conf.get``)."""
+    return [key for key in ENCRYPTION_CONFS if str(conf_get(key, "false")).strip().lower() == "true"]
+
+
+def refuse_unencrypted(conf_get, override: str, senders: str, carrier: str) -> None:
+    """The drop-ins' check, as pyspark's TorchDistributor and spark-tensorflow-distributor make it: where Spark
+    encrypts its traffic (read through ``conf_get``, None: no session), refuse unless ``override`` is ``true``,
+    then warn. ``senders``: who sends tensors ("TorchDistributor's processes"); ``carrier``: what carries them."""
+    if conf_get is None:
+        return
+    on = encrypted_by(conf_get)
+    if not on:
+        return
+    what = " and ".join(f"{key}=true" for key in on)
+    if str(conf_get(override, "false")).strip().lower() == "true":
+        warnings.warn(f"This cluster encrypts Spark's traffic ({what}), but {senders} send model parameters and "
+                      f"possibly training data to each other unencrypted ({carrier} do not encrypt); going on because "
+                      f"{override}=true.", RuntimeWarning, stacklevel=4)
+        return
+    raise RuntimeError(f"This cluster encrypts Spark's traffic ({what}), but {senders} would send model parameters "
+                       f"and possibly training data to each other unencrypted ({carrier} do not encrypt); to train "
+                       f"anyway, set {override}=true in the Spark configuration.")
+
+
+def warn_unencrypted(sc, run_id: str) -> None:
+    """Where Spark encrypts its own traffic, say once that the ranks' is not (HorovodRunner goes on, as Horovod
+    does; the TorchDistributor drop-in refuses, as pyspark's does)."""
+    on = encrypted_by(sc.getConf().get)
+    if on:
+        warnings.warn(f"sparkhvd run {run_id}: this cluster encrypts Spark's traffic ({' and '.join(on)}), but the "
+                      "ranks' gloo and NCCL traffic (tensors, gradients, parameters) is not encrypted; run where the "
+                      "network between executors is trusted (docs/security.md).", RuntimeWarning, stacklevel=4)
+
+
+def preflight(sc, np: int, *, verbose: bool = True, gpus: bool = True) -> None:
+    """Every check before the barrier stage, each failing in seconds with one sentence: the configuration
+    (dynamic allocation), the task slots, the GPU slots (``gpus``: where tasks ask for them), and the executors'
+    Python (``_preflight``)."""
+    check_slots(sc, np, verbose=verbose)
+    if gpus:
+        check_gpus(sc, np)
+    check_executors(sc, np, task_slots(sc))
+
+
+def check_slots(sc, np: int, *, verbose: bool = False) -> None:
+    """Fail in seconds, with both numbers and the fix, when np tasks cannot all run at once.
+
+    Executors of a cluster still starting register over a few seconds: wait for them until the
+    slots suffice, the most the configuration allows is below np, or (where the configuration does
+    not say how many will come) no executor has joined for ``_SLOT_SETTLE_S``; at most ``_SLOT_WAIT_S``. ``verbose``: say once what it waits for.
+    """
+    check_barrier_conf(sc.getConf())
+    bound = max_slots(sc.master, sc.getConf())
+    waiting = not sc.master.startswith("local[") and (bound is None or bound >= np)
+    deadline = time.monotonic() + (_SLOT_WAIT_S if waiting else 0)
+    seen, changed = -1, time.monotonic()
+    note = WaitNote(verbose)
+    while True:
+        slots = task_slots(sc)
+        now = time.monotonic()
+        if slots != seen:
+            seen, changed = slots, now
+        # where the configuration promises np slots (local-cluster, spark.cores.max), the missing executors are
+        # still coming (a lost one being replaced, a loaded machine): wait for them up to the deadline
+        settled = bound is None and slots > 0 and now - changed >= _SLOT_SETTLE_S
+        if slots >= np or now >= deadline or settled:
+            break
+        note.progress(slots, lambda: f"waiting for {np} task slots: Spark has {slots} ({_slots_detail(sc)}); will "
+                                     f"wait up to {_SLOT_WAIT_S:g} s for executors to register")
+        time.sleep(0.2)
+    if slots < np:
+        capped = bound is not None and bound < np
+        raise RuntimeError(
+            f"np={np} needs {np} task slots but the cluster has {slots} ({sc.master}"
+            f"{f', at most {bound} by its configuration' if capped else ''}); "
+            f"use np<={max(bound if capped else slots, 1)}, add executors or cores, or use np=-{np} to run on "
+            "the driver.")
+
+
+def _slots_detail(sc) -> str:
+    try:
+        cores = f", cores {sum(cores for _, _, cores, _ in executor_resources(sc))}"
+    except Exception:  # noqa: BLE001 - a Spark without this private API
+        cores = ""
+    return f"{sc.master}{cores}, {sc.getConf().get('spark.task.cpus', '1')} per task"
+
+
+
+
+def check_gpus(sc, np: int) -> None:
+    """Where each task asks for a GPU (spark.executor.resource.gpu.amount), fail in seconds when the executors
+    have none, or fewer GPU slots than np: the barrier stage would wait for them forever."""
+    amount = _gpu_amount(sc)
+    if amount <= 0:
+        return
+    task_cpus = max(1, int(sc.getConf().get("spark.task.cpus", "1") or 1))
+    problem = gpu_problem(np, amount, executor_resources(sc), task_cpus, sc.master)
+    if problem is not None:
+        raise RuntimeError(problem)
+
+
+def gpu_problem(np: int, amount: float, executors: list, task_cpus: int, master: str) -> str | None:
+    """The sentence ``check_gpus`` raises for these executors (``(id, host, cores, gpus)``), or None."""
+    if amount <= 0:
+        return None
+    count = len(executors)
+    if not any(gpus for _, _, _, gpus in executors):
+        return (f"np={np} asks each task for one GPU, as spark.executor.resource.gpu.amount={amount:g} says, but none "
+                f"of Spark's {count} executor{'s' if count != 1 else ''} ({master}) has a GPU resource; give the "
+                "executors GPUs (spark.executor.resource.gpu.discoveryScript, and spark.worker.resource.gpu.* on a "
+                "standalone cluster), or unset spark.executor.resource.gpu.amount to run on CPUs.")
+    slots = sum(min(gpus, cores // task_cpus) for _, _, cores, gpus in executors)
+    if slots < np:
+        each = ", ".join(f"executor {i} on {host}: {gpus} GPU{'s' if gpus != 1 else ''}, {cores} cores"
+                         for i, host, cores, gpus in executors)
+        return (f"np={np} needs {np} GPUs, one per task, but Spark's executors can run {slots} GPU task"
+                f"{'s' if slots != 1 else ''} at once ({each}; spark.task.cpus={task_cpus}); use np<={max(slots, 1)}, "
+                "or add executors with GPUs.")
+    return None
+
+
+def slots_for_restart(sc, want: int, least: int | None, timeout: float, *, verbose: bool = True) -> int:
+    """How many ranks a restart can have: ``want`` as soon as Spark has that many task slots again
+    (a lost executor is replaced within seconds on a standalone cluster); after ``timeout`` seconds,
+    what there is, if at least ``least`` (HorovodRunner's min_np); otherwise RuntimeError.
+    ``verbose``: say once what it waits for."""
+    deadline = time.monotonic() + timeout
+    note = WaitNote(verbose)
+    while True:
+        slots = task_slots(sc)
+        if slots >= want:
+            return want
+        if time.monotonic() >= deadline:
+            if least is not None and slots >= least:
+                return slots
+            raise RuntimeError(
+                f"after the failure Spark had {slots} task slot{'s' if slots != 1 else ''} free for the restart within "
+                f"start_timeout={timeout:g} s, not the {want} it needs"
+                + (f" nor min_np={least}" if least is not None else "")
+                + f"; pass min_np=<n> (n <= {max(slots, 1)}) to go on with fewer ranks, raise start_timeout, or add "
+                "executors")
+        note.progress(slots, lambda: f"waiting for {want} task slots for the restart: Spark has {slots} "
+                                     f"({_slots_detail(sc)}); will wait up to {timeout:g} s (start_timeout)"
+                                     + (f", then go on with min_np={least} or more" if least is not None else ""))
+        time.sleep(0.5)
+
+
+def gpu_task_profile(task_cpus: int):
+    """A resource profile asking one GPU, and ``task_cpus`` CPUs, for each task."""
+    from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
+
+    return ResourceProfileBuilder().require(TaskResourceRequests().cpus(task_cpus).resource("gpu", 1.0)).build
+
+
+def replace_executors(sc, hosts: set) -> list:
+    """Ask Spark to kill and replace the executors on ``hosts`` (addresses or hostnames); returns their ids.
+
+    Ranks there went silent: their host is cut off. Spark would count those executors' slots, and place
+    a restart's tasks on them, until it gives up on them itself (``spark.network.timeout``).
+    The replacements come where the cluster manager has room (on the same host once it is back).
+    """
+    summaries = sc._jsc.sc().statusStore().executorList(True).iterator()
+    ids = []
+    while summaries.hasNext():
+        summary = summaries.next()
+        if summary.id() != "driver" and summary.hostPort().rsplit(":", 1)[0] in hosts:
+            ids.append(summary.id())
+    for executor_id in ids:
+        sc._jsc.sc().killAndReplaceExecutor(executor_id)  # private[spark] in Scala, public to py4j
+    return ids
+
+
+def max_slots(master: str, conf) -> int | None:
+    """The most task slots the configuration allows, where it says (local-cluster, spark.cores.max)."""
+    task_cpus = max(1, int(conf.get("spark.task.cpus", "1") or 1))
+    match = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]", master)
+    if match:
+        return int(match.group(1)) * (int(match.group(2)) // task_cpus)
+    cores_max = conf.get("spark.cores.max")
+    if master.startswith("spark://") and cores_max and cores_max.isdigit():
+        return int(cores_max) // task_cpus
+    return None
+
+
+class SparkLauncher(JobLauncher):
+    """Runs the task agents as one Spark barrier stage, in a job group of its own.
+
+    ``replaced``: the ids of the executors that the run asked Spark to replace (shared by its attempts): their
+    removal, which lands whenever Spark gets to it, is never a later attempt's cause. ``status``: Spark's
+    status store (``SparkStatus``), or a stand-in for it. ``gpus``: whether each task asks for a GPU where the
+    cluster has them (False: the TorchDistributor drop-in's ``use_gpu=False``).
+    """
+
+    def __init__(self, sc, np: int, *, replaced: set | None = None, status: "SparkStatus | None" = None,
+                 gpus: bool = True):
+        super().__init__()
+        self.sc = sc
+        self.np = np
+        self.gpus = gpus
+        self.description = f"a Spark barrier stage on {sc.master}"
+        self.status = status if status is not None else SparkStatus(sc)
+        self.replaced = replaced if replaced is not None else set()
+        self._group = None
+        self._executors: dict = {}  # (stage id, task id) -> the executor it ran on, as found
+
+    def start(self, spec: TaskSpec) -> None:
+        self._group = f"sparkhvd-{spec.run_id}-{spec.attempt}"
+        self._submit(spec, "sparkhvd-job")
+
+    def _job(self, spec: TaskSpec) -> None:
+        sc = self.sc
+        try:
+            attempt = f", restart {spec.attempt}" if spec.attempt else ""
+            sc.setJobGroup(self._group, f"sparkhvd run {spec.run_id} (np={self.np}{attempt})", interruptOnCancel=True)
+            rdd = sc.parallelize(range(self.np), self.np).barrier().mapPartitions(
+                functools.partial(_barrier_task, spec))
+            if self.gpus and _gpu_amount(sc) > 0:
+                rdd = rdd.withResources(gpu_task_profile(int(sc.getConf().get("spark.task.cpus", "1"))))
+            rdd.collect()  # the outcome arrives through the driver service
+        except Exception as exc:  # noqa: BLE001 - reported through failure()
+            if _stopped(sc) or _says_stopped(exc):
+                self.fatal = True
+                self._error = ("the SparkContext was stopped while the run was going (spark.stop(), or the "
+                               "session ended); start a new SparkSession to run again")
+            elif not self._stopped:
+                self._error = f"the Spark job failed: {spark_reason(exc)}"
+
+    def waiting_for(self) -> str:
+        """Spark's word on the barrier stage while ranks have not registered: submitted, and how many tasks run."""
+        try:
+            tracker, active, total = self.sc.statusTracker(), 0, 0
+            for job in tracker.getJobIdsForGroup(self._group):
+                info = tracker.getJobInfo(job)
+                for stage in (info.stageIds if info is not None else []):
+                    stage_info = tracker.getStageInfo(stage)
+                    if stage_info is not None:
+                        active, total = active + stage_info.numActiveTasks, total + stage_info.numTasks
+        except Exception:  # noqa: BLE001 - the context is going away: say nothing more
+            return ""
+        if not total:
+            return " (Spark has not submitted the barrier stage yet)"
+        return f" (Spark runs {active} of the barrier stage's {total} tasks{'' if active else ': none has started'})"
+
+    def lost(self, unfinished: list) -> str | None:
+        """The executors that Spark removed while these ranks (``(rank, Registration)``) ran on them, and why.
+
+        Matched by executor id, through the Spark task each rank's agent ran in, never by host: a removal that
+        lands late, of an executor this attempt did not use (one the run asked Spark to replace, say), or of
+        another executor on the same host, is not this attempt's cause.
+        """
+        try:
+            removed = {executor_id: reason for executor_id, _, reason in self.status.removed_executors()
+                       if executor_id not in self.replaced}
+            tasks = {reg.spark_task for _, reg in unfinished if reg.spark_task is not None}
+            if not removed or not tasks:
+                return None
+            if tasks - set(self._executors):
+                self._executors.update(self.status.task_executors(tasks - set(self._executors)))
+        except Exception:  # noqa: BLE001 - a Spark without this private API, or one stopping: no executor detail
+            return None
+        ran: dict[str, tuple] = {}  # executor id -> (a registration there, its ranks)
+        for rank, reg in unfinished:
+            executor_id = self._executors.get(reg.spark_task)
+            if executor_id in removed:
+                ran.setdefault(executor_id, (reg, []))[1].append(rank)
+        found = [f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, sorted(ranks)))} ran on executor "
+                 f"{executor_id} on host {reg.host} ({reg.peer}), which Spark lost: {removed[executor_id]}"
+                 for executor_id, (reg, ranks) in sorted(ran.items(), key=lambda item: min(item[1][1]))]
+        return "; ".join(found) or None
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._group is not None and self.sc._jsc is not None:
+            try:
+                self.sc.cancelJobGroup(self._group)
+            except Exception:  # spark.stop() came first: there is no job left to cancel
+                if not _stopped(self.sc):
+                    raise
+
+
+
+def _barrier_task(spec: TaskSpec, _partition):
+    """Runs inside the barrier task on an executor."""
+    from pyspark import BarrierTaskContext
+
+    ctx = BarrierTaskContext.get()
+    gpu = ctx.resources().get("gpu")
+    yield run_task(spec, ctx.partitionId(), gpus=list(gpu.addresses) if gpu is not None else [],
+                   spark_task=(ctx.stageId(), ctx.taskAttemptId()))
+
+
+def _says_stopped(exc: BaseException) -> bool:
+    """Whether a failed job's exception says the SparkContext was stopped under it (Spark gives no type for it)."""
+    return says(read_text(type(exc).__name__, str(exc)), SPARK_STOPPED) is not None
+
+
+def _stopped(sc) -> bool:
+    try:
+        return sc._jsc is None or sc._jsc.sc().isStopped()
+    except Exception:  # noqa: BLE001 - the gateway is gone too
+        return True
+
+
+class SparkStatus:
+    """What Spark's status store (``SparkContext.statusStore``, private to Spark, reached through py4j) says
+    of the application's executors and tasks. Each call may raise where the API differs or the context stops."""
+
+    def __init__(self, sc):
+        self.sc = sc
+
+    def removed_executors(self) -> list:
+        """``(id, host, reason)`` for each executor Spark has removed from this application."""
+        it = self.sc._jsc.sc().statusStore().executorList(False).iterator()
+        removed = []
+        while it.hasNext():
+            summary = it.next()
+            if summary.isActive() or summary.id() == "driver":
+                continue
+            reason = summary.removeReason()
+            reason = reason.get() if reason.isDefined() else "no reason given"
+            removed.append((summary.id(), summary.hostPort().rsplit(":", 1)[0], reason))
+        return removed
+
+    def task_executors(self, tasks: set) -> dict:
+        """``(stage id, task id) -> executor id`` of those of ``tasks`` that the store has seen start."""
+        store, tracker = self.sc._jsc.sc().statusStore(), self.sc.statusTracker()
+        wanted = {task for _, task in tasks}
+        found = {}
+        for stage in {stage for stage, _ in tasks}:
+            info = tracker.getStageInfo(stage)
+            for attempt in range((info.currentAttemptId if info is not None else 0) + 1):
+                it = store.taskList(stage, attempt, 1 << 30).iterator()
+                while it.hasNext():
+                    task = it.next()
+                    if task.taskId() in wanted:
+                        found[(stage, task.taskId())] = task.executorId()
+        return found

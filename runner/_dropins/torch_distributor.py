@@ -1,0 +1,124 @@
+"""pyspark's ``TorchDistributor``, run by sparkhvd: ``from sparkhvd import TorchDistributor`` is the only change.
+
+A thin layer over ``HorovodRunner``, so a TorchDistributor job gets the same launch, live logs, errors and
+pre-flight. As pyspark's (``pyspark/ml/torch/distributor.py``):
+
+- ``local_mode=True``: ``num_processes`` processes on the driver, as ``torchrun --standalone --nnodes=1
+  --nproc_per_node=<num_processes>`` runs them (``LOCAL_RANK`` 0..n-1); with ``use_gpu``, as many as the driver
+  has GPUs at most.
+- ``local_mode=False``: one Spark barrier task per process, each a torchrun node of its own (``LOCAL_RANK=0``,
+  ``NODE_RANK=RANK``: runner/_shared/framework_env.py's ``node_per_task``), seeing only its own GPU with ``use_gpu``,
+  and none without.
+- ``run(fn, *args, **kwargs)`` returns rank 0's value; ``run("train.py", *args)`` runs a script on every rank and
+  returns None.
+- Where Spark encrypts its traffic, training sends tensors unencrypted: refused unless
+  ``pytorch.spark.distributor.ignoreSsl`` is ``true``, then a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+import os
+import sys
+import warnings
+
+from .._backends.spark import refuse_unencrypted
+from .._horovod_runner import HorovodRunner
+from .._shared.framework_env import NODE_PER_TASK, TORCHRUN
+
+__all__ = ["TorchDistributor"]
+
+_SSL_CONF = "pytorch.spark.distributor.ignoreSsl"
+
+
+class TorchDistributor:
+    """``TorchDistributor(num_processes=1, local_mode=True, use_gpu=True)``, with pyspark's meaning (above)."""
+
+    def __init__(self, num_processes: int = 1, local_mode: bool = True, use_gpu: bool = True,
+                 _ssl_conf: str = _SSL_CONF):
+        if isinstance(num_processes, bool) or not isinstance(num_processes, numbers.Integral) or num_processes <= 0:
+            raise ValueError(f"num_processes has to be a positive integer, got {num_processes!r}: the number of "
+                             "training processes, e.g. TorchDistributor(num_processes=2, local_mode=False).")
+        self.num_processes = int(num_processes)
+        self.local_mode = bool(local_mode)
+        self.use_gpu = bool(use_gpu)
+        self.ssl_conf = _ssl_conf
+        self.num_tasks = self._get_num_tasks()
+
+    def _get_num_tasks(self) -> int:
+        """How many processes run: ``num_processes``, or the driver's GPUs where fewer (pyspark's rule)."""
+        if not self.use_gpu:
+            return self.num_processes
+        if self.local_mode:
+            gpus = _driver_gpus()
+            if gpus == 0:
+                raise RuntimeError("GPUs were unable to be found on the driver: TorchDistributor(local_mode=True, "
+                                   "use_gpu=True) runs one process per driver GPU; pass use_gpu=False to train on "
+                                   "CPUs.")
+            if self.num_processes > gpus:
+                warnings.warn(f"num_processes={self.num_processes} is more than the {gpus} GPU"
+                              f"{'s' if gpus != 1 else ''} on the driver; it was reset to {gpus}, as pyspark's "
+                              "TorchDistributor does.", RuntimeWarning, stacklevel=3)
+                self.num_processes = gpus
+            return self.num_processes
+        conf = _active_conf()
+        if conf is not None:
+            key = "spark.task.resource.gpu.amount"
+            value = conf(key, None)
+            fix = (f"TorchDistributor(use_gpu=True, local_mode=False) gives each process a GPU of its executor; set "
+                   f"{key}=1 (with spark.executor.resource.gpu.amount and a discovery script), or pass use_gpu=False "
+                   "to train on CPUs.")
+            if value is None:
+                raise RuntimeError(f"'{key}' was unset, so gpu usage is unavailable: {fix}")
+            try:
+                amount = float(value)
+            except ValueError:
+                amount = 0.0
+            if amount < 1:
+                raise RuntimeError(f"'{key}' is {value!r}, less than the whole GPU each process needs: {fix}")
+        return self.num_processes
+
+    def run(self, train_object, *args, **kwargs):
+        """Run ``train_object(*args, **kwargs)`` on every process and return rank 0's value, or run the script
+        ``train_object`` (a path) with the command-line arguments ``args`` and return None."""
+        script = isinstance(train_object, (str, os.PathLike))
+        if script and kwargs:
+            raise ValueError(f"Running pytorch file does not support key-word type arguments: got "
+                             f"{', '.join(sorted(kwargs))} for {os.fspath(train_object)!r}; pass them as "
+                             "command-line strings, e.g. run('train.py', '--lr', '0.1').")
+        if not script and not callable(train_object):
+            raise TypeError(f"TorchDistributor.run needs a function or the path of a Python script, got "
+                            f"{type(train_object).__name__}.")
+        if not self.local_mode:
+            self._check_encryption()
+        runner = HorovodRunner(-self.num_processes if self.local_mode else self.num_processes)
+        runner.config._layout = TORCHRUN if self.local_mode else NODE_PER_TASK
+        runner.config._use_gpu = self.use_gpu or self.local_mode  # local mode leaves the driver's GPUs visible
+        runner.config._warn_unencrypted = False  # _check_encryption said it, or refused
+        if script:
+            return runner.run(train_object, *args)
+        return runner.run(functools.partial(train_object, *args) if args else train_object, **kwargs)
+
+    def _check_encryption(self) -> None:
+        """Refuse, as pyspark does, where Spark encrypts its traffic and the user has not said to go on."""
+        refuse_unencrypted(_active_conf(), self.ssl_conf, "TorchDistributor's processes", "gloo and NCCL")
+
+
+def _active_conf():
+    """The active SparkSession's ``conf.get``, or None where there is none (the run then starts one)."""
+    from pyspark.sql import SparkSession
+
+    session = SparkSession.getActiveSession()
+    return None if session is None else session.conf.get
+
+
+def _driver_gpus() -> int:
+    """The driver's GPUs: Spark's (``spark.driver.resource.gpu``) where it has them, else those CUDA sees."""
+    pyspark = sys.modules.get("pyspark")  # a driver without pyspark (local mode needs none) has no SparkContext
+    sc = None if pyspark is None else pyspark.SparkContext._active_spark_context
+    if sc is not None and "gpu" in sc.resources:
+        return len(sc.resources["gpu"].addresses)
+    import torch
+
+    return torch.cuda.device_count()

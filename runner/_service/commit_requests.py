@@ -1,0 +1,60 @@
+"""Elastic commits through the driver service: rank 0 commits its state, a restarted attempt restores
+it (``_service/commit_store.py`` keeps them), and rank 0 learns with each commit that the run can grow.
+
+Part of ``DriverService`` (``_service/service.py``), whose state and lock these handlers use.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ..._common.commits import HostUpdateResult
+from ..._common.protocol import AuthenticatedChannel, Kind, Message
+
+log = logging.getLogger("sparkhvd.service")
+
+
+class CommitHandlers:
+    """COMMIT and RESTORE, and ``announce_growth``. Uses ``DriverService``'s ``cv``, ``commits``, ``attempt``,
+    ``hosts_updated``, ``finished``, ``_restored`` and ``_on_restore``."""
+
+    def announce_growth(self) -> None:
+        """Tell rank 0, in the answer to its next commit, that the run can have more ranks (Horovod's hosts added)."""
+        with self.cv:
+            if self.hosts_updated is None:
+                self.hosts_updated = [time.time(), int(HostUpdateResult.added)]
+
+    def _commit(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
+        key = str(msg.meta["key"])
+        with self.cv:
+            if self.finished:  # a frame received as the attempt ended: the next attempt's commits must not meet it
+                return self._refuse(channel, f"commit {msg.meta.get('seq')} of {key} arrived after this attempt had "
+                                             "ended, so it was not kept.")
+            # A restarted attempt's commit made before it loaded the previous one (a commit before hvd.elastic.run)
+            # must not replace it: the next RESTORE would resume from the start.
+            stale = key not in self._restored and self.commits.attempt_of(key) not in (None, self.attempt)
+            update = self.hosts_updated
+        if stale:
+            return channel.send(Kind.OK, {"kept": False})
+        try:
+            kept = self.commits.put(msg.meta, msg.blob, attempt=self.attempt)
+        except OSError as exc:
+            log.warning("sparkhvd driver service: could not keep commit %s of %s: %s", msg.meta.get("seq"), key, exc)
+            return self._refuse(channel, f"the driver could not keep commit {msg.meta.get('seq')} of {key} "
+                                         f"({len(msg.blob)} bytes): {exc}; free space there, or pass "
+                                         "HorovodRunner(commit_dir=URL) to keep commits on shared storage.")
+        channel.send(Kind.OK, {"kept": kept, **({"hosts_updated": update} if update else {})})
+
+    def _restore(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
+        with self.cv:
+            self._restored.add(str(msg.meta["key"]))
+        commit = self.commits.get(str(msg.meta["key"]))
+        if msg.meta.get("data", True):
+            on_restore, self._on_restore = self._on_restore, None
+            if on_restore is not None:
+                on_restore(None if commit is None else commit.meta)
+        if commit is None:
+            return channel.send(Kind.OK, {"found": False})
+        channel.send(Kind.OK, {"found": True, "commit": commit.meta},
+                     commit.data() if msg.meta.get("data", True) else b"")

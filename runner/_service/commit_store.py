@@ -1,0 +1,177 @@
+"""Elastic commits kept off the ranks, so that losing any rank (rank 0 included) loses no committed work.
+
+``state.commit()`` (``collective/_core/_elastic.py``) copies the state in the rank's memory, as
+Horovod does; inside a HorovodRunner run, rank 0 then hands that copy to a ``Publisher``: a
+thread that pickles it and sends it to the driver as one authenticated COMMIT frame, or, with
+``HorovodRunner(commit_dir=URL)``, writes it to that pyarrow filesystem and sends the driver only
+its path. Training does not wait for it; a newer commit replaces one not yet sent. A commit counts
+once the driver has it: a rank lost while sending one leaves the previous commit in force, which
+is as good, since every commit is a point of the uninterrupted run.
+
+The rank's side (``Publisher``, ``publish``, ``fetch``) is ``_common/commits.py``. On the driver a ``CommitStore`` keeps the newest commit of each state, in memory up to
+``SPARKHVD_COMMIT_MEMORY_BYTES`` (default 256 MiB) and in a file beyond it, across the restarts
+of one run. It never unpickles what it keeps: only ranks do, from authenticated frames. Every
+commit is removed when the run ends.
+
+When a restarted run reaches ``hvd.elastic.run``, rank 0 asks for the newest commit (RESTORE)
+and loads it; ``state.sync()`` then gives it to the other ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+from ..._common import settings
+from ..._common.commits import _filesystem, _safe
+
+log = logging.getLogger("sparkhvd.commits")
+
+
+
+@dataclass
+class Commit:
+    """The newest commit of one state, as the driver keeps it.
+
+    ``meta``: the rank's description (``key``, ``seq``, ``fields``: the state's plain values such
+    as epoch and batch, ``size``: the ranks it was made with, ``bytes``, and ``path`` where it lives
+    in a ``commit_dir`` with ``sha256``, the digest rank 0 checks before unpickling the file), plus
+    the driver's ``attempt`` (the launch that sent it) and ``at``; ``blob``: the pickled state, None
+    where it is spilled or in a commit_dir.
+    """
+
+    meta: dict
+    blob: bytes | None = None
+    spilled: str | None = None  # the file holding the blob on the driver
+
+    def data(self) -> bytes:
+        if self.blob is not None:
+            return self.blob
+        if self.spilled is not None:
+            with open(self.spilled, "rb") as f:
+                return f.read()
+        return b""
+
+
+class CommitStore:
+    """The driver's newest commit of each elastic state, across one run's restarts. Thread-safe."""
+
+    def __init__(self, *, memory_bytes: int | None = None, commit_dir: str | None = None, run_id: str = ""):
+        self.memory_bytes = settings.COMMIT_MEMORY_BYTES.get() if memory_bytes is None else memory_bytes
+        self.commit_dir = commit_dir
+        self.run_id = run_id
+        self.count = 0  # commits received in the whole run
+        self._commits: dict[str, Commit] = {}
+        self._spill_dir: str | None = None
+        self._spills = itertools.count()  # spill files are never reused, so removing an old one never hits a new one
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def put(self, meta: dict, blob: bytes, *, attempt: int = 0) -> bool:
+        """Keep ``meta``'s commit of its state instead of the one before it; False (and nothing kept) when it is
+        not newer: a commit of the same attempt with no higher ``seq``, or any commit once the store is closed.
+
+        OSError where a spill file cannot be written (a full disk): the previous commit stays in force.
+        """
+        key = str(meta["key"])
+        seq = int(meta.get("seq", 0))
+        with self._lock:
+            old = self._commits.get(key)
+            if self._closed or (old is not None and old.meta.get("attempt") == attempt and old.meta.get("seq", 0) >= seq):
+                return False
+        meta = dict(meta, at=time.monotonic(), attempt=attempt)
+        spilled = None
+        if len(blob) > self.memory_bytes:
+            spilled = self._spill(key, seq, blob)
+            blob = None
+        with self._lock:
+            current = self._commits.get(key)
+            if self._closed or current is not old:  # closed, or a newer one was kept meanwhile
+                keep = False
+            else:
+                self._commits[key] = Commit(meta=meta, blob=blob, spilled=spilled)
+                self.count += 1
+                keep = True
+        if not keep:
+            _remove_file(spilled)
+            return False
+        if old is not None:
+            _remove_file(old.spilled)
+            if old.meta.get("path") and old.meta.get("path") != meta.get("path"):
+                _remove_path(old.meta["path"])
+        return True
+
+    def attempt_of(self, key: str) -> int | None:
+        """The attempt whose commit of ``key`` is kept; None when there is none."""
+        with self._lock:
+            commit = self._commits.get(key)
+            return None if commit is None else commit.meta.get("attempt", 0)
+
+    def get(self, key: str) -> Commit | None:
+        with self._lock:
+            return self._commits.get(key)
+
+    def newest(self) -> Commit | None:
+        """The commit received last, of any state (what a restart resumes from, for its message)."""
+        with self._lock:
+            return max(self._commits.values(), key=lambda c: c.meta.get("at", 0), default=None)
+
+    def close(self) -> None:
+        """Remove every commit: the spilled files and the run's folder in ``commit_dir``."""
+        with self._lock:
+            commits, self._commits = list(self._commits.values()), {}
+            self._closed = True
+        for commit in commits:
+            _remove_file(commit.spilled)
+        if self._spill_dir is not None:
+            shutil.rmtree(self._spill_dir, ignore_errors=True)
+        if self.commit_dir:
+            try:
+                fs, root = _filesystem(self.commit_dir)
+                fs.delete_dir(f"{root.rstrip('/')}/{self.run_id}")
+            except FileNotFoundError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - a store the driver cannot reach: say so, keep going
+                log.warning("sparkhvd: could not remove run %s's commits from %s: %s", self.run_id,
+                            self.commit_dir, exc)
+
+    def _spill(self, key: str, seq: int, blob: bytes) -> str:
+        if self._spill_dir is None:
+            self._spill_dir = tempfile.mkdtemp(prefix=f"sparkhvd-{self.run_id}-commits-")
+        path = os.path.join(self._spill_dir, f"{_safe(key)}-{seq}-{next(self._spills)}.pkl")
+        with open(path, "wb") as f:
+            f.write(blob)
+        return path
+
+
+def _remove_file(path: str | None) -> None:
+    if path:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+def _remove_path(url: str) -> None:
+    try:
+        fs, path = _filesystem(url)
+        fs.delete_file(path)
+    except Exception:  # noqa: BLE001 - an older commit left behind is removed with the run's folder
+        pass
+
+
+
+
+def check_commit_dir(url: str) -> None:
+    """Fail on the driver, before launching, when ``commit_dir`` is not a filesystem pyarrow can open."""
+    try:
+        _filesystem(url)
+    except Exception as exc:  # noqa: BLE001 - pyarrow's own words name the problem
+        raise ValueError(f"commit_dir={url!r} is not a filesystem pyarrow can open ({exc}); pass a local path "
+                         "every host can reach or a URL such as hdfs://namenode/path or s3://bucket/path.") from None

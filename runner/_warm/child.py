@@ -1,0 +1,171 @@
+"""The forked rank's first steps: become what ``python <argv>`` would be, run it, exit as Python would.
+
+The warm process (``runner/_warm/server.py``) forks; the child calls ``become_rank``, which takes the
+agent's pipes as its stdin, stdout and stderr, the rank's working directory and whole environment, its
+own session (before the zygote tells the agent its pid), the command line ``ps`` shows, the rank's CPU
+thread counts and a fresh random seed, and never returns.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import io
+import os
+import runpy
+import signal
+import sys
+import threading
+import traceback
+
+from ..._common import settings
+from .._rank import worker as _worker  # the rank's bootstrap, imported once in the warm process
+from .protocol import WORKER_ARGV
+
+_BLAS_SET_THREADS = ("openblas_set_num_threads", "openblas_set_num_threads64_",
+                     "scipy_openblas_set_num_threads", "scipy_openblas_set_num_threads64_")
+_PR_SET_PDEATHSIG = 1
+
+
+def become_rank(zygote: int, fds: list, env: dict, cwd: str, argv: list, start_dir: str | None,
+                ready: int | None = None) -> None:
+    """In the forked rank (``zygote``: its parent's pid; ``start_dir``: the warm process's working directory
+    when it started; ``ready``: a pipe's write end, closed once this process leads its own session and process
+    group, which the zygote waits for before it tells the agent the pid): become ``python <argv>`` with these
+    pipes, directory and environment; never returns."""
+    code = 70
+    try:
+        os.setsid()
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the zygote
+        if os.getppid() != zygote:
+            os._exit(75)
+        if ready is not None:
+            os.close(ready)  # killing the group (pid) now reaches this process: the zygote may reply
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)  # dup2 makes 0, 1, 2 inheritable
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        os.chdir(cwd)
+        if start_dir is not None and sys.path and sys.path[0] == start_dir and not sys.flags.safe_path:
+            sys.path[0] = cwd  # as python -m in the rank's own working directory puts it
+        os.environ.clear()
+        os.environ.update(env)
+        if "tempfile" in sys.modules:  # found again from the rank's own TMPDIR, as in a fresh process
+            sys.modules["tempfile"].tempdir = None
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _stdio()
+        _set_cmdline(argv)
+        _apply_threads(env)
+        if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator from the OS
+            sys.modules["numpy"].random.seed()
+    except BaseException:  # noqa: BLE001
+        os._exit(code)
+    code = _run(argv)
+    _exit(code)
+
+
+def _stdio() -> None:
+    """sys.stdin/stdout/stderr as Python builds them for a fresh process with PYTHONUNBUFFERED=1."""
+    encoding = sys.stdout.encoding if sys.stdout is not None else "utf-8"
+    errors = sys.stdout.errors if sys.stdout is not None else "strict"
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "rb", closefd=False)),
+                                                 encoding=encoding, errors=errors, newline="\n")
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "wb", closefd=False), encoding=encoding,
+                                                   errors=errors, newline="\n", write_through=True)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "wb", closefd=False), encoding=encoding,
+                                                   errors="backslashreplace", newline="\n", write_through=True)
+
+
+def _set_cmdline(argv: list) -> None:
+    """Show ``python -m sparkhvd.runner._rank.worker`` in ps (and to tools that find ranks by it) instead of
+    the zygote's command line: rewrite the process's argument area in place (as setproctitle does;
+    Python keeps its own copy of argv). Left alone if the new line does not fit."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (stat fields 48, 49)
+    except (OSError, IndexError, ValueError):
+        return
+    shown = argv if argv[0] == "-m" else argv[:1]
+    line = b"\0".join(a.encode("utf-8", "surrogateescape") for a in [sys.executable, *shown]) + b"\0"
+    if start <= 0 or len(line) > end - start:
+        return
+    ctypes.memmove(start, line.ljust(end - start, b"\0"), end - start)
+
+
+def _apply_threads(env: dict) -> None:
+    """What the rank's environment would have set when torch's OpenMP and numpy's OpenBLAS loaded."""
+    omp = settings.OMP_NUM_THREADS.get(env) or ""
+    torch = sys.modules.get("torch")
+    if torch is not None and omp.isdigit() and int(omp) > 0:
+        torch.set_num_threads(int(omp))
+    wanted = settings.OPENBLAS_NUM_THREADS.get(env) or settings.GOTO_NUM_THREADS.get(env) or omp
+    if not (wanted.isdigit() and int(wanted) > 0):
+        wanted = str(len(os.sched_getaffinity(0)))
+    if int(wanted) == 1:
+        return
+    try:
+        with open("/proc/self/maps") as maps:
+            libs = {line.split()[-1] for line in maps if "openblas" in line and ".so" in line}
+    except OSError:
+        return
+    for lib in libs:
+        try:
+            handle = ctypes.CDLL(lib)
+        except OSError:
+            continue
+        for name in _BLAS_SET_THREADS:
+            fn = getattr(handle, name, None)
+            if fn is not None:
+                fn(ctypes.c_int(int(wanted)))
+                break
+
+
+def _run(argv: list) -> int:
+    """Run ``-m module`` or ``-c code`` as ``__main__`` would; returns the exit code."""
+    try:
+        if tuple(argv[:2]) == WORKER_ARGV:
+            sys.argv = [_worker.__file__, *argv[2:]]
+            return _worker.run()
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = ["-c", *argv[2:]]
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        return 0
+    except SystemExit as exc:
+        return _exit_code(exc.code)
+    except BaseException:  # noqa: BLE001 - printed as the interpreter would
+        traceback.print_exc()
+        return 1
+
+
+def _exit_code(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    sys.stderr.write(f"{code}\n")
+    return 1
+
+
+def _exit(code: int) -> None:
+    """End as interpreter exit would: join non-daemon threads, run atexit handlers, flush."""
+    try:
+        threading._shutdown()  # what Py_FinalizeEx calls
+    except BaseException:  # noqa: BLE001
+        pass
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001
+            pass
+    os._exit(code)
