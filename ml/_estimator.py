@@ -182,6 +182,7 @@ class HorovodEstimator(Estimator, EstimatorParams, Persisted):
 
     def _fit_data(self, data: DataSpec, run: RunDir, output_shapes, who: str):
         from ..runner import HorovodRunner
+        from ..runner._runner_config import RunnerConfig
 
         newest = run.newest()
         start_epoch = newest[0] if newest else 0
@@ -200,8 +201,8 @@ class HorovodEstimator(Estimator, EstimatorParams, Persisted):
             use_gpu=self.getUseGpu(), backward_passes_per_step=self.getBackwardPassesPerStep(),
             batches_per_commit=self.getBatchesPerCommit() if restarts else 0, output_shapes=tuple(output_shapes))
         self._write_initial(run)
-        runner = HorovodRunner(np=self._num_proc(), max_restarts=restarts)
-        self._configure(runner)
+        runner = HorovodRunner._from_config(RunnerConfig(np=self._num_proc(), max_restarts=restarts,
+                                                         **self._runner_options()))
         history = runner.run(self._train_function(), spec=spec, framework=self._framework_objects(spec))
         model = self._fitted(run, spec, history)
         _log_to_mlflow(model)
@@ -224,8 +225,9 @@ class HorovodEstimator(Estimator, EstimatorParams, Persisted):
         """Small objects the ranks need (losses, metrics, callbacks), pickled into the launch."""
         return {}
 
-    def _configure(self, runner) -> None:
-        """Adjust the runner's layout for the framework."""
+    def _runner_options(self) -> dict:
+        """The framework's keyword-only RunnerConfig fields (its layout)."""
+        return {}
 
     def _train_function(self):
         raise NotImplementedError

@@ -70,8 +70,8 @@ class LightningEstimator(HorovodEstimator):
                 "transformation_fn": self.getTransformationFn(),
                 "input_shapes": input_shapes_of(spec.data.features, self.getInputShapes())}
 
-    def _configure(self, runner) -> None:
-        runner.config._layout = NODE_PER_TASK  # Trainer(devices=1, num_nodes=num_proc) on any placement
+    def _runner_options(self) -> dict:
+        return {"layout": NODE_PER_TASK}  # Trainer(devices=1, num_nodes=num_proc) on any placement
 
     def _train_function(self):
         return train

@@ -8,23 +8,21 @@ a launcher); the run's policy (``_policy/policy.py``) decides what happens after
 from __future__ import annotations
 
 import secrets
-import socket
 import time
-import warnings
 
 import cloudpickle
 
 from .._common import settings
 from .._common.protocol import new_secret
 from ._agent.agent import TaskSpec
-from ._backends import connect as _spark_connect
-from ._backends import spark as _spark
-from ._backends.launcher import LocalLauncher
+from ._backends.api import Backend
+from ._backends.select import backend_for
 from ._payload.function import pickle_function, size
 from ._payload.mlflow import shared_run
 from ._payload.script import as_payload
 from ._policy.policy import RunPolicy
 from ._policy.result import RestartEvent, RunResult
+from ._rank.log import log_to_driver  # noqa: F401 - its path before it moved to the rank's room
 from ._runner_config import RunnerConfig
 from ._service.commit_store import CommitStore
 from ._service.logs import LogRouter, end_run_logs, run_log_dir
@@ -70,6 +68,14 @@ class HorovodRunner:
                                    min_np=min_np, max_np=max_np, commit_dir=commit_dir)
         self.last_result: RunResult | None = None
 
+    @classmethod
+    def _from_config(cls, config: RunnerConfig) -> HorovodRunner:
+        """A runner for ``config``, with the keyword-only fields the drop-ins and estimators set (checked when the
+        config was made)."""
+        runner = cls.__new__(cls)
+        runner.config, runner.last_result = config, None
+        return runner
+
     @property
     def np(self) -> int:
         return self.config.np
@@ -104,24 +110,14 @@ class HorovodRunner:
         np = abs(cfg.np)
         started = time.monotonic()
         payload = pickle_function(main, kwargs)
-        sc = remote = None
-        bind_host = "127.0.0.1"
-        if cfg.np > 0:
-            remote = _spark_connect.remote_session()  # the user's Spark Connect session: never an embedded one then
-            if remote is not None:
-                bind_host = _spark_connect.check(remote, np)  # what the server's conf says, and where executors reach us
-            else:
-                sc = _spark.spark_context(np)
-                _spark.preflight(sc, np, verbose=cfg.driver_log_verbosity == "all", gpus=cfg._use_gpu)  # slots, GPUs, executors' Python
-                bind_host = _driver_bind_host(sc)
         run_id = secrets.token_hex(4)
-        if sc is not None and cfg._warn_unencrypted:
-            _spark.warn_unencrypted(sc, run_id)
+        backend = backend_for(cfg)
+        bind_host = backend.prepare(np, run_id=run_id, verbose=cfg.driver_log_verbosity == "all", gpus=cfg.use_gpu)
         log_dir = run_log_dir(run_id, cfg.log_dir)  # cfg.log_dir, or a new folder under the log root (_service/logs.py)
         logs = LogRouter(log_dir, cfg.driver_log_verbosity)
         commits = CommitStore(commit_dir=cfg.commit_dir, run_id=run_id)
-        cluster = _Cluster(sc, cfg, run_id=run_id, payload=payload, logs=logs, commits=commits,
-                           every_value=every_value, env=env, remote=remote, bind_host=bind_host)
+        cluster = _Cluster(backend, cfg, run_id=run_id, payload=payload, logs=logs, commits=commits,
+                           every_value=every_value, env=env, bind_host=bind_host)
         policy = RunPolicy(cluster, logs, np=np, start_timeout=cfg.start_timeout, run_id=run_id,
                            max_restarts=cfg.max_restarts, min_np=cfg.min_np, max_np=cfg.max_np)
         try:
@@ -136,30 +132,23 @@ class HorovodRunner:
 
 
 class _Cluster:
-    """Where this run's ranks run (the policy's ``Cluster``): a Spark barrier stage per attempt on ``sc``, or on
-    ``remote`` (a Spark Connect session: no task slot count, no executor replacement), or processes on the driver
-    where both are None. ``bind_host``: where the driver service listens, an address the ranks reach."""
+    """Where this run's ranks run (the policy's ``Cluster``): each attempt is a driver service and a launcher of
+    ``backend`` (runner/_backends/). ``bind_host``: where the driver service listens, an address the ranks reach."""
 
-    def __init__(self, sc, cfg: RunnerConfig, *, run_id: str, payload: bytes, logs: LogRouter, commits: CommitStore,
-                 every_value: bool, env: dict | None, remote=None, bind_host: str = "127.0.0.1"):
-        self.sc, self.remote, self.cfg, self.run_id, self.payload = sc, remote, cfg, run_id, payload
+    def __init__(self, backend: Backend, cfg: RunnerConfig, *, run_id: str, payload: bytes, logs: LogRouter,
+                 commits: CommitStore, every_value: bool, env: dict | None, bind_host: str = "127.0.0.1"):
+        self.backend, self.cfg, self.run_id, self.payload = backend, cfg, run_id, payload
         self.logs, self.commits, self.every_value = logs, commits, every_value
-        hidden = {} if cfg._use_gpu else {settings.CUDA_VISIBLE_DEVICES.name: ""}  # as TorchDistributor(use_gpu=False)
+        hidden = {} if cfg.use_gpu else {settings.CUDA_VISIBLE_DEVICES.name: ""}  # as TorchDistributor(use_gpu=False)
         self.env = tuple({**_forwarded_settings(), **hidden, **(env or {})}.items())
         self.verbose = cfg.driver_log_verbosity == "all"
         self.secret = new_secret()  # one per run: every attempt's service and ranks share it
         self.bind_host = bind_host
-        self.replaced: set[str] = set()  # executors this run asked Spark to replace: never a later attempt's cause
 
     def start(self, n: int, attempt: int, on_restore):
         """A driver service for ``n`` ranks, and a launcher that has started them."""
         cfg = self.cfg
-        if self.remote is not None:
-            launcher = _spark_connect.ConnectLauncher(self.remote, n)
-        elif self.sc is not None:
-            launcher = _spark.SparkLauncher(self.sc, n, replaced=self.replaced, gpus=cfg._use_gpu)
-        else:
-            launcher = LocalLauncher(n)
+        launcher = self.backend.launcher(n, gpus=cfg.use_gpu)
         if not attempt and self.verbose:
             print(f"[sparkhvd] run {self.run_id}: np={cfg.np} on {launcher.description}; function pickled to "
                   f"{size(len(self.payload))}; logs in {self.logs.log_dir}", flush=True)
@@ -168,9 +157,9 @@ class _Cluster:
                                 on_restore=on_restore)
         try:
             launcher.start(TaskSpec(address=service.address, secret=self.secret, run_id=self.run_id,
-                                    stall_tasks=cfg._stall_tasks, network_interface=cfg.network_interface,
+                                    stall_tasks=cfg.stall_tasks, network_interface=cfg.network_interface,
                                     every_value=self.every_value, attempt=attempt, commit_dir=cfg.commit_dir,
-                                    layout=cfg._layout, max_restarts=cfg.max_restarts, use_gpu=cfg._use_gpu,
+                                    layout=cfg.layout, max_restarts=cfg.max_restarts, use_gpu=cfg.use_gpu,
                                     env=self.env))
         except BaseException:
             launcher.stop()  # whatever it started before the exception (Ctrl-C in the middle of the launch)
@@ -179,41 +168,13 @@ class _Cluster:
         return service, launcher
 
     def free_slots(self) -> int:
-        return 0 if self.sc is None else _free_slots(self.sc)
+        return self.backend.free_slots()
 
     def slots_for_restart(self, want: int, least: int | None, timeout: float) -> int:
-        if self.sc is None:
-            return want
-        return _spark.slots_for_restart(self.sc, want, least, timeout, verbose=self.verbose)
+        return self.backend.slots_for_restart(want, least, timeout)
 
-    def replace_executors(self, hosts: frozenset) -> None:
-        if self.sc is not None:
-            self.replaced.update(_replace_executors(self.sc, set(hosts), self.run_id))
-
-
-def _free_slots(sc) -> int:
-    """Task slots no running task of this application holds (Spark's slot count includes busy ones)."""
-    tracker = sc.statusTracker()
-    running = 0
-    for stage in tracker.getActiveStageIds():
-        info = tracker.getStageInfo(stage)
-        running += info.numActiveTasks if info is not None else 0
-    return _spark.task_slots(sc) - running
-
-
-def _replace_executors(sc, hosts: set, run_id: str) -> list:
-    """Ask Spark to replace the executors on ``hosts``; returns their ids (none where Spark cannot be asked)."""
-    try:
-        ids = _spark.replace_executors(sc, hosts)
-    except Exception as exc:  # noqa: BLE001 - a Spark without this API: Spark notices the lost host itself, later
-        warnings.warn(f"sparkhvd run {run_id}: could not ask Spark to replace the executors on {sorted(hosts)}, whose "
-                      f"ranks went silent ({type(exc).__name__}: {exc}); the restart waits until Spark gives up on "
-                      "them (spark.network.timeout).", RuntimeWarning, stacklevel=3)
-        return []
-    if ids:
-        print(f"[sparkhvd] run {run_id}: asked Spark to replace executor{'s' if len(ids) > 1 else ''} "
-              f"{', '.join(ids)} on {', '.join(sorted(hosts))}, whose ranks went silent.", flush=True)
-    return ids
+    def replace_hosts(self, hosts: frozenset) -> None:
+        self.backend.replace_hosts(hosts)
 
 
 def _result(status: RunStatus, logs: LogRouter, run_id: str, payload: bytes, started: float, every_value: bool,
@@ -234,10 +195,3 @@ def _forwarded_settings() -> dict:
     environment): ``SPARKHVD_HOROVOD_ALIASES`` (runner/_rank/aliases.py)."""
     raw = settings.HOROVOD_ALIASES.raw()
     return {} if raw is None else {settings.HOROVOD_ALIASES.name: raw}
-
-
-def _driver_bind_host(sc) -> str:
-    """Loopback for local masters; otherwise the address executors use to reach the driver."""
-    if sc.master.startswith("local"):
-        return "127.0.0.1"
-    return sc.getConf().get("spark.driver.host") or socket.gethostbyname(socket.gethostname())

@@ -13,7 +13,13 @@ from ._shared.framework_env import LAYOUTS
 
 @dataclass
 class RunnerConfig:
-    """HorovodRunner's settings, validated on creation."""
+    """HorovodRunner's settings, validated on creation.
+
+    The keyword-only fields are what the drop-ins and the estimators set (never HorovodRunner's own arguments):
+    ``layout``, the torchrun variables' layout (runner/_shared/framework_env.py); ``use_gpu`` False, tasks ask for no
+    GPU and ranks see none; ``warn_unencrypted`` False, the caller checked Spark's encryption itself;
+    ``stall_tasks``, tasks whose agents never register (fault tests only). ``HorovodRunner._from_config`` runs one.
+    """
 
     np: int
     driver_log_verbosity: str = "all"
@@ -24,10 +30,10 @@ class RunnerConfig:
     min_np: int | None = None
     max_np: int | None = None
     commit_dir: str | None = None
-    _stall_tasks: frozenset = field(default=frozenset(), repr=False)  # fault tests only
-    _layout: str = field(default="torchrun", repr=False)  # torchrun's variables (runner/_shared/framework_env.py): the drop-ins'
-    _use_gpu: bool = field(default=True, repr=False)  # False: tasks ask for no GPU and ranks see none (the drop-ins')
-    _warn_unencrypted: bool = field(default=True, repr=False)  # False: a drop-in checked Spark's encryption itself
+    layout: str = field(default="torchrun", kw_only=True)
+    use_gpu: bool = field(default=True, kw_only=True)
+    warn_unencrypted: bool = field(default=True, kw_only=True)
+    stall_tasks: frozenset = field(default=frozenset(), kw_only=True, repr=False)
 
     def __post_init__(self):
         self._check_np()
@@ -42,8 +48,18 @@ class RunnerConfig:
         self._check_elastic()
         if self.commit_dir is not None:
             check_commit_dir(self.commit_dir)
-        if self._layout not in LAYOUTS:
-            raise ValueError(f"_layout={self._layout!r} is not one of {', '.join(map(repr, LAYOUTS))}.")
+        self._check_drop_in_fields()
+
+    def _check_drop_in_fields(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r} is not one of {', '.join(map(repr, LAYOUTS))}.")
+        for name in ("use_gpu", "warn_unencrypted"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
+        tasks = self.stall_tasks
+        if not isinstance(tasks, frozenset) or not all(_whole(t) and 0 <= t < abs(self.np) for t in tasks):
+            raise ValueError(f"stall_tasks={tasks!r} must be a frozenset of task indices from 0 to {abs(self.np) - 1} "
+                             f"(np={self.np}): the tasks whose agents never register.")
 
     def _check_np(self) -> None:
         if isinstance(self.np, bool) or not isinstance(self.np, numbers.Integral):

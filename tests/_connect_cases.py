@@ -152,6 +152,15 @@ def case_np3(spark, folder):
     return {"error": None}
 
 
+def case_backend_contract(spark, folder):
+    from _backend_contract import check_backend
+
+    from sparkhvd.runner._backends import select
+    from sparkhvd.runner._runner_config import RunnerConfig
+
+    return check_backend(select.backend_for(RunnerConfig(np=2)), 2)
+
+
 def main(url: str, folder: str) -> None:
     from pyspark.sql import SparkSession
 

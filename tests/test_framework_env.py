@@ -137,5 +137,5 @@ def test_node_per_task_on_a_host_spark_gave_no_gpu_addresses_pins_the_ith_rank_t
 def test_the_runner_refuses_an_unknown_layout():
     from sparkhvd.runner._runner_config import RunnerConfig
 
-    with pytest.raises(ValueError, match=r"^_layout='mpi' is not one of 'torchrun', 'node_per_task'\.$"):
-        RunnerConfig(np=2, _layout="mpi")
+    with pytest.raises(ValueError, match=r"^layout='mpi' is not one of 'torchrun', 'node_per_task'\.$"):
+        RunnerConfig(np=2, layout="mpi")

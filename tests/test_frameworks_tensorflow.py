@@ -327,7 +327,7 @@ def test_local_mode_on_gpus_picks_num_slots_of_the_drivers_gpus_through_its_cuda
     assert MirroredStrategyRunner(num_slots=2, local_mode=True, use_custom_strategy=True).run(_devices) == \
         "the chief's value"
     (runner,) = fake_runner
-    assert runner.config.np == -1 and runner.config._use_gpu
+    assert runner.config.np == -1 and runner.config.use_gpu
     chosen = runner.main().split(",")  # on the rank
     assert len(set(chosen)) == 2 and set(chosen) <= {"10", "11", "12"}
 
@@ -359,7 +359,7 @@ def test_each_worker_is_a_task_with_its_own_gpu_and_the_wrapper_travels_to_the_r
     conf["spark.task.resource.gpu.amount"] = "1"
     assert MirroredStrategyRunner(num_slots=3, use_gpu=use_gpu).run(_add, x=1, y=2) == "the chief's value"
     (runner,) = fake_runner
-    assert (runner.config.np, runner.config._layout, runner.config._use_gpu) == (3, "node_per_task", use_gpu)
+    assert (runner.config.np, runner.config.layout, runner.config.use_gpu) == (3, "node_per_task", use_gpu)
     assert runner.kwargs == {"x": 1, "y": 2}
     # HorovodRunner ships the user's module (this one) by value, found through the function's __module__
     assert (runner.main.__module__, runner.main.__name__, runner.main.__wrapped__) == (__name__, "_add", _add)

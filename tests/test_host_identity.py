@@ -45,7 +45,7 @@ def test_host_identity_is_more_than_the_hostname():
 def test_a_failure_with_only_collateral_errors_names_the_silent_ranks(tmp_path):
     """What the driver says when ranks vanish without a word (an executor or host lost)."""
     from sparkhvd._common.topology import assign_ranks
-    from sparkhvd.runner._backends.launcher import LocalLauncher
+    from sparkhvd.runner._backends.local import LocalLauncher
     from sparkhvd.runner._policy.failure_report import explained
     from sparkhvd.runner._policy.failure_report import failure_error as _failure_error
     from sparkhvd.runner._service.logs import LogRouter

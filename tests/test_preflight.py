@@ -22,6 +22,7 @@ from sparkhvd.runner import StartTimeoutError
 from sparkhvd.runner._backends import preflight as _preflight
 from sparkhvd.runner._backends.spark import gpu_problem, slots_for_restart
 from sparkhvd.runner._backends.spark_info import executor_resources
+from sparkhvd.runner._runner_config import RunnerConfig
 from sparkhvd.runner._shared import waits as _waits
 
 
@@ -195,8 +196,7 @@ def test_np_above_the_gpu_slots_names_each_executor():
 @pytest.mark.timeout(120)
 def test_a_rank_that_does_not_register_is_said_once_with_the_numbers(spark, capsys, monkeypatch):
     monkeypatch.setattr(_waits, "WAIT_NOTE_S", 0.5)
-    runner = HorovodRunner(np=2, start_timeout=5)
-    runner.config._stall_tasks = frozenset({0})  # task 0 never registers
+    runner = HorovodRunner._from_config(RunnerConfig(np=2, start_timeout=5, stall_tasks=frozenset({0})))  # task 0 never registers
     with pytest.raises(StartTimeoutError):
         runner.run(_rank)
     said = [line for line in capsys.readouterr().out.splitlines() if "ranks registered after" in line]
@@ -209,8 +209,8 @@ def test_a_rank_that_does_not_register_is_said_once_with_the_numbers(spark, caps
 @pytest.mark.timeout(120)
 def test_nothing_is_said_while_waiting_with_log_callback_only(spark, capsys, monkeypatch):
     monkeypatch.setattr(_waits, "WAIT_NOTE_S", 0.5)
-    runner = HorovodRunner(np=2, start_timeout=3, driver_log_verbosity="log_callback_only")
-    runner.config._stall_tasks = frozenset({0})
+    runner = HorovodRunner._from_config(RunnerConfig(np=2, start_timeout=3, driver_log_verbosity="log_callback_only",
+                                                     stall_tasks=frozenset({0})))
     with pytest.raises(StartTimeoutError):
         runner.run(_rank)
     assert "[sparkhvd]" not in capsys.readouterr().out

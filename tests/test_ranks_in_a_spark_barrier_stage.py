@@ -9,6 +9,7 @@ import pytest
 
 from sparkhvd import HorovodRunError, HorovodRunner
 from sparkhvd.runner import StartTimeoutError
+from sparkhvd.runner._runner_config import RunnerConfig
 
 OFFSET = 100  # a module global the training function closes over
 
@@ -74,8 +75,7 @@ def test_failure_while_peer_blocks_in_allreduce_then_the_context_is_reusable(spa
 
 @pytest.mark.timeout(120)
 def test_a_task_that_never_registers_fails_at_start_timeout(spark):
-    runner = HorovodRunner(np=2, start_timeout=2)
-    runner.config._stall_tasks = frozenset({0})
+    runner = HorovodRunner._from_config(RunnerConfig(np=2, start_timeout=2, stall_tasks=frozenset({0})))
     with pytest.raises(StartTimeoutError, match=r"1 of 2 ranks \(task 0\) did not register with the driver on "
                                                 r"a Spark barrier stage on local\[2\] within 2 s; raise start_timeout"):
         runner.run(_whoami)

@@ -15,6 +15,7 @@ import pytest
 
 from sparkhvd import HorovodRunError, HorovodRunner, log_to_driver
 from sparkhvd.runner import StartTimeoutError
+from sparkhvd.runner._runner_config import RunnerConfig
 
 SCALE = 10  # a module global the training functions close over
 
@@ -162,8 +163,7 @@ def test_rank_failing_while_peer_blocks_in_allreduce_does_not_hang(rank_processe
 
 
 def test_a_rank_that_never_registers_fails_at_start_timeout(rank_processes):
-    runner = HorovodRunner(np=-2, start_timeout=1.5)
-    runner.config._stall_tasks = frozenset({1})
+    runner = HorovodRunner._from_config(RunnerConfig(np=-2, start_timeout=1.5, stall_tasks=frozenset({1})))
     with pytest.raises(StartTimeoutError, match=r"1 of 2 ranks \(task 1\) did not register with the driver "
                                                 r"on 2 processes on the driver within 1.5 s; raise start_timeout"):
         runner.run(_whoami)

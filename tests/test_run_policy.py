@@ -12,6 +12,7 @@ from types import MappingProxyType
 import pytest
 
 from sparkhvd._common.topology import assign_ranks
+from sparkhvd.runner._backends.api import Launcher
 from sparkhvd.runner._policy import supervise as _supervise
 from sparkhvd.runner._policy.policy import RunPolicy, RunState
 from sparkhvd.runner._service.logs import LogRouter
@@ -85,9 +86,12 @@ class FakeService:
         self.closed += 1
 
 
-class FakeLauncher:
+class FakeLauncher(Launcher):
     """A launcher whose launch fails at ``failure_at`` (with ``failure``), and whose Spark lost an executor at
     ``lost_at`` (``lost``)."""
+
+    def start(self, spec) -> None:
+        pass  # FakeCluster.start hands the policy a launched attempt
 
     def __init__(self, n: int, clock: Clock, *, failure=None, failure_at=0.0, lost=None, lost_at=0.0, fatal=False,
                  joins=True):
@@ -167,7 +171,7 @@ class FakeCluster:
             raise self.restart_slots
         return want if self.restart_slots is None else self.restart_slots
 
-    def replace_executors(self, hosts) -> None:
+    def replace_hosts(self, hosts) -> None:
         self.replaced.append(set(hosts))
 
 

@@ -85,6 +85,12 @@ def test_more_ranks_than_the_servers_master_allows_fail_in_seconds_with_the_fix(
         "use np<=2, add executors or cores, or use np=-3 to run on the driver.")
 
 
+def test_the_connect_backend_keeps_the_backend_contract(connect):
+    got = result(connect, "backend_contract")  # tests/_backend_contract.py, on the real server
+    assert got == {"name": "connect", "bind_host": "127.0.0.1", "free": 0,
+                   "description": f"a Spark barrier stage through Spark Connect ({connect[0]}, local[2])"}
+
+
 def test_sparkhvd_run_remote_runs_a_script_on_the_connect_server(connect, tmp_path):
     url = connect[0]
     (tmp_path / "train.py").write_text("import sys\nimport sparkhvd.collective.torch as hvd\nhvd.init()\n"

@@ -21,7 +21,8 @@ import socket
 
 from ..._common import settings
 from .._agent.agent import TaskSpec, run_task
-from .launcher import JobLauncher
+from .api import Backend, Launcher
+from .job import JobLauncher
 from .spark_info import spark_reason
 
 
@@ -234,3 +235,34 @@ def _arrow_task(spec: TaskSpec, batches):
     row = run_task(spec, ctx.partitionId(), gpus=list(gpu.addresses) if gpu is not None else [],
                    spark_task=(ctx.stageId(), ctx.taskAttemptId()))
     yield pa.RecordBatch.from_pydict({"task": [json.dumps(row, default=str).encode()]})
+
+
+class ConnectBackend(Backend):
+    """A barrier stage per attempt through the user's Spark Connect session ``spark``: no SparkContext and no JVM
+    here, so no task slot count (the run never grows), no executor replacement, and a restart asks for ``want``."""
+
+    name = "connect"
+
+    def __init__(self, spark):
+        self.spark = spark
+
+    def prepare(self, np: int, *, run_id: str, verbose: bool, gpus: bool) -> str:
+        return check(self.spark, np)  # what the server's conf says, and where executors reach us
+
+    def launcher(self, n: int, *, gpus: bool) -> Launcher:
+        return ConnectLauncher(self.spark, n)
+
+    def free_slots(self) -> int:
+        return 0  # no slot count under Connect: the run does not grow
+
+    def slots_for_restart(self, want: int, least: int | None, timeout: float) -> int:
+        return want  # the barrier stage itself waits for its slots
+
+    def replace_hosts(self, hosts: frozenset) -> None:
+        pass  # no executor API under Connect: Spark notices a lost host itself
+
+
+def backend_for(config) -> ConnectBackend | None:
+    """For ``np > 0`` where the user has an active Spark Connect session: never an embedded session then."""
+    remote = remote_session()
+    return None if remote is None else ConnectBackend(remote)

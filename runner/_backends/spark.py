@@ -1,4 +1,4 @@
-"""The Spark launcher: one barrier-mode task per rank, on the active session or an embedded one.
+"""The Spark backend: one barrier-mode task per rank, on the active session or an embedded one.
 
 pyspark is imported inside the functions that use it, so that ``import sparkhvd`` and runs on the
 driver (np<0) never import it.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import socket
 import sys
 import time
 import warnings
@@ -17,8 +18,9 @@ from ..._common import settings
 from .._agent.agent import TaskSpec, run_task
 from .._shared.error_text import SPARK_STOPPED, read_text, says
 from .._shared.waits import WaitNote
+from .api import Backend, Launcher
 from .java import check_java
-from .launcher import JobLauncher
+from .job import JobLauncher
 from .preflight import check_executors
 from .spark_info import executor_resources, spark_reason
 
@@ -104,14 +106,14 @@ def refuse_unencrypted(conf_get, override: str, senders: str, carrier: str) -> N
                        f"anyway, set {override}=true in the Spark configuration.")
 
 
-def warn_unencrypted(sc, run_id: str) -> None:
+def warn_unencrypted(sc, run_id: str, *, stacklevel: int = 4) -> None:
     """Where Spark encrypts its own traffic, say once that the ranks' is not (HorovodRunner goes on, as Horovod
     does; the TorchDistributor drop-in refuses, as pyspark's does)."""
     on = encrypted_by(sc.getConf().get)
     if on:
         warnings.warn(f"sparkhvd run {run_id}: this cluster encrypts Spark's traffic ({' and '.join(on)}), but the "
                       "ranks' gloo and NCCL traffic (tensors, gradients, parameters) is not encrypted; run where the "
-                      "network between executors is trusted (docs/security.md).", RuntimeWarning, stacklevel=4)
+                      "network between executors is trusted (docs/security.md).", RuntimeWarning, stacklevel=stacklevel)
 
 
 def preflight(sc, np: int, *, verbose: bool = True, gpus: bool = True) -> None:
@@ -417,3 +419,74 @@ class SparkStatus:
                     if task.taskId() in wanted:
                         found[(stage, task.taskId())] = task.executorId()
         return found
+
+
+class SparkBackend(Backend):
+    """A Spark barrier stage per attempt on the active SparkContext (or an embedded ``local[np]`` session, started
+    by ``prepare``). ``warn_unencrypted``: say once where Spark encrypts its own traffic and the ranks' is not
+    (False: a drop-in checked that itself)."""
+
+    name = "spark"
+
+    def __init__(self, *, warn_unencrypted: bool = True):
+        self.sc = None  # set by prepare
+        self.run_id, self.verbose = "", True
+        self.warn_unencrypted = warn_unencrypted
+        self.replaced: set[str] = set()  # executors this run asked Spark to replace: never a later attempt's cause
+
+    def prepare(self, np: int, *, run_id: str, verbose: bool, gpus: bool) -> str:
+        self.run_id, self.verbose = run_id, verbose
+        self.sc = spark_context(np)
+        preflight(self.sc, np, verbose=verbose, gpus=gpus)  # slots, GPUs, executors' Python
+        if self.warn_unencrypted:
+            warn_unencrypted(self.sc, run_id, stacklevel=5)  # the user's run() call
+        return driver_bind_host(self.sc)
+
+    def launcher(self, n: int, *, gpus: bool) -> Launcher:
+        return SparkLauncher(self.sc, n, replaced=self.replaced, gpus=gpus)
+
+    def free_slots(self) -> int:
+        return free_slots(self.sc)
+
+    def slots_for_restart(self, want: int, least: int | None, timeout: float) -> int:
+        return slots_for_restart(self.sc, want, least, timeout, verbose=self.verbose)
+
+    def replace_hosts(self, hosts: frozenset) -> None:
+        self.replaced.update(_replace_executors(self.sc, set(hosts), self.run_id))
+
+
+def backend_for(config) -> SparkBackend:
+    """For ``np > 0`` where no Spark Connect session is active (select.py asks it after connect's)."""
+    return SparkBackend(warn_unencrypted=config.warn_unencrypted)
+
+
+def free_slots(sc) -> int:
+    """Task slots no running task of this application holds (Spark's slot count includes busy ones)."""
+    tracker = sc.statusTracker()
+    running = 0
+    for stage in tracker.getActiveStageIds():
+        info = tracker.getStageInfo(stage)
+        running += info.numActiveTasks if info is not None else 0
+    return task_slots(sc) - running
+
+
+def _replace_executors(sc, hosts: set, run_id: str) -> list:
+    """Ask Spark to replace the executors on ``hosts``; returns their ids (none where Spark cannot be asked)."""
+    try:
+        ids = replace_executors(sc, hosts)
+    except Exception as exc:  # noqa: BLE001 - a Spark without this API: Spark notices the lost host itself, later
+        warnings.warn(f"sparkhvd run {run_id}: could not ask Spark to replace the executors on {sorted(hosts)}, whose "
+                      f"ranks went silent ({type(exc).__name__}: {exc}); the restart waits until Spark gives up on "
+                      "them (spark.network.timeout).", RuntimeWarning, stacklevel=3)
+        return []
+    if ids:
+        print(f"[sparkhvd] run {run_id}: asked Spark to replace executor{'s' if len(ids) > 1 else ''} "
+              f"{', '.join(ids)} on {', '.join(sorted(hosts))}, whose ranks went silent.", flush=True)
+    return ids
+
+
+def driver_bind_host(sc) -> str:
+    """Loopback for local masters; otherwise the address executors use to reach the driver."""
+    if sc.master.startswith("local"):
+        return "127.0.0.1"
+    return sc.getConf().get("spark.driver.host") or socket.gethostbyname(socket.gethostname())

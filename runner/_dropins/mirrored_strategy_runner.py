@@ -116,6 +116,7 @@ class MirroredStrategyRunner:
             raise TypeError(f"MirroredStrategyRunner.run needs a function to run, got {type(train_fn).__name__}; "
                             "pass the training function, e.g. run(train, epochs=3).")
         from .._horovod_runner import HorovodRunner  # here: a rank imports this module for _train alone
+        from .._runner_config import RunnerConfig
 
         if self._local_mode:
             if not self._use_gpu and self._num_slots > 1:
@@ -123,14 +124,15 @@ class MirroredStrategyRunner:
                                  "with use_gpu=False; pass num_slots=1, or local_mode=False to train on num_slots "
                                  "Spark tasks.")
             devices = self._local_gpus() if self._use_gpu else None
-            runner = HorovodRunner(-1)
+            config = RunnerConfig(-1, use_gpu=self._use_gpu, warn_unencrypted=True)
         else:
             self._check_encryption()
             devices = None
-            runner = HorovodRunner(self._num_tasks)
-            runner.config._layout = NODE_PER_TASK  # each rank sees its own GPU only: one replica per worker
-        runner.config._use_gpu = self._use_gpu  # False: tasks ask for no GPU and ranks see none
-        runner.config._warn_unencrypted = self._local_mode  # outside local mode _check_encryption said it, or refused
+            config = RunnerConfig(self._num_tasks,
+                                  layout=NODE_PER_TASK,  # each rank sees its own GPU only: one replica per worker
+                                  use_gpu=self._use_gpu,  # False: tasks ask for no GPU and ranks see none
+                                  warn_unencrypted=False)  # _check_encryption said it, or refused
+        runner = HorovodRunner._from_config(config)
         task = _Task(train_fn, self._use_custom_strategy, self._local_mode, devices)
 
         # Not partial(_train, task): HorovodRunner ships the user's module by value where it is their own file,

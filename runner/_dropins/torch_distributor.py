@@ -25,6 +25,7 @@ import warnings
 
 from .._backends.spark import refuse_unencrypted
 from .._horovod_runner import HorovodRunner
+from .._runner_config import RunnerConfig
 from .._shared.framework_env import NODE_PER_TASK, TORCHRUN
 
 __all__ = ["TorchDistributor"]
@@ -92,10 +93,11 @@ class TorchDistributor:
                             f"{type(train_object).__name__}.")
         if not self.local_mode:
             self._check_encryption()
-        runner = HorovodRunner(-self.num_processes if self.local_mode else self.num_processes)
-        runner.config._layout = TORCHRUN if self.local_mode else NODE_PER_TASK
-        runner.config._use_gpu = self.use_gpu or self.local_mode  # local mode leaves the driver's GPUs visible
-        runner.config._warn_unencrypted = False  # _check_encryption said it, or refused
+        runner = HorovodRunner._from_config(RunnerConfig(
+            -self.num_processes if self.local_mode else self.num_processes,
+            layout=TORCHRUN if self.local_mode else NODE_PER_TASK,
+            use_gpu=self.use_gpu or self.local_mode,  # local mode leaves the driver's GPUs visible
+            warn_unencrypted=False))  # _check_encryption said it, or refused
         if script:
             return runner.run(train_object, *args)
         return runner.run(functools.partial(train_object, *args) if args else train_object, **kwargs)

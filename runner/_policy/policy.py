@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from .._backends.launcher import Launcher
+from .._backends.api import Launcher
 from .._service.status import RunStatus
 from .._shared.errors import HorovodRunError, StartTimeoutError
 from . import supervise as _supervise
@@ -89,8 +89,8 @@ class Cluster(Protocol):
     def slots_for_restart(self, want: int, least: int | None, timeout: float) -> int:
         """Ranks a restart can have: ``want``, or after ``timeout`` at least ``least``; RuntimeError if not."""
 
-    def replace_executors(self, hosts: frozenset) -> None:
-        """Ask Spark to replace the executors on ``hosts``, whose ranks went silent."""
+    def replace_hosts(self, hosts: frozenset) -> None:
+        """Ask the cluster to replace the executors on ``hosts``, whose ranks went silent."""
 
 
 @dataclass(frozen=True)
@@ -251,7 +251,7 @@ class RunPolicy:
 
     def _restart(self) -> RunState:
         if self.ending.cut_off:
-            self.cluster.replace_executors(self.ending.cut_off)
+            self.cluster.replace_hosts(self.ending.cut_off)
         self.grew_from = None
         try:
             n = self.cluster.slots_for_restart(self.np, self.min_np, self.start_timeout)

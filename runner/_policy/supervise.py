@@ -180,7 +180,7 @@ class Watch:
         """What the driver waits for while tasks have not registered, with Spark's word on the stage where it has
         one."""
         missing = sorted(set(range(self.np)) - registered)
-        stage = getattr(self.launcher, "waiting_for", lambda: "")()
+        stage = self.launcher.waiting_for()
         return (f"{len(registered)} of {self.np} ranks registered after {self.clock() - self.started_at:.0f} s; "
                 f"waiting for task{'s' if len(missing) > 1 else ''} {_ranks(missing)} on "
                 f"{self.launcher.description}{stage}; will wait up to {self.start_timeout:g} s (start_timeout)")

@@ -1,8 +1,7 @@
-"""How ranks are started: the launcher interface and the local (driver) launcher."""
+"""Processes on the driver (np < 0): one agent thread per rank, each starting its rank's process."""
 
 from __future__ import annotations
 
-import abc
 import socket
 import subprocess
 import threading
@@ -11,62 +10,7 @@ import time
 from .._agent.agent import run_task
 from .._agent.process import kill_group
 from .._agent.spec import TaskSpec
-
-
-class Launcher(abc.ABC):
-    """Starts ``np`` task agents somewhere and can stop them all."""
-
-    #: Human-readable description for messages, e.g. "a Spark barrier stage on local[2]".
-    description: str = ""
-    #: Whether what failed cannot run ranks again (a stopped SparkContext): no restart is tried.
-    fatal: bool = False
-
-    @abc.abstractmethod
-    def start(self, spec: TaskSpec) -> None:
-        """Start every task; returns at once."""
-
-    @abc.abstractmethod
-    def failure(self) -> str | None:
-        """Why the launch itself failed (a Spark job failure, say), or None."""
-
-    def lost(self, unfinished: list) -> str | None:
-        """Why these ranks (``(rank, Registration)``) may have vanished, if known."""
-        return None
-
-    @abc.abstractmethod
-    def join(self, timeout: float) -> bool:
-        """Wait for every task to end; True if all have."""
-
-    @abc.abstractmethod
-    def stop(self) -> None:
-        """Stop every task now (idempotent)."""
-
-
-class JobLauncher(Launcher):
-    """A launcher whose tasks run as one Spark job, submitted and awaited on a thread of its own (``_job``); the
-    job's error is the launch's failure."""
-
-    def __init__(self):
-        self._thread: threading.Thread | None = None
-        self._error: str | None = None
-        self._stopped = False
-
-    def _submit(self, spec: TaskSpec, name: str) -> None:
-        self._thread = threading.Thread(target=self._job, args=(spec,), daemon=True, name=f"{name}-{spec.run_id}")
-        self._thread.start()
-
-    @abc.abstractmethod
-    def _job(self, spec: TaskSpec) -> None:
-        """Run the job to its end; set ``_error`` where it fails (not after ``stop``)."""
-
-    def failure(self) -> str | None:
-        return self._error
-
-    def join(self, timeout: float) -> bool:
-        if self._thread is not None:
-            self._thread.join(timeout)
-            return not self._thread.is_alive()
-        return True
+from .api import Backend, Launcher
 
 
 class LocalLauncher(Launcher):
@@ -120,3 +64,24 @@ class LocalLauncher(Launcher):
             procs = list(self._procs)
         for proc in procs:
             kill_group(proc)  # also what an exited rank left running
+
+
+class LocalBackend(Backend):
+    """Ranks as processes on the driver: every slot is there, nothing to check or replace."""
+
+    name = "local"
+
+    def prepare(self, np: int, *, run_id: str, verbose: bool, gpus: bool) -> str:
+        return "127.0.0.1"
+
+    def launcher(self, n: int, *, gpus: bool) -> Launcher:
+        return LocalLauncher(n)
+
+    def free_slots(self) -> int:
+        return 0  # a run on the driver has a fixed number of processes: it never grows
+
+    def slots_for_restart(self, want: int, least: int | None, timeout: float) -> int:
+        return want
+
+    def replace_hosts(self, hosts: frozenset) -> None:
+        pass  # the driver's own processes: no executor to replace

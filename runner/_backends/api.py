@@ -1,0 +1,89 @@
+"""The backend contract: where a run's ranks run (``Backend``) and how one attempt's tasks are started (``Launcher``).
+
+The driver's ``HorovodRunner`` asks ``select.backend_for`` for a backend once per run; the run's policy
+(runner/_policy/) then asks it for slots and one launcher per attempt, through these two classes alone. A new
+backend is one module that implements ``Backend`` plus one line in ``select.py``; the contract test
+(tests/runner/backends/test_backend_contract.py) runs over every backend.
+"""
+
+from __future__ import annotations
+
+import abc
+
+from .._agent.spec import TaskSpec
+
+
+class Launcher(abc.ABC):
+    """Starts ``np`` task agents somewhere and can stop them all."""
+
+    #: Human-readable description for messages, e.g. "a Spark barrier stage on local[2]".
+    description: str = ""
+    #: Whether what failed cannot run ranks again (a stopped SparkContext): no restart is tried.
+    fatal: bool = False
+
+    @abc.abstractmethod
+    def start(self, spec: TaskSpec) -> None:
+        """Start every task; returns at once."""
+
+    @abc.abstractmethod
+    def failure(self) -> str | None:
+        """Why the launch itself failed (a Spark job failure, say), or None."""
+
+    def lost(self, unfinished: list) -> str | None:
+        """Why these ranks (``(rank, Registration)``) may have vanished, if known."""
+        return None
+
+    def waiting_for(self) -> str:
+        """While ranks have not registered: what the backend says of the launch, as a clause for the wait's note
+        (``" (Spark has not submitted the barrier stage yet)"``), or "" where it says nothing."""
+        return ""
+
+    @abc.abstractmethod
+    def join(self, timeout: float) -> bool:
+        """Wait for every task to end; True if all have."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop every task now (idempotent)."""
+
+
+class Backend(abc.ABC):
+    """Where a run's ranks run: a Spark barrier stage per attempt, a Spark Connect session's, or processes on the
+    driver. One object per run: it may keep what the run's attempts share (the executors it asked to replace)."""
+
+    #: The ``sparkhvd.runner._backends`` module name, for messages and tests ("local", "spark", "connect").
+    name: str = ""
+
+    @abc.abstractmethod
+    def prepare(self, np: int, *, run_id: str, verbose: bool, gpus: bool) -> str:
+        """Check, before anything launches, that ``np`` ranks can run here; return the address the driver
+        service binds to (one the tasks reach). ``gpus``: whether each task asks for a GPU where there are some.
+
+        Raises:
+            RuntimeError: the ranks cannot all run at once (task slots, GPU slots, dynamic allocation, the
+                executors' Python, an unreachable server), in one sentence with the numbers and the fix.
+            JavaNotFoundError: a Spark session had to be started and no Java 17+ was found.
+        """
+
+    @abc.abstractmethod
+    def launcher(self, n: int, *, gpus: bool) -> Launcher:
+        """A launcher for one attempt of ``n`` ranks (not started)."""
+
+    @abc.abstractmethod
+    def free_slots(self) -> int:
+        """Task slots no running task holds: what the run may grow into (0 where it cannot grow)."""
+
+    @abc.abstractmethod
+    def slots_for_restart(self, want: int, least: int | None, timeout: float) -> int:
+        """Ranks a restart can have: ``want`` once there are that many slots; after ``timeout`` seconds what
+        there is, if at least ``least``.
+
+        Raises:
+            RuntimeError: fewer than ``want`` slots, and fewer than ``least`` (or ``least`` is None), after
+                ``timeout`` seconds, in one sentence with the numbers and the fix.
+        """
+
+    @abc.abstractmethod
+    def replace_hosts(self, hosts: frozenset) -> None:
+        """Ask the cluster to replace the executors on ``hosts``, whose ranks went silent (nothing where it cannot).
+        Never raises: a cluster that cannot be asked is warned about, and notices the loss itself later."""
