@@ -446,7 +446,7 @@ _INTRO = """\
 
 Every environment variable sparkhvd reads: sparkhvd's own (`SPARKHVD_*`), Horovod's (`HOROVOD_*`) and the
 others it reads or sets. This page is made from `_common/settings.py`, the one module that names them
-(`python -m sparkhvd._common.settings > docs/settings.md`; `tests/test_settings.py` keeps the two equal).
+(`python -m sparkhvd._common.settings > docs/settings.md`; `tests/common/test_settings.py` keeps the two equal).
 
 An unset or blank variable takes its default. A value that cannot be used is an error whose sentence names
 the variable, the value and the fix: read on the driver, it fails the run before the run starts; read on a

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks, run by hand on a machine with one CUDA device (a lent device machine has torch,
-# NCCL and pytest, but neither pyspark nor Java nor TensorFlow): tests/test_gpu.py, Horovod's own
+# NCCL and pytest, but neither pyspark nor Java nor TensorFlow): tests/collective/test_gpu.py, Horovod's own
 # torch suite at np=1 in one process (when HVD_TESTS names a folder holding Horovod's test/ tree;
 # never committed here), Spark's GPU discovery script, and bench/gpu.py. Each part's output goes to
 # $OUT (default: a temporary folder) and the script goes on after a failure.
@@ -30,8 +30,8 @@ echo "{\"name\": \"gpu\", \"addresses\": [\"$addrs\"]}" | tee "$OUT/discovery.js
 $PY -c 'import json, sys; d = json.load(open(sys.argv[1])); assert d["name"] == "gpu" and d["addresses"], d; print("parses:", d)' \
     "$OUT/discovery.json"
 
-echo "== tests/test_gpu.py"
-$PY -m pytest -p no:cacheprovider -q -rA tests/test_gpu.py --junitxml="$OUT/test_gpu.xml" 2>&1 | tee "$OUT/test_gpu.log"
+echo "== tests/collective/test_gpu.py"
+$PY -m pytest -p no:cacheprovider -q -rA tests/collective/test_gpu.py --junitxml="$OUT/test_gpu.xml" 2>&1 | tee "$OUT/test_gpu.log"
 
 if [ -n "${HVD_TESTS:-}" ] && [ -d "$HVD_TESTS/test/parallel" ]; then
     echo "== Horovod's test_torch.py and test_adasum_pytorch.py at np=1 on CUDA"

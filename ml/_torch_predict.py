@@ -1,7 +1,7 @@
 """TorchModel's side on the executors: load the model file once and predict NumPy batches on a device.
 
 A module of its own, free of pyspark (``_predict.py`` imports pyspark only inside its functions), so that the GPU
-check runs it on a machine that has CUDA but no Spark (tests/test_gpu.py).
+check runs it on a machine that has CUDA but no Spark (tests/collective/test_gpu.py).
 """
 
 from __future__ import annotations

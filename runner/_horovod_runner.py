@@ -16,7 +16,7 @@ from .._common import settings
 from .._common.protocol import new_secret
 from ._agent.agent import TaskSpec
 from ._backends.api import Backend
-from ._backends.select import backend_for
+from ._backends.registry import backend_for
 from ._payload.function import pickle_function, size
 from ._payload.mlflow import shared_run
 from ._payload.script import as_payload

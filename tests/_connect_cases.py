@@ -1,4 +1,4 @@
-"""The cases of tests/test_spark_connect.py, run in a process that holds a Spark Connect session and nothing else.
+"""The cases of tests/runner/backends/test_spark_connect.py, run in a process that holds a Spark Connect session and nothing else.
 
 pyspark refuses a remote session in a process that already has a classic one (pytest's workers do), and a user's
 notebook on Databricks Connect has only the remote one: so the cases run here, one after the other, each
@@ -155,10 +155,10 @@ def case_np3(spark, folder):
 def case_backend_contract(spark, folder):
     from _backend_contract import check_backend
 
-    from sparkhvd.runner._backends import select
+    from sparkhvd.runner._backends import registry
     from sparkhvd.runner._runner_config import RunnerConfig
 
-    return check_backend(select.backend_for(RunnerConfig(np=2)), 2)
+    return check_backend(registry.backend_for(RunnerConfig(np=2)), 2)
 
 
 def main(url: str, folder: str) -> None:

@@ -9,6 +9,8 @@ import tempfile
 
 import pytest
 
+from sparkhvd.runner._warm.protocol import WORKER_MODULE
+
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors run this interpreter
 
 # Every run keeps its log folder (sparkhvd-<run>-* in the temp dir), and so do the drivers the tests
@@ -19,7 +21,7 @@ os.environ["TMPDIR"] = tempfile.tempdir = _SESSION_TMP
 # The JVMs read java.io.tmpdir, not TMPDIR (Spark extracts liblz4-java-*.so there): every pyspark
 # driver the suite starts, here or in a subprocess (a notebook's kernel, spark-submit), and its executors, get the
 # same folder. They also compile with C1 only and collect with one thread (as tests/cluster's JVMs): short-lived JVMs
-# that start quickly and leave the 2 cores to the ranks; tests/test_ml_torch.py and the estimators' notebook took
+# that start quickly and leave the 2 cores to the ranks; tests/ml/test_ml_torch.py and the estimators' notebook took
 # 63 s instead of 76 s with -n 2.
 _JVM_OPTS = f"-Djava.io.tmpdir={_SESSION_TMP} -XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 os.environ.setdefault("PYSPARK_SUBMIT_ARGS", f"--driver-java-options '{_JVM_OPTS}' --conf "
@@ -83,7 +85,7 @@ def _live_rank_processes() -> list:
             pass
     for p in processes:
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and "sparkhvd.runner._rank.worker" in " ".join(p.cmdline()):
+            if p.status() != psutil.STATUS_ZOMBIE and WORKER_MODULE in " ".join(p.cmdline()):
                 found.append(p)
         except psutil.NoSuchProcess:
             pass
@@ -101,12 +103,14 @@ def rank_processes():
 #: that no worker is left running a long file while the others idle (xdist's own order, by number of tests, put
 #: them last). A file not listed follows, in collection order; a stale entry only costs balance.
 LONGEST_FIRST = (
-    "tests/cluster/", "tests/test_notebooks.py", "tests/test_cli.py", "tests/test_warm_process_forks_ranks.py",
-    "tests/test_frameworks_torch.py", "tests/test_faults.py", "tests/test_ml_torch.py", "tests/test_spark_connect.py",
-    "tests/test_notebook_estimators.py", "tests/test_elastic_restart.py", "tests/test_preflight.py",
-    "tests/data/test_converter.py", "tests/test_ml_keras.py", "tests/test_stall_reports.py", "tests/test_migration.py",
-    "tests/test_packaging.py", "tests/test_ml_lightning.py", "tests/test_wheel.py", "tests/test_tensorflow_imports.py",
-    "tests/test_gpu_pinning.py", "tests/test_frameworks_tensorflow.py",
+    "tests/cluster/", "tests/test_notebooks.py", "tests/runner/test_cli.py",
+    "tests/runner/warm/test_warm_process_forks_ranks.py", "tests/frameworks/test_frameworks_torch.py",
+    "tests/runner/test_faults.py", "tests/ml/test_ml_torch.py", "tests/runner/backends/test_spark_connect.py",
+    "tests/test_notebook_estimators.py", "tests/runner/test_elastic_restart.py",
+    "tests/runner/backends/test_preflight.py", "tests/data/test_converter.py", "tests/ml/test_ml_keras.py",
+    "tests/runner/policy/test_stall_reports.py", "tests/runner/dropins/test_migration.py", "tests/test_packaging.py",
+    "tests/ml/test_ml_lightning.py", "tests/test_wheel.py", "tests/collective/test_tensorflow_imports.py",
+    "tests/runner/backends/test_gpu_pinning.py", "tests/frameworks/test_frameworks_tensorflow.py",
 )
 
 

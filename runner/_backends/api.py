@@ -1,8 +1,8 @@
 """The backend contract: where a run's ranks run (``Backend``) and how one attempt's tasks are started (``Launcher``).
 
-The driver's ``HorovodRunner`` asks ``select.backend_for`` for a backend once per run; the run's policy
+The driver's ``HorovodRunner`` asks ``registry.backend_for`` for a backend once per run; the run's policy
 (runner/_policy/) then asks it for slots and one launcher per attempt, through these two classes alone. A new
-backend is one module that implements ``Backend`` plus one line in ``select.py``; the contract test
+backend is one module that implements ``Backend`` plus one line in ``registry.py``; the contract test
 (tests/runner/backends/test_backend_contract.py) runs over every backend.
 """
 

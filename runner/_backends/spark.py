@@ -456,7 +456,7 @@ class SparkBackend(Backend):
 
 
 def backend_for(config) -> SparkBackend:
-    """For ``np > 0`` where no Spark Connect session is active (select.py asks it after connect's)."""
+    """For ``np > 0`` where no Spark Connect session is active (registry.py asks it after connect's)."""
     return SparkBackend(warn_unencrypted=config.warn_unencrypted)
 
 

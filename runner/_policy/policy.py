@@ -21,7 +21,7 @@ otherwise. WAIT and SUPERVISE read the service's ``RunStatus`` snapshots; ``_sup
 applies the rules that say when an attempt has ended. The policy reaches the world through
 small interfaces, a ``Cluster`` (launches attempts, knows the task slots) and the ``Service`` and
 ``Launcher`` each attempt gives it, so fakes stand in for Spark and the processes in tests
-(tests/test_run_policy.py).
+(tests/runner/policy/test_run_policy.py).
 """
 
 from __future__ import annotations

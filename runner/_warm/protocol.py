@@ -22,7 +22,8 @@ import socket
 import struct
 
 SERVER_MODULE = "sparkhvd.runner._warm.server"  # python -m SERVER_MODULE <key>; how its processes are found
-WORKER_ARGV = ("-m", "sparkhvd.runner._rank.worker")  # a request's argv for a rank (more arguments may follow)
+WORKER_MODULE = "sparkhvd.runner._rank.worker"  # the rank's bootstrap; how rank processes are found
+WORKER_ARGV = ("-m", WORKER_MODULE)  # a request's argv for a rank (more arguments may follow)
 MAX_REQUEST_BYTES = 4 << 20
 _NAME_PREFIX = "\0sparkhvd-zygote-"
 

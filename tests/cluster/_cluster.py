@@ -17,6 +17,8 @@ import sys
 import tempfile
 import time
 
+from sparkhvd.runner._warm.protocol import WORKER_MODULE
+
 from ._client import Driver, Outcome, PendingRun, _pyspark_home, _set_parent_death_signal, _tail
 from ._netns import DRIVER_ADDRESS, Host, Network, TestbedError, TestbedLock, alive, netns_pids, sweep_stale
 
@@ -210,7 +212,7 @@ class Cluster:
         return found
 
     def rank_pids(self, host: Host) -> list[int]:
-        return [pid for pid, _ in self.processes(host, "sparkhvd.runner._rank.worker")]
+        return [pid for pid, _ in self.processes(host, WORKER_MODULE)]
 
     def executor_pids(self, host: Host) -> list[int]:
         return [pid for pid, _ in self.processes(host, "CoarseGrainedExecutorBackend")]

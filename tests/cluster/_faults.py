@@ -10,6 +10,8 @@ import os
 import signal
 import time
 
+from sparkhvd.runner._warm.protocol import WORKER_MODULE
+
 from ._cluster import Cluster
 from ._netns import Host, TestbedError, sh
 
@@ -19,7 +21,7 @@ def rank_processes(cluster: Cluster) -> dict[int, tuple[Host, int]]:
     (``python -m sparkhvd.runner._rank.worker rank=<r>``, forked from the warm zygote or not)."""
     found = {}
     for host in cluster.hosts:
-        for pid, cmd in cluster.processes(host, "sparkhvd.runner._rank.worker"):
+        for pid, cmd in cluster.processes(host, WORKER_MODULE):
             rank = next((arg[5:] for arg in cmd.split() if arg.startswith("rank=")), "")
             if rank.isdigit():
                 found[int(rank)] = (host, pid)

@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from sparkhvd.runner._warm.protocol import SERVER_MODULE
+
 from . import _faults
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
@@ -112,7 +114,7 @@ def test_a_frozen_rank_on_host_a_then_an_executor_killed_on_host_b_each_restart_
     assert not cluster.wait_no_ranks(timeout=30)
     # the replacement executors forked their ranks from the warm process their host already had: after the
     # restarts, at most one idle warm process per task slot of a host (one per host, by the key)
-    warm = {h.hostname: len(cluster.processes(h, "sparkhvd.runner._warm.server")) for h in cluster.hosts}
+    warm = {h.hostname: len(cluster.processes(h, SERVER_MODULE)) for h in cluster.hosts}
     assert all(n <= cluster.slots // len(cluster.hosts) for n in warm.values()), warm
 
 

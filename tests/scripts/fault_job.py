@@ -1,4 +1,4 @@
-"""Driver for tests/test_faults.py: a fault during a run on a local-cluster; prints RESULT <json>.
+"""Driver for tests/runner/test_faults.py: a fault during a run on a local-cluster; prints RESULT <json>.
 
 ``executor``: kill -9 the executor JVM of one rank. ``stop``: spark.stop() from another thread.
 """
@@ -12,6 +12,7 @@ import psutil
 from pyspark.sql import SparkSession
 
 from sparkhvd import HorovodRunError, HorovodRunner
+from sparkhvd.runner._warm.protocol import WORKER_MODULE
 
 
 def train():
@@ -36,7 +37,7 @@ def rank_processes():
     found = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and "sparkhvd.runner._rank.worker" in " ".join(p.cmdline()):
+            if p.status() != psutil.STATUS_ZOMBIE and WORKER_MODULE in " ".join(p.cmdline()):
                 found.append(p)
         except psutil.NoSuchProcess:
             pass

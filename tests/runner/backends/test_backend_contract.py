@@ -1,12 +1,12 @@
 """Every backend keeps the contract of runner/_backends/api.py (tests/_backend_contract.py); the Spark Connect
-backend's run is in tests/test_spark_connect.py, on its real server. ``select.backend_for`` makes the choice."""
+backend's run is in tests/runner/backends/test_spark_connect.py, on its real server. ``registry.backend_for`` makes the choice."""
 
 from __future__ import annotations
 
 import pytest
 from _backend_contract import check_backend
 
-from sparkhvd.runner._backends import connect, local, select, spark
+from sparkhvd.runner._backends import connect, local, registry, spark
 from sparkhvd.runner._backends.api import Backend
 from sparkhvd.runner._runner_config import RunnerConfig
 
@@ -21,12 +21,12 @@ def test_every_backend_implements_the_whole_contract():
 
 @pytest.mark.unit
 def test_the_local_backend_keeps_the_contract():
-    assert check_backend(select.backend_for(RunnerConfig(np=-2)), 2) == {
+    assert check_backend(registry.backend_for(RunnerConfig(np=-2)), 2) == {
         "name": "local", "bind_host": "127.0.0.1", "description": "2 processes on the driver", "free": 0}
 
 
 def test_the_spark_backend_keeps_the_contract(spark):
-    backend = select.backend_for(RunnerConfig(np=2))
+    backend = registry.backend_for(RunnerConfig(np=2))
     assert check_backend(backend, 2) == {
         "name": "spark", "bind_host": "127.0.0.1", "description": "a Spark barrier stage on local[2]", "free": 2}
     assert backend.sc is spark.sparkContext  # the user's session, never an embedded one beside it
@@ -34,8 +34,8 @@ def test_the_spark_backend_keeps_the_contract(spark):
 
 @pytest.mark.unit
 def test_a_backend_list_whose_last_entry_declines_is_refused(monkeypatch):
-    monkeypatch.setattr(select, "SPARK_BACKENDS", (lambda config: None,))
+    monkeypatch.setattr(registry, "SPARK_BACKENDS", (lambda config: None,))
     with pytest.raises(RuntimeError, match=r"^no backend can run np=2: .* each declined; the last entry of "
-                                           r"SPARK_BACKENDS \(runner/_backends/select.py\) must always answer, as "
+                                           r"SPARK_BACKENDS \(runner/_backends/registry.py\) must always answer, as "
                                            r"spark.backend_for does\.$"):
-        select.backend_for(RunnerConfig(np=2))
+        registry.backend_for(RunnerConfig(np=2))

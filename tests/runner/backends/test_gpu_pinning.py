@@ -8,16 +8,15 @@ import subprocess
 import sys
 
 import pytest
-
-HERE = os.path.dirname(__file__)
+from _paths import SCRIPTS
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_each_rank_sees_this_jobs_gpus_on_its_host_in_local_rank_order(tmp_path):
     env = dict(os.environ, SPARKHVD_FAKE_GPU_DIR=str(tmp_path), PYSPARK_PYTHON=sys.executable)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "scripts", "gpu_pinning_job.py"),
-                           os.path.join(HERE, "scripts", "gpu_discovery.sh")],
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "gpu_pinning_job.py"),
+                           os.path.join(SCRIPTS, "gpu_discovery.sh")],
                           capture_output=True, text=True, env=env, timeout=220)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]

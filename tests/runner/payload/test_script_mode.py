@@ -46,7 +46,7 @@ def test_script_runs_as_main_with_its_argv_on_every_rank(tmp_path, monkeypatch):
     assert runner.run("job/train.py", "--epochs", 3, "--out", out) is None
     assert runner.last_result.values == [None, None]
     for report in _reports(out, 2):
-        path0 = report.pop("path0")  # the shipped copy of the script's folder (tests/test_script_folder.py)
+        path0 = report.pop("path0")  # the shipped copy of the script's folder (tests/runner/payload/test_script_folder.py)
         assert os.path.basename(path0).startswith("sparkhvd-script-") and not os.path.exists(path0)
         assert report == {"argv": ["job/train.py", "--epochs", "3", "--out", str(out)], "name": "__main__",
                           "file": str(path), "helper": 42}

@@ -106,7 +106,7 @@ def script(tmp_path_factory):
     (folder / "train.py").write_text(SCRIPT)
     hidden = folder / "hide" / "mpi4py"  # on PYTHONPATH, it stands before the installed mpi4py
     hidden.mkdir(parents=True)
-    (hidden / "__init__.py").write_text("raise ImportError('mpi4py is hidden by tests/test_mpirun.py')\n")
+    (hidden / "__init__.py").write_text("raise ImportError('mpi4py is hidden by tests/collective/test_mpirun.py')\n")
     return folder
 
 
@@ -201,7 +201,7 @@ def test_without_mpi4py_or_master_addr_the_error_names_both_fixes(mpirun, script
     output = _run(mpirun, 1, script, "none", f"PYTHONPATH={script / 'hide'}")
     assert _lines(output, "ERROR") == [
         "ERROR This process was started by Open MPI's mpirun (OMPI_COMM_WORLD_RANK=0, OMPI_COMM_WORLD_SIZE=1), but "
-        "mpi4py cannot be used (ImportError: mpi4py is hidden by tests/test_mpirun.py) and MASTER_ADDR/MASTER_PORT "
+        "mpi4py cannot be used (ImportError: mpi4py is hidden by tests/collective/test_mpirun.py) and MASTER_ADDR/MASTER_PORT "
         "are not both set; install it (pip install \"sparkhvd[mpi]\"), or name a free port on rank 0's host with "
         "mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=<port>."], output
 

@@ -24,5 +24,5 @@ def backend_for(config) -> Backend:
         if backend is not None:
             return backend
     raise RuntimeError(f"no backend can run np={config.np}: {', '.join(c.__module__ for c in SPARK_BACKENDS)} "
-                       "each declined; the last entry of SPARK_BACKENDS (runner/_backends/select.py) must always "
+                       "each declined; the last entry of SPARK_BACKENDS (runner/_backends/registry.py) must always "
                        "answer, as spark.backend_for does.")

@@ -1,6 +1,6 @@
 """The checks before a run under Spark Connect, each a sentence with the values and the fix: where the driver
 service can listen, the slots a server's master allows, a missing Connect client. (Runs on a real server:
-tests/test_spark_connect.py.)"""
+tests/runner/backends/test_spark_connect.py.)"""
 
 from __future__ import annotations
 

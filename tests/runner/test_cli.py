@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from sparkhvd.runner._cli import main
+from sparkhvd.runner._warm.protocol import WORKER_MODULE
 
 BIN = os.path.dirname(sys.executable)
 SPARKHVD = os.path.join(BIN, "sparkhvd")  # the console script pip installed beside this interpreter
@@ -129,7 +130,7 @@ def _rank_pids(pid: int) -> list:
     ranks = []
     for p in psutil.Process(pid).children(recursive=True):
         try:
-            if "sparkhvd.runner._rank.worker" in " ".join(p.cmdline()):
+            if WORKER_MODULE in " ".join(p.cmdline()):
                 ranks.append(p)
         except psutil.NoSuchProcess:
             pass

@@ -34,7 +34,7 @@ from sparkhvd._common.settings import (
 )
 
 pytestmark = pytest.mark.unit
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_docs_settings_md_is_what_the_module_generates():
@@ -158,7 +158,7 @@ def test_flags_take_horovods_words_in_any_case():
 
 
 # ---- each refusal, as the user reads it ---------------------------------------------------------------------
-# (the stall settings warn instead: tests/test_stall_reports.py; each setting another module owns is tested beside it)
+# (the stall settings warn instead: tests/runner/policy/test_stall_reports.py; each setting another module owns is tested beside it)
 
 REFUSALS = [
     (KEEP_FAILED_LOGS, "-1", "SPARKHVD_KEEP_FAILED_LOGS='-1' is not a whole number >= 0; set it to how many failed "

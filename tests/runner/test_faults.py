@@ -13,10 +13,9 @@ import sys
 import time
 
 import pytest
+from _paths import SCRIPTS
 
 from sparkhvd import HorovodRunError, HorovodRunner
-
-HERE = os.path.dirname(__file__)
 
 
 @pytest.mark.timeout(120)
@@ -226,7 +225,7 @@ def test_spark_faults_name_their_cause(fault):
     # Fresh rank processes: the fault injector finds them among the driver's descendants, where ranks forked by a
     # warm process that an earlier application started (the key is shared across applications) are not.
     env = dict(os.environ, PYSPARK_PYTHON=sys.executable, SPARKHVD_WARM="0")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "scripts", "fault_job.py"), fault],
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "fault_job.py"), fault],
                           capture_output=True, text=True, env=env, timeout=180)
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]

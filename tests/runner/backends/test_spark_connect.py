@@ -17,13 +17,14 @@ import sys
 
 import pytest
 from _connect_server import connect_server, free_port
+from _paths import TESTS
 
 pytest.importorskip("grpc", reason="pyspark[connect]'s client needs grpcio (the test extra has it)")
 pytest.importorskip("google.rpc", reason="pyspark[connect]'s client needs googleapis-common-protos")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_connect_cases.py")
+CASES = os.path.join(TESTS, "_connect_cases.py")
 
 
 def _client_env() -> dict:

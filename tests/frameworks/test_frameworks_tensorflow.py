@@ -163,10 +163,14 @@ class _FakeRunner:
 
     made: list = []
 
-    def __init__(self, np):
-        self.config = RunnerConfig(np=np)
+    def __init__(self, config: RunnerConfig):
+        self.config = config
         self.main = self.kwargs = None
         _FakeRunner.made.append(self)
+
+    @classmethod
+    def _from_config(cls, config: RunnerConfig):
+        return cls(config)
 
     def run(self, main, **kwargs):
         self.main, self.kwargs = main, kwargs

@@ -2,7 +2,7 @@
 
 Pure logic in milliseconds, then the driver service's answer and two real rank processes started by the
 task agent (no Spark: run_task is given the GPU addresses Spark would give). The Spark paths run in
-tests/test_gpu_pinning.py (local-cluster) and tests/cluster (two hosts, an executor with its own
+tests/runner/backends/test_gpu_pinning.py (local-cluster) and tests/cluster (two hosts, an executor with its own
 CUDA_VISIBLE_DEVICES).
 """
 
