@@ -17,7 +17,7 @@ from ..._common.client import RunAborted, ServiceClient
 from ..._common.protocol import Kind
 
 #: The script folder's module (runner/_payload/script_folder.py), looked up in sys.modules, never imported here:
-#: only a script run has unpacked a folder to remove (tests/runner/rank/ checks that the name points somewhere).
+#: only a script run has unpacked a folder to remove (tests/runner/test_module_names.py checks that the name points somewhere).
 SCRIPT_FOLDER_MODULE = __package__.rpartition(".")[0] + "._payload.script_folder"
 
 ABORTED_EXIT_CODE = 75  # the driver told this rank to stop

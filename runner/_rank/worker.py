@@ -25,6 +25,7 @@ from ..._common.topology import Placement
 from .._payload import payload as _payload
 from .._shared.host import rank_address
 from . import aliases as _aliases
+from . import startup
 from .exit import die_with_parent, finished, leave, watch
 from .failure import report_failure
 from .heartbeat import Heartbeat
@@ -151,5 +152,6 @@ def run() -> int:
     return code
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a fresh rank; a forked one runs startup.prepare in runner/_warm/child.py
+    startup.prepare(os.environ)
     sys.exit(run())

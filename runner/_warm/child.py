@@ -2,8 +2,8 @@
 
 The warm process (``runner/_warm/server.py``) forks; the child calls ``become_rank``, which takes the
 agent's pipes as its stdin, stdout and stderr, the rank's working directory and whole environment, its
-own session (before the zygote tells the agent its pid), the command line ``ps`` shows, the rank's CPU
-thread counts and a fresh random seed, and never returns.
+own session (before the zygote tells the agent its pid) and the command line ``ps`` shows; then the process
+state every rank starts with (runner/_rank/startup.py: signals, CPU threads, seeds), and never returns.
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ import sys
 import threading
 import traceback
 
-from ..._common import settings
+from .._rank import startup
 from .._rank import worker as _worker  # the rank's bootstrap, imported once in the warm process
 from .protocol import WORKER_ARGV
 
-_BLAS_SET_THREADS = ("openblas_set_num_threads", "openblas_set_num_threads64_",
-                     "scipy_openblas_set_num_threads", "scipy_openblas_set_num_threads64_")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -51,16 +49,9 @@ def become_rank(zygote: int, fds: list, env: dict, cwd: str, argv: list, start_d
             sys.path[0] = cwd  # as python -m in the rank's own working directory puts it
         os.environ.clear()
         os.environ.update(env)
-        if "tempfile" in sys.modules:  # found again from the rank's own TMPDIR, as in a fresh process
-            sys.modules["tempfile"].tempdir = None
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _stdio()
         _set_cmdline(argv)
-        _apply_threads(env)
-        if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator from the OS
-            sys.modules["numpy"].random.seed()
+        startup.prepare(env)  # signals, threads, seeds, temp folder: what a fresh rank's __main__ runs too
     except BaseException:  # noqa: BLE001
         os._exit(code)
     code = _run(argv)
@@ -94,34 +85,6 @@ def _set_cmdline(argv: list) -> None:
     if start <= 0 or len(line) > end - start:
         return
     ctypes.memmove(start, line.ljust(end - start, b"\0"), end - start)
-
-
-def _apply_threads(env: dict) -> None:
-    """What the rank's environment would have set when torch's OpenMP and numpy's OpenBLAS loaded."""
-    omp = settings.OMP_NUM_THREADS.get(env) or ""
-    torch = sys.modules.get("torch")
-    if torch is not None and omp.isdigit() and int(omp) > 0:
-        torch.set_num_threads(int(omp))
-    wanted = settings.OPENBLAS_NUM_THREADS.get(env) or settings.GOTO_NUM_THREADS.get(env) or omp
-    if not (wanted.isdigit() and int(wanted) > 0):
-        wanted = str(len(os.sched_getaffinity(0)))
-    if int(wanted) == 1:
-        return
-    try:
-        with open("/proc/self/maps") as maps:
-            libs = {line.split()[-1] for line in maps if "openblas" in line and ".so" in line}
-    except OSError:
-        return
-    for lib in libs:
-        try:
-            handle = ctypes.CDLL(lib)
-        except OSError:
-            continue
-        for name in _BLAS_SET_THREADS:
-            fn = getattr(handle, name, None)
-            if fn is not None:
-                fn(ctypes.c_int(int(wanted)))
-                break
 
 
 def _run(argv: list) -> int:
