@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 
+from .driver_messages import Aborted, MessageError, Refusal, decode, encode
 from .protocol import AuthenticatedChannel, Kind, Message
 
 _UNSERVED_RETRIES = 5  # a connection the driver dropped unserved (flooded listener) is made again
@@ -88,10 +89,19 @@ class ServiceClient:
                 self._channel = self._open()
             self._answered = True
         if reply.kind == Kind.ERR:
-            raise ServiceError(reply.meta.get("message", "the driver service refused the request"))
+            raise ServiceError(_answer(Refusal, reply).message)
         if reply.kind == Kind.ABORT:
-            raise RunAborted(reply.meta.get("reason", "the run was aborted"))
+            raise RunAborted(_answer(Aborted, reply).reason)
         return reply
+
+    def ask(self, request, blob: bytes = b"") -> Message:
+        """Send one request of _common/driver_messages.py and return its answer's frame (decode its meta with
+        ``driver_messages.decode``); ERR and ABORT answers raise."""
+        return self.request(request.KIND, encode(request), blob)
+
+    def tell(self, message, blob: bytes = b"") -> None:
+        """Send a one-way message of _common/driver_messages.py (LOG, PROGRESS)."""
+        self.notify(message.KIND, encode(message), blob)
 
     def notify(self, kind: Kind, meta: dict | None = None, blob: bytes = b"") -> None:
         """Send a one-way frame (log lines)."""
@@ -100,3 +110,11 @@ class ServiceClient:
 
     def close(self) -> None:
         self._channel.close()
+
+
+def _answer(cls, reply: Message):
+    """An ERR or ABORT frame's message; the default one where the driver's sentence cannot be read."""
+    try:
+        return decode(cls, reply.meta)
+    except MessageError:
+        return cls()

@@ -19,7 +19,7 @@ import threading
 
 from . import context as _context
 from . import settings
-from .protocol import Kind
+from .driver_messages import Commit, Committed, Restore, Restored, decode
 
 
 class HostUpdateResult(enum.IntFlag):
@@ -121,7 +121,8 @@ class Publisher:
             blob = b""
         if self._client is None:
             self._client = self._ctx.new_client()
-        return self._client.request(Kind.COMMIT, meta, blob).meta.get("hosts_updated")  # ERR raises ServiceError
+        reply = self._client.ask(Commit(**meta), blob)  # ERR raises ServiceError
+        return decode(Committed, reply.meta).hosts_updated
 
 
 _publisher: Publisher | None = None
@@ -156,10 +157,11 @@ def fetch(key: str, *, data: bool = True):
     ctx = _context.current()
     if ctx is None:
         return None
-    reply = ctx.client.request(Kind.RESTORE, {"key": key, "data": data})
-    if not reply.meta.get("found"):
+    reply = ctx.client.ask(Restore(key=key, data=data))
+    restored = decode(Restored, reply.meta)
+    if not restored.found:
         return None
-    meta = reply.meta["commit"]
+    meta = restored.commit
     if not data:
         return meta, None
     blob = reply.blob

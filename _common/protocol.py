@@ -40,7 +40,8 @@ MAX_BLOB_BYTES = 2 << 30  # pickled functions and results
 
 
 class Kind(enum.IntEnum):
-    """Frame kinds. Requests are answered with OK, ERR or a kind of their own."""
+    """Frame kinds. Requests are answered with OK, ERR or a kind of their own; what each frame's meta holds is
+    its message in _common/driver_messages.py."""
 
     OK = 1
     ERR = 2
@@ -49,7 +50,7 @@ class Kind(enum.IntEnum):
     ASSIGN = 11
     FETCH = 12  # worker -> server; answered with OK carrying the pickled function
     WATCH = 13  # worker -> server; answered with ABORT when the run is aborted
-    LOG = 20  # one-way: lines of a rank's stdout/stderr, or log_to_driver messages (check_log_meta)
+    LOG = 20  # one-way: lines of a rank's stdout/stderr, or log_to_driver messages
     RESULT = 21
     ERROR = 22
     EXIT = 23  # a rank's process exited with this code
@@ -66,39 +67,14 @@ class Kind(enum.IntEnum):
     RESTORE = 41  # rank -> server; answered with OK carrying the newest commit of a state, if any
 
 
-#: A LOG frame's meta: ``{"rank": r, "stream": s, "lines": [str, ...], "progress": str}``. ``lines`` are
-#: complete lines in order (a line rewritten with ``\r`` arrives once, as its final state); the
-#: optional ``progress`` is the stream's unfinished ``\r``-rewritten line (a tqdm bar) as it stands
-#: after those lines, to show in place; the next line of that stream is its final state. Stream
+#: A LOG frame's streams (_common/driver_messages.py: Log): a line rewritten with ``\r`` arrives once, as its
+#: final state, and the stream's unfinished line (a tqdm bar) travels as the frame's ``progress``. Stream
 #: ``FILE_ONLY``'s lines go to the rank's log file and are never shown (a failed rank's whole traceback).
 FILE_ONLY = "file"
 LOG_STREAMS = ("stdout", "stderr", "driver", FILE_ONLY)
 MAX_PROGRESS_CHARS = 4096  # longer progress states are cut to this for display
 MAX_LINE_BYTES = 64 * 1024  # a rank's longer output lines reach the driver in pieces of this size
 FLUSH_CHARS = 64 * 1024  # the most characters of output lines one LOG frame carries
-
-
-def check_log_meta(meta: dict, np: int) -> tuple[int, str, list, str | None]:
-    """A LOG frame's ``(rank, stream, lines, progress)``; ValueError says what is wrong."""
-    if not isinstance(meta, dict):
-        raise ValueError(f"its meta is a JSON {type(meta).__name__} where an object was expected")
-    rank, stream, lines, progress = meta.get("rank"), meta.get("stream"), meta.get("lines"), meta.get("progress")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < np:
-        raise ValueError(f"its rank {rank!r} is not a rank of this run (0..{np - 1})")
-    if stream not in LOG_STREAMS:
-        raise ValueError(f"its stream {stream!r} is not one of {', '.join(map(repr, LOG_STREAMS))}")
-    if not isinstance(lines, list):
-        raise ValueError(f"its lines are a {type(lines).__name__} where a list of strings was expected")
-    for odd in lines:
-        if not isinstance(odd, str):
-            raise ValueError(f"its lines hold a {type(odd).__name__} ({odd!r:.40}) where only strings were "
-                             "expected")
-    if not isinstance(progress, (str, type(None))):
-        raise ValueError(f"its progress is a {type(progress).__name__} where a string was expected")
-    if progress is not None and len(progress) > MAX_PROGRESS_CHARS:
-        raise ValueError(f"its progress is {len(progress)} characters long, over the {MAX_PROGRESS_CHARS}-character "
-                         "limit")
-    return rank, stream, lines, progress
 
 
 class ProtocolError(ConnectionError):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ..._common import driver_messages as dm
 from ..._common.client import ServiceClient
-from ..._common.protocol import Kind
 
 
 class DriverStore(dist.Store):
@@ -28,31 +28,33 @@ class DriverStore(dist.Store):
         return self.timeout.total_seconds()
 
     def set(self, key, value):
-        self._client.request(Kind.STORE_SET, {"key": self._k(key)}, _bytes(value))
+        self._client.ask(dm.StoreSet(key=self._k(key)), _bytes(value))
 
     def get(self, key):
-        return bytes(self._client.request(Kind.STORE_GET, {"key": self._k(key), "timeout": self._timeout_s()}).blob)
+        return bytes(self._client.ask(dm.StoreGet(key=self._k(key), timeout=self._timeout_s())).blob)
 
     def add(self, key, amount):
-        return self._client.request(Kind.STORE_ADD, {"key": self._k(key), "amount": int(amount)}).meta["value"]
+        return self._value(dm.StoreAdd(key=self._k(key), amount=int(amount)))
 
     def compare_set(self, key, expected, desired):
         expected, desired = _bytes(expected), _bytes(desired)
-        return self._client.request(Kind.STORE_CAS, {"key": self._k(key), "expected_len": len(expected)},
-                                    expected + desired).blob
+        return self._client.ask(dm.StoreCas(key=self._k(key), expected_len=len(expected)), expected + desired).blob
 
     def check(self, keys):
-        return self._client.request(Kind.STORE_CHECK, {"keys": [self._k(k) for k in keys]}).meta["value"]
+        return self._value(dm.StoreCheck(keys=[self._k(k) for k in keys]))
 
     def wait(self, keys, timeout=None):
         seconds = timeout.total_seconds() if timeout is not None else self._timeout_s()
-        self._client.request(Kind.STORE_WAIT, {"keys": [self._k(k) for k in keys], "timeout": seconds})
+        self._client.ask(dm.StoreWait(keys=[self._k(k) for k in keys], timeout=seconds))
 
     def delete_key(self, key):
-        return self._client.request(Kind.STORE_DELETE, {"key": self._k(key)}).meta["value"]
+        return self._value(dm.StoreDelete(key=self._k(key)))
 
     def num_keys(self):
-        return self._client.request(Kind.STORE_NUM_KEYS).meta["value"]
+        return self._value(dm.StoreNumKeys())
+
+    def _value(self, request):
+        return dm.decode(dm.StoreValue, self._client.ask(request).meta).value
 
 
 def _bytes(value) -> bytes:

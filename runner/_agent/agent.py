@@ -20,10 +20,10 @@ import subprocess
 import threading
 from typing import Callable
 
+from ..._common import driver_messages as dm
 from ..._common import settings
 from ..._common.client import RunAborted, ServiceClient, ServiceError
 from ..._common.network import local_address
-from ..._common.protocol import Kind
 from .._shared.framework_env import Endpoint, reserve_ports
 from .._shared.host import address_of, host_id
 from .env import rank_env, visible_gpus
@@ -45,7 +45,7 @@ def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[s
     client = ServiceClient(spec.address, spec.secret)
     if task in spec.stall_tasks:  # fault tests: never register; leave when the run is aborted
         try:
-            client.request(Kind.WATCH, {"rank": -1})
+            client.ask(dm.Watch(-1))
         except (RunAborted, ServiceError, OSError, ConnectionError):
             pass
         client.close()
@@ -59,31 +59,31 @@ def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[s
         devices, unusable = [], exc
     endpoint, held = _endpoint(spec)
     try:
-        answer = client.request(Kind.REGISTER, {
-            "task": task, "host": host, "host_id": host_id(), "pid": os.getpid(),
-            "gpus": list(gpus or []), "devices": devices, "spark_task": spark_task, "endpoint": endpoint}).meta
+        answer = dm.decode(dm.Assign, client.ask(dm.Register(
+            task=task, host=host, host_id=host_id(), pid=os.getpid(), gpus=[str(g) for g in gpus or []],
+            devices=devices, spark_task=None if spark_task is None else list(spark_task), endpoint=endpoint)).meta)
     except (RunAborted, ServiceError) as exc:
         client.close()
         return {"task": task, "rank": None, "exit": None, "note": str(exc)}
     finally:
         for sock in held:  # every task has registered: the ports stay free until the rank binds them
             sock.close()
-    host_gpus = [str(d) for d in answer.pop("host_gpus", None) or []]
-    endpoints = [None if e is None else Endpoint(*e) for e in answer.pop("endpoints", None) or []]
-    node = tuple(answer.pop("node", None) or (0, 1))
-    placement = answer  # exactly a Placement's fields: the rank process reads it back as one
+    host_gpus = answer.host_gpus
+    endpoints = [None if e is None else Endpoint(*e) for e in answer.endpoints]
+    node = tuple(answer.node)
+    placement = answer.placement  # exactly a Placement's fields: the rank process reads it back as one
     rank = placement["rank"]
     try:
         if unusable is not None:
             raise unusable
         env = rank_env(spec, placement, host_gpus, endpoints=endpoints, node=node)
     except ValueError as exc:  # the executor's GPU settings: the rank's error, not a Spark task failure
-        _report(client, Kind.ERROR, {"rank": rank, "type": "ValueError", "message": str(exc), "traceback": ""})
-        _report(client, Kind.EXIT, {"rank": rank, "code": 1})
+        _report(client, dm.Error(rank=rank, type="ValueError", message=str(exc)))
+        _report(client, dm.Exit(rank=rank, code=1))
         client.close()
         return {"task": task, "rank": rank, "exit": 1, "note": str(exc)}
     code = _run_rank(client, spec, rank, env, on_spawn)
-    _report(client, Kind.EXIT, {"rank": rank, "code": code})
+    _report(client, dm.Exit(rank=rank, code=code))
     client.close()
     return {"task": task, "rank": rank, "exit": code, "note": ""}
 
@@ -123,8 +123,8 @@ def _run_rank(client: ServiceClient, spec: TaskSpec, rank: int, env: dict,
     return code
 
 
-def _report(client: ServiceClient, kind: Kind, meta: dict) -> None:
+def _report(client: ServiceClient, report) -> None:
     try:
-        client.request(kind, meta)
+        client.ask(report)
     except (OSError, ConnectionError, RunAborted, ServiceError):
         pass  # the driver has gone or has finished; nothing left to tell it

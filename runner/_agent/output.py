@@ -12,7 +12,8 @@ import select
 import time
 
 from ..._common.client import ServiceClient
-from ..._common.protocol import FLUSH_CHARS, MAX_LINE_BYTES, MAX_PROGRESS_CHARS, Kind
+from ..._common.driver_messages import Log
+from ..._common.protocol import FLUSH_CHARS, MAX_LINE_BYTES, MAX_PROGRESS_CHARS
 
 READ_BYTES = 64 * 1024  # a pipe's default capacity: one read takes all there is
 # A LOG frame goes when this many characters of lines are pending, or this long after the oldest
@@ -146,10 +147,7 @@ class _Batches:
     def send(self, progress: str | None) -> None:
         if self.forward and (self.batch or progress is not None):
             try:
-                meta = {"rank": self.rank, "stream": self.stream, "lines": self.batch}
-                if progress is not None:
-                    meta["progress"] = progress
-                self.client.notify(Kind.LOG, meta)
+                self.client.tell(Log(rank=self.rank, stream=self.stream, lines=self.batch, progress=progress))
             except Exception:  # noqa: BLE001 - the driver has gone or refused: stop forwarding, not draining
                 self.forward = False
         if self.batch:

@@ -14,7 +14,7 @@ import threading
 
 from ..._common import settings
 from ..._common.client import RunAborted, ServiceClient
-from ..._common.protocol import Kind
+from ..._common.driver_messages import Watch
 
 #: The script folder's module (runner/_payload/script_folder.py), looked up in sys.modules, never imported here:
 #: only a script run has unpacked a folder to remove (tests/runner/test_module_names.py checks that the name points somewhere).
@@ -31,7 +31,7 @@ def watch(address: tuple[str, int], secret: bytes, rank: int) -> None:
     """Exit at once when the driver aborts the run or goes away."""
     try:
         client = ServiceClient(address, secret)
-        client.request(Kind.WATCH, {"rank": rank})
+        client.ask(Watch(rank))
         reason = "the driver closed the run"
     except RunAborted as exc:
         reason = str(exc)

@@ -15,7 +15,8 @@ import traceback
 import cloudpickle
 
 from ..._common.client import RunAborted, ServiceClient
-from ..._common.protocol import FILE_ONLY, FLUSH_CHARS, MAX_LINE_BYTES, Kind
+from ..._common.driver_messages import Error, Log
+from ..._common.protocol import FILE_ONLY, FLUSH_CHARS, MAX_LINE_BYTES
 from .._shared.collateral import failure_line
 from .._shared.package import PACKAGE_DIR
 from .exit import reported
@@ -41,8 +42,7 @@ def report_failure(client: ServiceClient, rank: int, exc: BaseException, quiet: 
     except Exception:  # noqa: BLE001 - the text is enough
         pickled = b""
     try:
-        client.request(Kind.ERROR, {"rank": rank, "type": type(exc).__name__,
-                                    "message": str(exc), "traceback": text}, pickled)
+        client.ask(Error(rank=rank, type=type(exc).__name__, message=str(exc), traceback=text), pickled)
     except (OSError, ConnectionError, RunAborted):
         pass
 
@@ -61,12 +61,12 @@ def _to_log_file(client: ServiceClient, rank: int, text: str) -> bool:
         size = 0
         for line in lines:
             if batch and size + len(line) > FLUSH_CHARS:
-                client.notify(Kind.LOG, {"rank": rank, "stream": FILE_ONLY, "lines": batch})
+                client.tell(Log(rank=rank, stream=FILE_ONLY, lines=batch))
                 batch, size = [], 0
             batch.append(line)
             size += len(line) + 1
         if batch:
-            client.notify(Kind.LOG, {"rank": rank, "stream": FILE_ONLY, "lines": batch})
+            client.tell(Log(rank=rank, stream=FILE_ONLY, lines=batch))
     except (OSError, ConnectionError):
         return False
     return True

@@ -21,7 +21,7 @@ from typing import Callable
 from ..._common import progress as _progress
 from ..._common import settings
 from ..._common.client import ServiceClient
-from ..._common.protocol import Kind
+from ..._common.driver_messages import Progress
 from .._shared.stall_settings import FORWARDED_SETTINGS, lenient
 
 STARTING, RUNNING, FINISHING = "starting", "running", "finishing"
@@ -63,10 +63,10 @@ class Heartbeat:
         self.state = FINISHING
         self._wake.set()
 
-    def message(self) -> dict:
-        """One heartbeat's metadata."""
-        return {"rank": self.rank, "state": self.state, "interval": self.interval, "settings": self._settings,
-                **_progress.snapshot()}
+    def message(self) -> Progress:
+        """One heartbeat."""
+        return Progress(rank=self.rank, state=self.state, interval=self.interval, settings=self._settings,
+                        **_progress.snapshot())
 
     def _run(self) -> None:
         client, failures = None, 0
@@ -74,7 +74,7 @@ class Heartbeat:
             try:
                 if client is None:
                     client = ServiceClient(self._address, self._secret, connect_timeout=_RECONNECT_TIMEOUT_S)
-                client.notify(Kind.PROGRESS, self.message())
+                client.tell(self.message())
                 failures = 0
             except (OSError, ConnectionError) as exc:  # evicted by a flooded listener, or the driver is gone
                 if client is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from ..._common import context as _context
-from ..._common.protocol import Kind
+from ..._common.driver_messages import Log
 
 
 def log_to_driver(message) -> None:
@@ -18,4 +18,4 @@ def log_to_driver(message) -> None:
     if ctx is None:
         print(message, file=sys.stdout, flush=True)
         return
-    ctx.client.notify(Kind.LOG, {"rank": ctx.placement.rank, "stream": "driver", "lines": str(message).splitlines()})
+    ctx.client.tell(Log(rank=ctx.placement.rank, stream="driver", lines=str(message).splitlines()))

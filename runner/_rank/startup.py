@@ -20,10 +20,10 @@ _BLAS_SET_THREADS = ("openblas_set_num_threads", "openblas_set_num_threads64_",
                      "scipy_openblas_set_num_threads", "scipy_openblas_set_num_threads64_")
 
 
-def prepare(env) -> None:
-    """Set this process's state as a fresh ``python`` with the environment ``env`` has it: the default signal
-    handlers, the CPU thread counts that ``env`` asks for (runner/_agent/env.py computes them), a NumPy generator
-    seeded from the OS, and the temp folder found again from ``env``."""
+def prepare(env=None) -> None:
+    """Set this process's state as a fresh ``python`` with the environment ``env`` (None: this process's) has it:
+    the default signal handlers, the CPU thread counts that ``env`` asks for (runner/_agent/env.py computes them), a
+    NumPy generator seeded from the OS, and the temp folder found again from the environment."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -34,7 +34,7 @@ def prepare(env) -> None:
         sys.modules["tempfile"].tempdir = None
 
 
-def apply_threads(env) -> None:
+def apply_threads(env=None) -> None:
     """What the rank's environment would have set when torch's OpenMP and numpy's OpenBLAS loaded."""
     omp = settings.OMP_NUM_THREADS.get(env) or ""
     torch = sys.modules.get("torch")

@@ -17,10 +17,11 @@ import cloudpickle
 
 from ..._common import commits as _commits
 from ..._common import context as _context
+from ..._common import driver_messages as dm
 from ..._common import protocol as _protocol
 from ..._common import settings
 from ..._common.client import ServiceClient
-from ..._common.protocol import SECRET_BYTES, Kind
+from ..._common.protocol import SECRET_BYTES
 from ..._common.topology import Placement
 from .._payload import payload as _payload
 from .._shared.host import rank_address
@@ -50,7 +51,7 @@ def main() -> int:
     beat = Heartbeat.start(address, secret, rank,  # for the stall report and lost-rank check
                            on_lost=lambda reason: leave(rank, reason))
     try:
-        fn, kwargs = _payload.loads(client.request(Kind.FETCH).blob)  # verified frame
+        fn, kwargs = _payload.loads(client.ask(dm.Fetch()).blob)  # verified frame
     except ModuleNotFoundError as exc:
         report_failure(client, rank, ModuleNotFoundError(
             f"rank {rank} cannot import module {exc.name!r}, which the training function "
@@ -113,7 +114,7 @@ def _raised_in(exc: BaseException, function: str) -> bool:
 def _ship(client: ServiceClient, rank: int, value) -> int:
     """Send the function's return value to the driver (where the driver keeps it); returns the exit code."""
     if rank != 0 and settings.RETURN.get() == "0":
-        client.request(Kind.RESULT, {"rank": rank})  # run() keeps rank 0's only: nothing to ship
+        client.ask(dm.Result(rank))  # run() keeps rank 0's only: nothing to ship
         return 0
     try:
         blob = cloudpickle.dumps(value)
@@ -130,7 +131,7 @@ def _ship(client: ServiceClient, rank: int, value) -> int:
             f"{_size(limit)} the driver takes; save it to shared storage on the rank (torch.save to a path every "
             "host and the driver reach) and return the path instead."))
         return FAILED_EXIT_CODE
-    client.request(Kind.RESULT, {"rank": rank}, blob)
+    client.ask(dm.Result(rank), blob)
     return 0
 
 
@@ -153,5 +154,5 @@ def run() -> int:
 
 
 if __name__ == "__main__":  # a fresh rank; a forked one runs startup.prepare in runner/_warm/child.py
-    startup.prepare(os.environ)
+    startup.prepare()
     sys.exit(run())

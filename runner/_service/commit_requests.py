@@ -10,7 +10,8 @@ import logging
 import time
 
 from ..._common.commits import HostUpdateResult
-from ..._common.protocol import AuthenticatedChannel, Kind, Message
+from ..._common.driver_messages import Commit, Committed, Restore, Restored, encode
+from ..._common.protocol import AuthenticatedChannel, Kind
 
 log = logging.getLogger("sparkhvd.service")
 
@@ -25,36 +26,35 @@ class CommitHandlers:
             if self.hosts_updated is None:
                 self.hosts_updated = [time.time(), int(HostUpdateResult.added)]
 
-    def _commit(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
-        key = str(msg.meta["key"])
+    def _commit(self, channel: AuthenticatedChannel, commit: Commit, blob: bytes, peer: str) -> None:
+        key = commit.key
         with self.cv:
             if self.finished:  # a frame received as the attempt ended: the next attempt's commits must not meet it
-                return self._refuse(channel, f"commit {msg.meta.get('seq')} of {key} arrived after this attempt had "
+                return self._refuse(channel, f"commit {commit.seq} of {key} arrived after this attempt had "
                                              "ended, so it was not kept.")
             # A restarted attempt's commit made before it loaded the previous one (a commit before hvd.elastic.run)
             # must not replace it: the next RESTORE would resume from the start.
             stale = key not in self._restored and self.commits.attempt_of(key) not in (None, self.attempt)
             update = self.hosts_updated
         if stale:
-            return channel.send(Kind.OK, {"kept": False})
+            return channel.send(Kind.OK, encode(Committed(kept=False)))
         try:
-            kept = self.commits.put(msg.meta, msg.blob, attempt=self.attempt)
+            kept = self.commits.put(encode(commit), blob, attempt=self.attempt)
         except OSError as exc:
-            log.warning("sparkhvd driver service: could not keep commit %s of %s: %s", msg.meta.get("seq"), key, exc)
-            return self._refuse(channel, f"the driver could not keep commit {msg.meta.get('seq')} of {key} "
-                                         f"({len(msg.blob)} bytes): {exc}; free space there, or pass "
+            log.warning("sparkhvd driver service: could not keep commit %s of %s: %s", commit.seq, key, exc)
+            return self._refuse(channel, f"the driver could not keep commit {commit.seq} of {key} "
+                                         f"({len(blob)} bytes): {exc}; free space there, or pass "
                                          "HorovodRunner(commit_dir=URL) to keep commits on shared storage.")
-        channel.send(Kind.OK, {"kept": kept, **({"hosts_updated": update} if update else {})})
+        channel.send(Kind.OK, encode(Committed(kept=kept, hosts_updated=update or None)))
 
-    def _restore(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
+    def _restore(self, channel: AuthenticatedChannel, restore: Restore, blob: bytes, peer: str) -> None:
         with self.cv:
-            self._restored.add(str(msg.meta["key"]))
-        commit = self.commits.get(str(msg.meta["key"]))
-        if msg.meta.get("data", True):
+            self._restored.add(restore.key)
+        commit = self.commits.get(restore.key)
+        if restore.data:
             on_restore, self._on_restore = self._on_restore, None
             if on_restore is not None:
                 on_restore(None if commit is None else commit.meta)
         if commit is None:
-            return channel.send(Kind.OK, {"found": False})
-        channel.send(Kind.OK, {"found": True, "commit": commit.meta},
-                     commit.data() if msg.meta.get("data", True) else b"")
+            return channel.send(Kind.OK, encode(Restored(found=False)))
+        channel.send(Kind.OK, encode(Restored(found=True, commit=commit.meta)), commit.data() if restore.data else b"")

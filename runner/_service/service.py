@@ -29,6 +29,7 @@ import time
 from types import MappingProxyType
 from typing import Callable
 
+from ..._common.driver_messages import ONE_WAY, Aborted, MessageError, Refusal, decode_request, encode
 from ..._common.listener import GuardedListener, Handshake, RefusalTally, Refused
 from ..._common.protocol import (
     _HEADER,
@@ -62,6 +63,7 @@ FIRST_FRAME_TIMEOUT_S = 30.0  # a connection's first frame header must be authen
 # hvd.init() after hvd.shutdown() and for user code that opens its own clients.
 CONNECTIONS_PER_RANK = 32
 CONNECTIONS_EXTRA = 64
+BAD_FRAMES_LOGGED = 5  # malformed one-way frames logged per run; the rest are counted in bad_frames
 
 
 class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers):
@@ -91,7 +93,7 @@ class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers)
         self.agents_gone: set[int] = set()  # tasks whose agent's connection closed: no exit will come from them
         # what the ranks report (_service/reports.py)
         self._on_log = on_log or (lambda rank, stream, lines, progress: None)
-        self.bad_logs = 0  # LOG frames refused as malformed (the first few are logged)
+        self.bad_frames = 0  # one-way frames (LOG, PROGRESS) dropped as malformed (the first few are logged)
         self.results: dict[int, bytes] = {}
         self.failures: list[Failure] = []
         self.exits: dict[int, int] = {}
@@ -232,10 +234,16 @@ class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers)
                 if handler is None:
                     raise ProtocolError(f"unknown frame kind {msg.kind}")
                 try:
-                    handler(channel, msg, peer)
+                    request = decode_request(msg.kind, msg.meta, np=self.np)
+                except MessageError as exc:
+                    self._bad_frame(channel, Kind(msg.kind), exc, peer)
+                    msg = channel.recv()
+                    continue
+                try:
+                    handler(channel, request, msg.blob, peer)
                 except (ProtocolError, OSError):
                     raise
-                except Exception as exc:  # noqa: BLE001 - a malformed request from an authenticated peer
+                except Exception as exc:  # noqa: BLE001 - a request from an authenticated peer that breaks a handler
                     log.warning("sparkhvd driver service: bad %s request from %s: %r", Kind(msg.kind).name, peer, exc)
                     self._refuse(channel, f"the driver service could not handle a {Kind(msg.kind).name} request: "
                                           f"{type(exc).__name__}: {exc}")
@@ -272,10 +280,29 @@ class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers)
             return True
 
     def _refuse(self, channel: AuthenticatedChannel, text: str) -> None:
-        channel.send(Kind.ERR, {"message": text})
+        channel.send(Kind.ERR, encode(Refusal(text)))
 
     def _abort_reply(self, channel: AuthenticatedChannel) -> None:
-        channel.send(Kind.ABORT, {"reason": self.aborted or "the run has finished"})
+        channel.send(Kind.ABORT, encode(Aborted(self.aborted or "the run has finished")))
+
+    def _bad_frame(self, channel: AuthenticatedChannel, kind: Kind, exc: MessageError, peer: str) -> None:
+        """A frame whose meta is not its kind's message: a request is refused with the sentence; a one-way frame
+        (LOG, PROGRESS) is logged and dropped, never answered (an answer would be read as the reply to that
+        connection's next request)."""
+        if kind not in ONE_WAY:
+            log.warning("sparkhvd driver service: refused a %s frame from %s because %s", kind.name, peer, exc)
+            return self._refuse(channel, f"the driver service refused a {kind.name} frame because {exc}; the sender "
+                                         "runs another sparkhvd version than the driver: install the same version on "
+                                         "the driver and the executors.")
+        with self.cv:
+            self.bad_frames += 1
+            count = self.bad_frames
+        if count <= BAD_FRAMES_LOGGED:
+            log.warning("sparkhvd driver service: refused a %s frame from %s because %s; it is dropped and the "
+                        "connection stays open. The task that sent it runs another sparkhvd version than the driver: "
+                        "install the same version on the driver and the executors.%s", kind.name, peer, exc,
+                        " Further malformed one-way frames are counted, not logged." if count == BAD_FRAMES_LOGGED
+                        else "")
 
 
 class _DriverGreeting(Handshake):
@@ -308,10 +335,10 @@ class _DriverGreeting(Handshake):
     def unserved(self, reason: str) -> bytes:
         """Tell a real client it was dropped unserved, so it can connect again (see ServiceClient)."""
         try:
-            self._channel.send(Kind.ERR, {"unserved": True, "message": (
+            self._channel.send(Kind.ERR, encode(Refusal(unserved=True, message=(
                 f"{self._service.tally.what} dropped this connection before its first request arrived ({reason}); "
                 "the driver's log says whether its port is flooded with connections that never authenticate, and "
-                "from where.")})
+                "from where."))))
         except (OSError, ValueError):
             pass
         return b""

@@ -6,7 +6,18 @@ Part of ``DriverService`` (``_service/service.py``), whose ``store`` these handl
 
 from __future__ import annotations
 
-from ..._common.protocol import AuthenticatedChannel, Kind, Message
+from ..._common.driver_messages import (
+    StoreAdd,
+    StoreCas,
+    StoreCheck,
+    StoreDelete,
+    StoreGet,
+    StoreSet,
+    StoreValue,
+    StoreWait,
+    encode,
+)
+from ..._common.protocol import AuthenticatedChannel, Kind
 from ..._common.rendezvous import RendezvousStore, StoreClosed, StoreTimeout
 
 STORE_KINDS = (Kind.STORE_SET, Kind.STORE_GET, Kind.STORE_ADD, Kind.STORE_CHECK, Kind.STORE_WAIT,
@@ -16,35 +27,34 @@ STORE_KINDS = (Kind.STORE_SET, Kind.STORE_GET, Kind.STORE_ADD, Kind.STORE_CHECK,
 class StoreHandlers:
     """The STORE_* requests. Uses ``DriverService``'s ``store``."""
 
-    def _store_request(self, channel: AuthenticatedChannel, msg: Message, peer: str) -> None:
+    def _store_request(self, channel: AuthenticatedChannel, request, blob: bytes, peer: str) -> None:
         """Answer a STORE_* request from ``self.store``: OK, or ABORT if the run ends first."""
         try:
-            meta, blob = call_store(self.store, msg)
+            meta, answer = call_store(self.store, request, blob)
         except StoreClosed:
             return self._abort_reply(channel)
         except StoreTimeout as exc:
             return self._refuse(channel, str(exc))
-        channel.send(Kind.OK, meta, blob)
+        channel.send(Kind.OK, meta, answer)
 
 
-def call_store(store: RendezvousStore, msg: Message) -> tuple[dict, bytes]:
-    """Decode a STORE_* request, call the store, and return the OK reply's meta and blob."""
-    meta = msg.meta
-    if msg.kind == Kind.STORE_SET:
-        store.set(meta["key"], msg.blob)
+def call_store(store: RendezvousStore, request, blob: bytes) -> tuple[dict, bytes]:
+    """Call the store for one STORE_* request (_common/driver_messages.py) and return the OK reply's meta and blob."""
+    if isinstance(request, StoreSet):
+        store.set(request.key, blob)
         return {}, b""
-    if msg.kind == Kind.STORE_GET:
-        return {}, store.get(meta["key"], meta.get("timeout"))
-    if msg.kind == Kind.STORE_ADD:
-        return {"value": store.add(meta["key"], int(meta["amount"]))}, b""
-    if msg.kind == Kind.STORE_CHECK:
-        return {"value": store.check(meta["keys"])}, b""
-    if msg.kind == Kind.STORE_WAIT:
-        store.wait(meta["keys"], meta.get("timeout"))
+    if isinstance(request, StoreGet):
+        return {}, store.get(request.key, request.timeout)
+    if isinstance(request, StoreAdd):
+        return encode(StoreValue(store.add(request.key, request.amount))), b""
+    if isinstance(request, StoreCheck):
+        return encode(StoreValue(store.check(request.keys))), b""
+    if isinstance(request, StoreWait):
+        store.wait(request.keys, request.timeout)
         return {}, b""
-    if msg.kind == Kind.STORE_CAS:
-        n = int(meta["expected_len"])
-        return {}, store.compare_set(meta["key"], msg.blob[:n], msg.blob[n:])
-    if msg.kind == Kind.STORE_DELETE:
-        return {"value": store.delete_key(meta["key"])}, b""
-    return {"value": store.num_keys()}, b""  # STORE_NUM_KEYS, the last of STORE_KINDS
+    if isinstance(request, StoreCas):
+        n = request.expected_len
+        return {}, store.compare_set(request.key, blob[:n], blob[n:])
+    if isinstance(request, StoreDelete):
+        return encode(StoreValue(store.delete_key(request.key))), b""
+    return encode(StoreValue(store.num_keys())), b""  # StoreNumKeys, the last of STORE_KINDS

@@ -312,11 +312,15 @@ def test_a_bar_shows_live_throttled_on_one_line(root, tmp_path):
 @pytest.mark.parametrize("meta, reason", [
     (["a"], r"its meta is a JSON list where an object was expected"),
     ({"rank": 2, "stream": "stdout", "lines": []}, r"its rank 2 is not a rank of this run \(0\.\.1\)"),
-    ({"rank": True, "stream": "stdout", "lines": []}, r"its rank True is not a rank of this run"),
+    ({"rank": True, "stream": "stdout", "lines": []}, r"its field 'rank' is True \(bool\) where a whole number was"),
     ({"rank": 0, "stream": "tty", "lines": []}, r"its stream 'tty' is not one of 'stdout', 'stderr', 'driver'"),
-    ({"rank": 0, "stream": "stdout", "lines": "abc"}, r"its lines are a str where a list of strings was expected"),
-    ({"rank": 0, "stream": "stdout", "lines": ["a", None]}, r"its lines hold a NoneType \(None\) where only strings"),
-    ({"rank": 0, "stream": "stdout", "lines": [], "progress": 5}, r"its progress is a int where a string was"),
+    ({"rank": 0, "stream": "stdout", "lines": "abc"}, r"its field 'lines' is 'abc' \(str\) where a list of strings was"),
+    ({"rank": 0, "stream": "stdout", "lines": ["a", None]}, r"its field 'lines' is \['a', None\] \(list\) where a "
+                                                            r"list of strings was expected"),
+    ({"rank": 0, "stream": "stdout", "lines": [], "progress": 5}, r"its field 'progress' is 5 \(int\) where a string "
+                                                                  r"or null was expected"),
+    ({"rank": 0, "lines": []}, r"it lacks its field 'stream'"),
+    ({"rank": 0, "stream": "stdout", "lines": [], "colour": "red"}, r"it has the field 'colour', which LOG does not"),
     ({"rank": 0, "stream": "stdout", "lines": [], "progress": "x" * (MAX_PROGRESS_CHARS + 1)},
      rf"its progress is {MAX_PROGRESS_CHARS + 1} characters long, over the {MAX_PROGRESS_CHARS}-character limit"),
 ])
@@ -335,7 +339,7 @@ def test_a_malformed_log_frame_is_refused_with_a_clear_error_and_the_connection_
         client.close()
         service.close()
     assert got == [(1, "stderr", ["ok"], "5%")]
-    assert service.bad_logs == 1
+    assert service.bad_frames == 1
     messages = [r.getMessage() for r in caplog.records if r.name == "sparkhvd.service"]
     assert len(messages) == 1
     assert messages[0].startswith("sparkhvd driver service: refused a LOG frame from 127.0.0.1")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import pickle
 import socket
 import struct
@@ -10,6 +11,7 @@ import time
 import pytest
 
 from sparkhvd._common.client import ServiceClient, ServiceError
+from sparkhvd._common.driver_messages import Register, StoreSet
 from sparkhvd._common.protocol import _HEADER, MAGIC, NONCE_BYTES, AuthenticatedChannel, Kind, ProtocolError, new_secret
 from sparkhvd.runner._service.service import DriverService
 
@@ -170,7 +172,43 @@ def test_client_refuses_a_non_sparkhvd_server():
 def test_register_refuses_bad_task_index(service):
     client = ServiceClient(service.address, service._secret)
     with pytest.raises(ServiceError, match=r"task index 7 is outside 0..1"):
-        client.request(Kind.REGISTER, {"task": 7, "host": "h"})
+        client.ask(Register(task=7, host="h", host_id="h", pid=1, gpus=[], devices=[]))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind, meta, reason", [
+    (Kind.REGISTER, {"task": 0, "host": "h"}, r"it lacks its field 'host_id'"),
+    (Kind.EXIT, {"rank": 0, "code": 1, "signal": 9}, r"it has the field 'signal', which EXIT does not have \('rank', "
+                                                    r"'code'\)"),
+    (Kind.RESULT, {"rank": "0"}, r"its field 'rank' is '0' \(str\) where a whole number was expected"),
+    (Kind.ERROR, {"rank": 5, "type": "E", "message": "m"}, r"its rank 5 is not a rank of this run \(0\.\.1\)"),
+    (Kind.STORE_ADD, ["k", 1], r"its meta is a JSON list where an object was expected"),
+])
+def test_a_request_that_is_not_its_kinds_message_is_refused_with_the_field_and_the_fix(service, kind, meta, reason):
+    client = ServiceClient(service.address, service._secret)
+    try:
+        with pytest.raises(ServiceError, match=rf"^the driver service refused a {kind.name} frame because {reason}; "
+                                               r"the sender runs another sparkhvd version than the driver: install the "
+                                               r"same version on the driver and the executors\.$"):
+            client.request(kind, meta)
+        client.ask(StoreSet(key="k"), b"v")  # the connection goes on
+    finally:
+        client.close()
+    assert service.status().exits == {} and service.status().results == {}
+
+
+@pytest.mark.unit
+def test_a_malformed_heartbeat_is_dropped_unanswered_and_the_connection_goes_on(service, caplog):
+    caplog.set_level(logging.WARNING, logger="sparkhvd.service")
+    client = ServiceClient(service.address, service._secret)
+    try:
+        client.notify(Kind.PROGRESS, {"rank": 0, "state": "running"})  # no interval, no settings
+        client.ask(StoreSet(key="k"), b"v")  # answered next: no ERR was sent for the heartbeat
+    finally:
+        client.close()
+    assert service.status().progress == {} and service.bad_frames == 1
+    assert any("refused a PROGRESS frame from 127.0.0.1 because it lacks its field 'interval'; it is dropped"
+               in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.unit
