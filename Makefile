@@ -24,7 +24,7 @@ coverage: check-java $(STAMP)
 	rm -f .coverage .coverage.*
 	COVERAGE_FILE=$(CURDIR)/.coverage $(VPY) -m coverage run -m pytest -n 3 $(PYTEST_ARGS) || true
 	$(VPY) -m coverage combine -q || true  # a process killed while writing leaves a partial file: skipped
-	$(VPY) -m coverage report --precision=2 | tail -1
+	$(VPY) -m coverage report --precision=2 | grep "^TOTAL"  # not tail -1: skip_empty adds a line after it
 
 bench: check-java $(STAMP)
 	$(VPY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,bench]"

@@ -96,7 +96,141 @@ def _loss(losses, weights, outputs, labels, sample_weights):
     return total
 
 
+class _Fit:
+    """One rank's fit: the model, its optimizer, the loss and metrics, and the loop that ``hvd.elastic.run`` runs."""
+
+    def __init__(self, spec: FitSpec, framework: dict, hvd, torch, device, run: RunDir, model, optimizer):
+        self.spec, self.data, self.hvd, self.torch, self.device, self.run = spec, spec.data, hvd, torch, device, run
+        self.model, self.optimizer = model, optimizer
+        self.losses = framework["losses"]
+        self.loss_weights = framework["loss_weights"] or [1.0 / len(self.losses)] * len(self.losses)
+        self.metrics = framework["metrics"]
+        self.transform = framework["transformation_fn"]
+        self.input_shapes = framework["input_shapes"]
+        self.names = ["loss"] + [metric.__name__ if len(self.data.labels) == 1 else f"{metric.__name__}_{column.name}"
+                                 for metric in self.metrics for column in self.data.labels]
+
+    def tensors(self, batch):
+        """A batch's inputs, labels and sample weights (or None), as tensors on the rank's device."""
+        if self.transform is not None:
+            batch = self.transform(batch)
+        data, torch, device = self.data, self.torch, self.device
+        inputs = feature_tensors(batch, data.features, self.input_shapes, torch, device)
+        labels = label_tensors(batch, data.labels, torch, device)
+        weights = None
+        if data.weight is not None:
+            weights = torch.as_tensor(batch[data.weight.name], dtype=torch.float32, device=device)
+        return inputs, labels, weights
+
+    def add(self, sums: dict, rows: int, loss, outputs, labels) -> dict:
+        """``sums`` with a batch of ``rows`` rows added: its loss and metrics, weighted by rows."""
+        values = [float(loss)] + [float(metric(output, label)) for metric in self.metrics
+                                  for output, label in zip(outputs, labels)]
+        added = {"rows": sums.get("rows", 0) + rows}
+        added.update({name: sums.get(name, 0.0) + value * rows for name, value in zip(self.names, values)})
+        return added
+
+    def averaged(self, sums: dict) -> dict:
+        """The epoch's loss and metrics per row, over every rank's rows (the same names on every rank)."""
+        torch, hvd, names = self.torch, self.hvd, self.names
+        values = torch.tensor([float(sums.get("rows", 0))] + [float(sums.get(name, 0.0)) for name in names],
+                              dtype=torch.float64)
+        totals = hvd.allreduce(values, op=hvd.Sum, name="sparkhvd.ml.epoch_sums")
+        rows = max(totals[0].item(), 1.0)
+        return {name: totals[i + 1].item() / rows for i, name in enumerate(names)}
+
+    def validate(self, epoch: int) -> dict:
+        """The validation loss and metrics, averaged over the ranks; empty without validation data."""
+        data, spec, hvd, model = self.data, self.spec, self.hvd, self.model
+        if data.val_url is None:
+            return {}
+        sums: dict = {}
+        model.eval()
+        with self.torch.no_grad():
+            batches = epoch_batches(data.val_url, data.val_rows, rank=hvd.rank(), ranks=hvd.size(), epoch=0,
+                                    batch_size=spec.val_batch_size, shuffle=False, seed=0, equal_steps=False)
+            for step, (_, batch) in enumerate(batches):
+                if spec.validation_steps_per_epoch is not None and step >= spec.validation_steps_per_epoch:
+                    break
+                inputs, labels, weights = self.tensors(batch)
+                outputs = as_outputs(model(*inputs))
+                labels = matched(outputs, labels)
+                loss = _loss(self.losses, self.loss_weights, outputs, labels, weights)
+                sums = self.add(sums, len(inputs[0]), loss, outputs, labels)
+        return self.averaged(sums)
+
+    def checkpoint(self, state, epoch: int) -> None:
+        """Rank 0's checkpoint after ``epoch`` epochs: the state dicts (the lr as given), the epoch, the history."""
+        torch, model, optimizer, hvd = self.torch, self.model, self.optimizer, self.hvd
+
+        def write(out):
+            torch.save({"model": model.state_dict(), "optimizer": scaled_lr(optimizer.state_dict(), 1 / hvd.size()),
+                        "epoch": epoch, "history": state.history}, out)
+
+        self.run.write_checkpoint(epoch, {CHECKPOINT: write})
+
+    def loop(self, state):
+        """The epochs left, from the state's epoch and batch (``hvd.elastic.run`` runs it again after a reset)."""
+        spec, hvd = self.spec, self.hvd
+        per_epoch = steps(self.data.train_rows, hvd.size(), spec.batch_size)
+        if spec.train_steps_per_epoch is not None:
+            per_epoch = min(per_epoch, spec.train_steps_per_epoch)
+        if state.rank_sums is not None:  # resumed mid-epoch: this rank's own running sums
+            state.sums = state.rank_sums[hvd.rank()] if len(state.rank_sums) == hvd.size() else {}
+        for epoch in range(state.epoch, spec.epochs):
+            self._train_epoch(state, epoch, per_epoch)
+            self._end_epoch(state, epoch)
+        return state.history
+
+    def _train_epoch(self, state, epoch: int, per_epoch: int) -> None:
+        """The epoch's steps from the state's on; with restarts, a commit every ``batches_per_commit`` steps."""
+        spec, hvd, model, optimizer, data = self.spec, self.hvd, self.model, self.optimizer, self.data
+        model.train()
+        done = state.steps
+        batches = epoch_batches(data.train_url, data.train_rows, rank=hvd.rank(), ranks=hvd.size(), epoch=epoch,
+                                batch_size=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed, skip=state.batch)
+        for consumed, batch in batches:
+            if done >= per_epoch:
+                break
+            inputs, labels, weights = self.tensors(batch)
+            outputs = as_outputs(model(*inputs))
+            labels = matched(outputs, labels)
+            loss = _loss(self.losses, self.loss_weights, outputs, labels, weights)
+            (loss / spec.backward_passes_per_step if spec.backward_passes_per_step > 1 else loss).backward()
+            done += 1
+            if done % spec.backward_passes_per_step == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+            state.sums = self.add(state.sums, len(inputs[0]), loss.detach(), [o.detach() for o in outputs], labels)
+            state.steps, state.batch = done, state.batch + consumed
+            if spec.batches_per_commit and done % spec.batches_per_commit == 0 \
+                    and done % spec.backward_passes_per_step == 0:
+                # every rank's sums (the committed state is rank 0's): a collective, at the same step on every rank
+                state.rank_sums = hvd.allgather_object(state.sums, name="sparkhvd.ml.commit_sums")
+                state.commit()
+
+    def _end_epoch(self, state, epoch: int) -> None:
+        """The epoch's history entry and line; the state at the next epoch, checkpointed (rank 0) and committed."""
+        spec, hvd = self.spec, self.hvd
+        entry = {"epoch": epoch, "train": self.averaged(state.sums)}
+        val = self.validate(epoch)
+        if val:
+            entry["validation"] = val
+        state.history = [*state.history, entry]
+        if spec.verbose and hvd.rank() == 0:
+            shown = ", ".join(f"{k} {v:.6g}" for k, v in entry["train"].items())
+            if val:
+                shown += ", " + ", ".join(f"val_{k} {v:.6g}" for k, v in val.items())
+            print(f"epoch {epoch + 1}/{spec.epochs}: {shown}", flush=True)
+        state.epoch, state.batch, state.steps, state.sums, state.rank_sums = epoch + 1, 0, 0, {}, None
+        if hvd.rank() == 0:
+            self.checkpoint(state, epoch + 1)
+        if spec.batches_per_commit:
+            state.commit()
+
+
 def train(spec: FitSpec, framework: dict):
+    """Fit the run's model on this rank's shards; rank 0 returns the history, the others None."""
     import torch
 
     import sparkhvd.collective.torch as hvd
@@ -112,113 +246,6 @@ def train(spec: FitSpec, framework: dict):
                                          backward_passes_per_step=spec.backward_passes_per_step)
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, epoch=start_epoch, batch=0,
                                    steps=0, history=history, sums={}, rank_sums=None)
-    data = spec.data
-    losses = framework["losses"]
-    loss_weights = framework["loss_weights"] or [1.0 / len(losses)] * len(losses)
-    metrics = framework["metrics"]
-    transform = framework["transformation_fn"]
-    input_shapes = framework["input_shapes"]
-
-    def tensors(batch):
-        if transform is not None:
-            batch = transform(batch)
-        inputs = feature_tensors(batch, data.features, input_shapes, torch, device)
-        labels = label_tensors(batch, data.labels, torch, device)
-        weights = None
-        if data.weight is not None:
-            weights = torch.as_tensor(batch[data.weight.name], dtype=torch.float32, device=device)
-        return inputs, labels, weights
-
-    names = ["loss"] + [metric.__name__ if len(data.labels) == 1 else f"{metric.__name__}_{column.name}"
-                        for metric in metrics for column in data.labels]
-
-    def add(sums: dict, rows: int, loss, outputs, labels) -> dict:
-        """``sums`` with a batch of ``rows`` rows added: its loss and metrics, weighted by rows."""
-        values = [float(loss)] + [float(metric(output, label)) for metric in metrics
-                                  for output, label in zip(outputs, labels)]
-        added = {"rows": sums.get("rows", 0) + rows}
-        added.update({name: sums.get(name, 0.0) + value * rows for name, value in zip(names, values)})
-        return added
-
-    def averaged(sums: dict) -> dict:
-        """The epoch's loss and metrics per row, over every rank's rows (the same names on every rank)."""
-        values = torch.tensor([float(sums.get("rows", 0))] + [float(sums.get(name, 0.0)) for name in names],
-                              dtype=torch.float64)
-        totals = hvd.allreduce(values, op=hvd.Sum, name="sparkhvd.ml.epoch_sums")
-        rows = max(totals[0].item(), 1.0)
-        return {name: totals[i + 1].item() / rows for i, name in enumerate(names)}
-
-    def validate(epoch: int) -> dict:
-        if data.val_url is None:
-            return {}
-        sums: dict = {}
-        model.eval()
-        with torch.no_grad():
-            batches = epoch_batches(data.val_url, data.val_rows, rank=hvd.rank(), ranks=hvd.size(), epoch=0,
-                                    batch_size=spec.val_batch_size, shuffle=False, seed=0, equal_steps=False)
-            for step, (_, batch) in enumerate(batches):
-                if spec.validation_steps_per_epoch is not None and step >= spec.validation_steps_per_epoch:
-                    break
-                inputs, labels, weights = tensors(batch)
-                outputs = as_outputs(model(*inputs))
-                labels = matched(outputs, labels)
-                sums = add(sums, len(inputs[0]), _loss(losses, loss_weights, outputs, labels, weights), outputs, labels)
-        return averaged(sums)
-
-    def checkpoint(epoch: int) -> None:
-        def write(out):
-            torch.save({"model": model.state_dict(), "optimizer": scaled_lr(optimizer.state_dict(), 1 / hvd.size()),
-                        "epoch": epoch, "history": state.history}, out)
-
-        run.write_checkpoint(epoch, {CHECKPOINT: write})
-
-    @hvd.elastic.run
-    def loop(state):
-        per_epoch = steps(data.train_rows, hvd.size(), spec.batch_size)
-        if spec.train_steps_per_epoch is not None:
-            per_epoch = min(per_epoch, spec.train_steps_per_epoch)
-        if state.rank_sums is not None:  # resumed mid-epoch: this rank's own running sums
-            state.sums = state.rank_sums[hvd.rank()] if len(state.rank_sums) == hvd.size() else {}
-        for epoch in range(state.epoch, spec.epochs):
-            model.train()
-            done = state.steps
-            batches = epoch_batches(data.train_url, data.train_rows, rank=hvd.rank(), ranks=hvd.size(), epoch=epoch,
-                                    batch_size=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed, skip=state.batch)
-            for consumed, batch in batches:
-                if done >= per_epoch:
-                    break
-                inputs, labels, weights = tensors(batch)
-                outputs = as_outputs(model(*inputs))
-                labels = matched(outputs, labels)
-                loss = _loss(losses, loss_weights, outputs, labels, weights)
-                (loss / spec.backward_passes_per_step if spec.backward_passes_per_step > 1 else loss).backward()
-                done += 1
-                if done % spec.backward_passes_per_step == 0:
-                    optimizer.step()
-                    optimizer.zero_grad()
-                state.sums = add(state.sums, len(inputs[0]), loss.detach(), [o.detach() for o in outputs], labels)
-                state.steps, state.batch = done, state.batch + consumed
-                if spec.batches_per_commit and done % spec.batches_per_commit == 0 \
-                        and done % spec.backward_passes_per_step == 0:
-                    # every rank's sums (the committed state is rank 0's): a collective, at the same step on every rank
-                    state.rank_sums = hvd.allgather_object(state.sums, name="sparkhvd.ml.commit_sums")
-                    state.commit()
-            entry = {"epoch": epoch, "train": averaged(state.sums)}
-            val = validate(epoch)
-            if val:
-                entry["validation"] = val
-            state.history = [*state.history, entry]
-            if spec.verbose and hvd.rank() == 0:
-                shown = ", ".join(f"{k} {v:.6g}" for k, v in entry["train"].items())
-                if val:
-                    shown += ", " + ", ".join(f"val_{k} {v:.6g}" for k, v in val.items())
-                print(f"epoch {epoch + 1}/{spec.epochs}: {shown}", flush=True)
-            state.epoch, state.batch, state.steps, state.sums, state.rank_sums = epoch + 1, 0, 0, {}, None
-            if hvd.rank() == 0:
-                checkpoint(epoch + 1)
-            if spec.batches_per_commit:
-                state.commit()
-        return state.history
-
-    history = loop(state)
+    fit = _Fit(spec, framework, hvd, torch, device, run, model, optimizer)
+    history = hvd.elastic.run(fit.loop)(state)
     return history if hvd.rank() == 0 else None

@@ -11,6 +11,16 @@ its tensors, batch norm, callbacks.
 from __future__ import annotations
 
 from .._engine.ops import HorovodInternalError
+from ._allgather import allgather_async, grouped_allgather_async, sparse_allreduce_async
+from ._allreduce import (
+                      allreduce_,
+                      allreduce_async,
+                      allreduce_async_,
+                      grouped_allreduce_,
+                      grouped_allreduce_async,
+                      grouped_allreduce_async_,
+)
+from ._barrier import barrier
 from ._basics import (
                       ccl_built,
                       cross_rank,
@@ -34,28 +44,12 @@ from ._basics import (
                       shutdown,
                       size,
 )
+from ._broadcast import broadcast_, broadcast_async, broadcast_async_
 from ._handles import poll, synchronize
 from ._objects import allgather_object, broadcast_object
-from ._ops import (
-                      allgather_async,
-                      allreduce_,
-                      allreduce_async,
-                      allreduce_async_,
-                      alltoall_async,
-                      barrier,
-                      broadcast_,
-                      broadcast_async,
-                      broadcast_async_,
-                      grouped_allgather_async,
-                      grouped_allreduce_,
-                      grouped_allreduce_async,
-                      grouped_allreduce_async_,
-                      grouped_reducescatter_async,
-                      reducescatter_async,
-                      sparse_allreduce_async,
-)
 from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from ._reduction import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from ._scatter import alltoall_async, grouped_reducescatter_async, reducescatter_async
 from ._timeline_api import start_timeline, stop_timeline
 
 __all__ = [

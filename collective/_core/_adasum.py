@@ -44,7 +44,7 @@ DTYPES = (torch.float16, torch.float32, torch.float64)
 _SQRT_DBL_MIN = math.sqrt(sys.float_info.min)  # adasum.h's threshold for a zero vector
 
 
-# ---- the math (the tests' oracle is a NumPy copy of it, tests/test_adasum.py) ---------------------------
+# ---- the math (the tests' oracle is a NumPy copy of it, tests/_adasum_oracle.py) ---------------------------
 
 def pair(a: torch.Tensor, b: torch.Tensor, counts: list) -> torch.Tensor:
     """Adasum of two flat vectors of one dtype, tensor by tensor (``counts``: each tensor's elements, in order).
@@ -204,7 +204,7 @@ class _Reduction:
 
 
 def allreduce_async_(tensor, name, prescale_factor, postscale_factor, process_set, what, fusable) -> object:
-    """``allreduce_async_`` with op=Adasum (``_ops.allreduce_async_`` hands it here)."""
+    """``allreduce_async_`` with op=Adasum (``_allreduce.allreduce_async_`` hands it here)."""
     local_size = hosts_per_reduction([tensor], process_set, what)
     require_member(process_set, what)
     desc = describe(tensor)

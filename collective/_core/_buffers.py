@@ -1,6 +1,6 @@
 """Fusion's shared parts: the threshold, the packing rule every rank cuts alike, and pooled flat buffers.
 
-Used by the engine's fused allreduces and grouped allreduces (``_ops.py``) and by torch's
+Used by the engine's fused allreduces and grouped allreduces (``_allreduce.py``) and by torch's
 DistributedOptimizer buckets (``collective/torch/_fusion.py``).
 """
 

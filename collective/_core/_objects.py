@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from .._engine import communicator as _engine
+from ._allgather import allgather_async
+from ._broadcast import broadcast_
 from ._handles import synchronize
-from ._ops import allgather_async, broadcast_
 from ._process_sets import global_process_set
 
 

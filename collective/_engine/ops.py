@@ -1,6 +1,6 @@
 """An op as the backend describes it (``Op``), and as its caller holds it while it runs (``Handle``).
 
-The backend (``collective/_core/_ops.py``) describes each collective with an ``Op``: what must agree
+The backend (``collective/_core/``: ``_allreduce.py``, ...) describes each collective with an ``Op``: what must agree
 across ranks, the bytes it sends inline, and ``launch``, which the engine calls with the
 coordinator's ``Answer`` to start the data movement. ``Engine.submit`` turns it into the ``Request``
 the coordinator sees and returns a ``Handle`` at once. Nothing here imports torch.

@@ -18,8 +18,10 @@ import weakref
 
 import torch
 
+from .._core._allreduce import allreduce_async_
+from .._core._barrier import check
 from .._core._handles import synchronize
-from .._core._ops import Adasum, allreduce_async_, check
+from .._core._reduction import Adasum
 from ._wrapped import WrappedOptimizer, check_passes
 
 

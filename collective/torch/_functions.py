@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .._core._broadcast import broadcast_
 from .._core._objects import broadcast_object
-from .._core._ops import broadcast_
 from .._core._process_sets import global_process_set
 from .._engine import communicator as _engine
 

@@ -19,7 +19,8 @@ import weakref
 
 import torch
 
-from .._core._ops import Sum, allreduce_async_
+from .._core._allreduce import allreduce_async_
+from .._core._reduction import Sum
 from .._core._scale import scale_
 
 

@@ -13,20 +13,14 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .._core._adasum import hosts_per_reduction
+from .._core._allgather import sparse_allreduce_async
+from .._core._allreduce import allreduce_async_
+from .._core._barrier import check
 from .._core._basics import size as _job_size
 from .._core._buffers import fusion_threshold
-from .._core._ops import (
-    Adasum,
-    Average,
-    ReduceOp,
-    Sum,
-    _resolve_op,
-    allreduce_async_,
-    check,
-    now,
-    sparse_allreduce_async,
-)
+from .._core._ops import now
 from .._core._process_sets import ProcessSet, global_process_set
+from .._core._reduction import Adasum, Average, ReduceOp, Sum, resolve_op
 from .._core._scale import scale_
 from ._adasum_optimizer import _AdasumMixin
 from ._compression import Compression
@@ -217,7 +211,7 @@ def _check_arguments(optimizer, op, gradient_predivide_factor: float, backward_p
     reduce with."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-    op = _resolve_op(op, None)
+    op = resolve_op(op, None)
     if op not in (Average, Sum, Adasum):
         raise ValueError(f"DistributedOptimizer reduces gradients with op=hvd.Average, hvd.Sum or hvd.Adasum, got "
                          f"{op.name}.")

@@ -13,8 +13,10 @@ from __future__ import annotations
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .._core._ops import Sum, allreduce_async_, now
+from .._core._allreduce import allreduce_async_
+from .._core._ops import now
 from .._core._process_sets import global_process_set
+from .._core._reduction import Sum
 from .._engine import communicator as _engine
 
 

@@ -49,7 +49,8 @@ class Launcher(abc.ABC):
 
 class Backend(abc.ABC):
     """Where a run's ranks run: a Spark barrier stage per attempt, a Spark Connect session's, or processes on the
-    driver. One object per run: it may keep what the run's attempts share (the executors it asked to replace)."""
+    driver. One object per run: it may keep what the run's attempts share (the executors it asked to replace).
+    ``prepare`` is called once, before any other method, which may rely on what it found."""
 
     #: The ``sparkhvd.runner._backends`` module name, for messages and tests ("local", "spark", "connect").
     name: str = ""

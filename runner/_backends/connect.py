@@ -23,6 +23,7 @@ from ..._common import settings
 from .._agent.agent import TaskSpec, run_task
 from .api import Backend, Launcher
 from .job import JobLauncher
+from .spark import check_barrier_conf, gpu_task_profile, max_slots
 from .spark_info import spark_reason
 
 
@@ -61,8 +62,6 @@ class Conf:
 def slots_bound(master: str, conf: Conf) -> int | None:
     """The most task slots the server's configuration allows, where it says: ``local[N]``, ``local``,
     ``local-cluster[...]`` and ``spark.cores.max``; None where only the cluster knows (no JVM here to ask)."""
-    from .spark import max_slots
-
     task_cpus = max(1, int(conf.get("spark.task.cpus", "1") or 1))
     if master == "local":
         return 1
@@ -75,8 +74,6 @@ def slots_bound(master: str, conf: Conf) -> int | None:
 def check(spark, np: int) -> str:
     """The pre-flight under Connect, failing in seconds with one sentence: dynamic allocation, the slots the
     configuration allows, and whether this process can serve the executors. Returns the address to bind."""
-    from .spark import check_barrier_conf
-
     _reachable(spark)
     conf = Conf(spark)
     try:
@@ -213,8 +210,6 @@ def _where(spark, *, master: bool = True) -> str:
 def _gpu_profile(spark):
     """One GPU per task where the executors have GPUs (spark.executor.resource.gpu.amount), as the classic launcher
     asks; None otherwise."""
-    from .spark import gpu_task_profile
-
     conf = Conf(spark)
     if float(conf.get("spark.executor.resource.gpu.amount", "0") or 0) <= 0:
         return None
