@@ -89,6 +89,8 @@ class TaskHandlers:
             channel.send(Kind.ABORT, encode(Aborted(aborted)))
 
 
-def _spark_task(value: list | None) -> tuple | None:
-    """A REGISTER frame's ``spark_task``: ``(stage id, task id)``, or None where absent or not a pair."""
-    return tuple(value) if value is not None and len(value) == 2 else None
+def _spark_task(value) -> tuple | None:
+    """A REGISTER frame's ``spark_task``: ``(stage id, task id)``, or None where absent or malformed."""
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(type(v) is int for v in value):
+        return tuple(value)
+    return None

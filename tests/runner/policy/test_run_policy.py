@@ -585,20 +585,21 @@ def test_stopping_an_attempt_does_not_wait_for_the_exit_of_ranks_whose_agent_is_
     import threading
 
     from sparkhvd._common.client import ServiceClient
-    from sparkhvd._common.protocol import Kind
+    from sparkhvd._common.driver_messages import Exit, Register
 
     secret = b"k" * 32
     service = DriverService(np=3, secret=secret, payload=b"")
     agents = [ServiceClient(service.address, secret) for _ in range(3)]
     try:
-        registering = [threading.Thread(target=agent.request, args=(Kind.REGISTER, {"task": t, "host": "h", "pid": t}))
+        registering = [threading.Thread(target=agent.ask, args=(Register(task=t, host="h", host_id="h", pid=t, gpus=[],
+                                                                          devices=[]),))
                        for t, agent in enumerate(agents)]
         for thread in registering:
             thread.start()
         for thread in registering:
             thread.join(60)
         ranks = [p.rank for p in service.placements]
-        agents[0].request(Kind.EXIT, {"rank": ranks[0], "code": 0})
+        agents[0].ask(Exit(rank=ranks[0], code=0))
         agents[1].close()  # its executor was lost, with the agent in it
         waiting = threading.Thread(target=service.wait_for_exits, args=(600,), daemon=True)
         waiting.start()
