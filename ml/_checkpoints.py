@@ -6,10 +6,15 @@ directory whose marker exists and whose files all have the listed sizes is ever 
 killed while writing one leaves an incomplete directory that the next fit ignores and rewrites,
 on every filesystem (object stores have no atomic rename). ``run.json`` records the model's
 fingerprint, so a ``run_id`` is never resumed with another model.
+
+Each fit's model (what the executors load to transform) is a file of its own, named by its
+content (``model-<digest>.pt``): a later fit of the run (a resume) writes its own beside it, so
+a fitted Model's file never changes, and none is deleted while a Model may still read it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import posixpath
 from typing import Callable
@@ -20,6 +25,13 @@ from ._store import Store
 
 MARKER = "_COMPLETE.json"
 RUN_FILE = "run.json"
+DIGEST_CHARS = 16  # of the sha256 in a model file's name: 64 bits, no collision among a run's fits
+
+
+def content_name(name: str, data: bytes) -> str:
+    """``name`` with the digest of ``data`` before its extension: ``model.pt`` becomes ``model-<digest>.pt``."""
+    stem, dot, extension = name.partition(".")
+    return f"{stem}-{hashlib.sha256(data).hexdigest()[:DIGEST_CHARS]}{dot}{extension}"
 
 
 class RunDir:
@@ -32,6 +44,19 @@ class RunDir:
 
     def file_url(self, name: str) -> str:
         return f"{self.url}/{name}"
+
+    def write_model(self, name: str, data: bytes) -> str:
+        """Write a fitted model's bytes as the file of their own, ``content_name(name, data)``; its URL.
+
+        A file there already holds these bytes (the same model fitted twice) and is kept as it is, unless a fit
+        killed while writing it left it cut short. No other model file of the run is touched: each is the file of a
+        Model that may still transform.
+        """
+        url = self.file_url(content_name(name, data))
+        info = self.store.filesystem.get_file_info(self.store.path_of(url))
+        if info.type != pafs.FileType.File or info.size != len(data):
+            self.store.write(url, data)
+        return url
 
     def checkpoint_url(self, epoch: int) -> str:
         return f"{self.checkpoints_url}/epoch-{epoch:05d}"

@@ -219,9 +219,7 @@ class KerasEstimator(HorovodEstimator):
         fitted = KerasModel(model=model, history=state["history"], feature_columns=self.getFeatureCols(),
                             label_columns=self.getLabelCols(), custom_objects=objects or None,
                             run_id=run.run_id, _metadata=metadata(spec))
-        model_url = run.file_url(MODEL)
-        run.store.write(model_url, data)  # the checkpoint's bytes: exactly the fitted model
-        fitted._use_file(model_url)
+        fitted._use_file(run.write_model(MODEL, data))  # the checkpoint's bytes: exactly the fitted model
         return fitted
 
 

@@ -31,7 +31,7 @@ from ._spec import FitSpec
 INITIAL = "initial.keras"  # the model as the ranks start it: compiled, its optimizer built
 CHECKPOINT = "checkpoint.keras"  # in each checkpoint directory: the model, its optimizer's state
 STATE = "state.json"  # beside it: the epochs done and the history
-MODEL = "model.keras"  # the fitted model: what the executors load
+MODEL = "model.keras"  # a saved model's file; a fit writes model-<digest>.keras (RunDir.write_model)
 _UNBUILT = "Skipping variable loading for optimizer"  # Keras's warning for a saved optimizer that never stepped
 
 

@@ -1,7 +1,8 @@
 """What every fitted model shares: ``transform`` through ``_predict.py``, ML persistence, ``getHistory``.
 
-The executors load the model from a file: the one ``fit`` wrote into the run's directory, or
-the one ``save`` wrote (``load`` points there). A model with no file (built by hand, or given
+The executors load the model from a file: the one ``fit`` wrote into the run's directory (its
+own, named by its content, which a later fit of the run never replaces), or the one ``save`` wrote
+(``load`` points there). A model with no file (built by hand, or given
 another model with ``setModel``) travels inside the Spark job instead, which Spark caps at 2 GB;
 save it to lift the cap.
 """
@@ -31,7 +32,7 @@ class HorovodModel(Model, ModelParams, Persisted):
         self._set_keywords(kwargs)
 
     def _use_file(self, url: str) -> None:
-        """The executors load the current model from ``url`` (which holds exactly it)."""
+        """The executors load the current model from ``url``, which holds exactly it and never changes."""
         self._file = (id(self.getModel()), url)
 
     def _loaded_from(self, path_url: str) -> None:

@@ -5,10 +5,10 @@ horovod.spark's names (``Store.create(prefix_path)``, ``LocalStore``, ``HDFSStor
 knows: a local path, ``file://``, ``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ``memory://``. Under
 the prefix::
 
-    intermediate_train_data/      the DataFrames written as Parquet (the converter's cache directories)
-    runs/<run_id>/run.json        which model the run trains, written by its first fit
-    runs/<run_id>/checkpoints/    one directory per finished epoch (``_checkpoints.py``)
-    runs/<run_id>/model.*         the fitted model, which the executors load to transform
+    intermediate_train_data/        the DataFrames written as Parquet (the converter's cache directories)
+    runs/<run_id>/run.json          which model the run trains, written by its first fit
+    runs/<run_id>/checkpoints/      one directory per finished epoch (``_checkpoints.py``)
+    runs/<run_id>/model-<digest>.*  each fit's model, its own file (named by its content), which transform loads
     runs/<run_id>/logs/
 
 Every worker must reach the prefix: a local path works on one machine (and on ``/dbfs``).

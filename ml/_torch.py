@@ -179,19 +179,15 @@ def final_checkpoint(run: RunDir, spec: FitSpec, name: str) -> dict:
 
 def fitted_model(model_class, estimator, run: RunDir, spec: FitSpec, state_dict: dict, history: list):
     """A ``model_class`` (TorchModel, LightningModel) holding a copy of the estimator's model with ``state_dict``, whose
-    file (``model.pt`` in the run's directory) the executors load."""
-    import torch
-
+    file (``model-<digest>.pt`` in the run's directory, its own: a later fit of the run writes another) the executors
+    load."""
     model = copy.deepcopy(estimator.getModel())
     model.load_state_dict(state_dict)
     model.eval()
     fitted = model_class(model=model, history=history, feature_columns=estimator.getFeatureCols(),
                          label_columns=estimator.getLabelCols(), run_id=run.run_id,
                          input_shapes=estimator.getInputShapes(), _metadata=metadata(spec))
-    model_url = run.file_url(MODEL)
-    with run.store.open_output(model_url) as out:
-        torch.save(model, out, pickle_module=cloudpickle)
-    fitted._use_file(model_url)
+    fitted._use_file(run.write_model(MODEL, fitted._serialize(model)))
     return fitted
 
 

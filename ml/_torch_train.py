@@ -19,7 +19,7 @@ from ._spec import FitSpec
 
 INITIAL = "initial.pt"  # the model and optimizer as given, pickled together (the optimizer holds the parameters)
 CHECKPOINT = "checkpoint.pt"  # in each checkpoint directory: the state dicts, the epoch, the history
-MODEL = "model.pt"  # the fitted model, whole: what the executors load
+MODEL = "model.pt"  # the fitted model, whole, in a save; a fit writes model-<digest>.pt (RunDir.write_model)
 
 
 def column_tensor(values, dtype, shape, torch, device=None):

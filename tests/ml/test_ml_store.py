@@ -3,6 +3,7 @@
 - a checkpoint counts only once its marker is written and every file it lists is whole, so a fit killed while
   writing one resumes from the one before;
 - a run_id is never resumed with another model;
+- each fit's model file is its own, named by its content: a later fit of the run writes another and touches none;
 - a Store that cannot be written says so before anything launches; fsspec-only URLs (memory://) work;
 - an epoch's batches hold every row once and give every rank the same number of steps, also where the reader's
   equal_steps would leave a row out, and a resumed epoch yields what the uninterrupted one did from there.
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import uuid
 
@@ -20,7 +22,7 @@ import pytest
 
 from sparkhvd.ml import Store
 from sparkhvd.ml._batches import epoch_batches, steps
-from sparkhvd.ml._checkpoints import MARKER, RunDir
+from sparkhvd.ml._checkpoints import MARKER, RunDir, content_name
 
 pytestmark = pytest.mark.unit
 
@@ -59,6 +61,23 @@ def test_a_run_id_is_never_resumed_with_another_model(tmp_path):
                                          r"\(a torch m.Net with 2 weight tensors, 3 parameters\), not of this one "
                                          r"\(a torch m.Net with 4 weight tensors, 9 parameters\); pass a new run_id"):
         RunDir(store, "price-v3").claim(other)
+
+
+def test_each_fits_model_file_is_its_own_named_by_its_content_and_never_replaced(tmp_path):
+    digest = hashlib.sha256(b"weights of fit 1").hexdigest()[:16]
+    assert content_name("model.pt", b"weights of fit 1") == f"model-{digest}.pt"
+    assert content_name("model.keras", b"weights of fit 1") == f"model-{digest}.keras"
+    run = RunDir(Store.create(str(tmp_path)), "r")
+    first = run.write_model("model.pt", b"weights of fit 1")
+    assert first == f"file://{tmp_path}/runs/r/model-{digest}.pt"
+    second = run.write_model("model.pt", b"weights of fit 2, trained further")  # a resume of the run
+    assert second != first
+    assert run.store.read(first) == b"weights of fit 1" and run.store.read(second) == b"weights of fit 2, trained further"
+    written = (tmp_path / "runs" / "r" / f"model-{digest}.pt").stat().st_mtime_ns
+    assert run.write_model("model.pt", b"weights of fit 1") == first  # the same model again: its file, untouched
+    assert (tmp_path / "runs" / "r" / f"model-{digest}.pt").stat().st_mtime_ns == written
+    (tmp_path / "runs" / "r" / f"model-{digest}.pt").write_bytes(b"weights")  # cut short by a killed fit: rewritten
+    assert run.write_model("model.pt", b"weights of fit 1") == first and run.store.read(first) == b"weights of fit 1"
 
 
 def test_a_store_that_cannot_be_written_says_so(tmp_path):

@@ -6,6 +6,8 @@
   its last commit or the failed fit is fitted again with its run_id (which trains only the epochs left and writes
   no Parquet);
 - several labels, a tensor column with input_shapes, an ML vector label, integer class labels;
+- a fitted Model never changes: a later fit with its run_id (a resume, trained further) leaves its predictions as
+  they were, on an executor that had loaded it and on one that had not;
 - a Pipeline with the estimator fits, saves and loads;
 - every bad input fails before the barrier stage launches, with one sentence.
 """
@@ -144,6 +146,24 @@ def test_a_fit_killed_mid_run_and_fitted_again_trains_only_the_epochs_left_and_w
     assert sorted((tmp_path / "store" / "intermediate_train_data").iterdir()) == data  # the same DataFrame's Parquet
     assert _same(_weights(model), _weights(uninterrupted))
     assert model.getHistory() == uninterrupted.getHistory()
+
+
+def test_a_fitted_model_predicts_the_same_after_a_later_fit_of_its_run_trains_further(df, tmp_path):
+    est = _estimator(tmp_path, epochs=1, num_proc=-2, run_id="r1")
+    first = est.fit(df)
+    before = [r.y__output for r in first.transform(df).select("y__output").collect()]
+    weights = _weights(first)
+    second = est.setEpochs(2).fit(df)  # resumes the run: one more epoch, other weights
+    assert [e["epoch"] for e in second.getHistory()] == [0, 1] and not _same(_weights(second), weights)
+    assert [r.y__output for r in first.transform(df).select("y__output").collect()] == before
+    assert [r.y__output for r in second.transform(df).select("y__output").collect()] != before
+    # an executor that had not loaded the first model yet loads it from its file: still the first fit's weights
+    spec = first._predict_spec()
+    features = [np.array([r.features.toArray() for r in df.select("features").collect()], dtype=np.float32)]
+    loaded = spec.load(spec.source, spec.blob, "cpu")(features)[0].reshape(-1)
+    np.testing.assert_allclose(loaded, before, rtol=1e-6)  # one batch of every row, not the executors' chunks
+    assert not np.allclose(loaded, second.getModel()(torch.from_numpy(features[0])).detach().numpy().reshape(-1))
+    assert spec.source != second._predict_spec().source  # each fit's own file
 
 
 class _TwoHeads(torch.nn.Module):
