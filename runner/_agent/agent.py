@@ -15,9 +15,11 @@ Its parts: ``runner/_agent/spec.py`` (what it is given), ``runner/_agent/env.py`
 from __future__ import annotations
 
 import os
+import select
 import socket
 import subprocess
 import threading
+import time
 from typing import Callable
 
 from ..._common import driver_messages as dm
@@ -31,7 +33,11 @@ from .output import forward_output
 from .process import kill_group, start_rank
 from .spec import TaskSpec
 
-PUMP_DRAIN_S = 5.0  # after the rank's process group is gone, its pipes close at once
+#: After the rank's process group is gone its pipes close, and its pumps forward what is left however long that
+#: takes. A pipe that stays open has a writer outside the group (a process the rank started in a session of its
+#: own): once it has had nothing to read for this long, its pump is left to forward what comes later.
+PUMP_QUIET_S = 5.0
+PUMP_MAX_S = 300.0  # and a pump still forwarding this long after the rank exited is left (a driver that stopped reading)
 
 
 def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[str] | None = None,
@@ -108,19 +114,43 @@ def _run_rank(client: ServiceClient, spec: TaskSpec, rank: int, env: dict,
         on_spawn(proc)
     proc.stdin.write(spec.secret)
     proc.stdin.close()
+    pipes = [(name, pipe, os.dup(pipe.fileno())) for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr))]
     pumps = [threading.Thread(target=forward_output, args=(client, rank, name, pipe), daemon=True)
-             for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+             for name, pipe, _ in pipes]
     for pump in pumps:
         pump.start()
     try:
         code = proc.wait()
-    except BaseException:  # the Spark task was killed: take the rank process with us
+    finally:  # whatever the rank started and left running goes with it; or the Spark task was killed: all of it
         kill_group(proc)
-        raise
-    kill_group(proc)  # whatever the rank started and left running goes with it
-    for pump in pumps:
-        pump.join(PUMP_DRAIN_S)
+    try:
+        for pump, (_, _, fd) in zip(pumps, pipes):
+            drain(pump, fd)
+    finally:
+        for _, _, fd in pipes:
+            os.close(fd)
     return code
+
+
+def drain(pump: threading.Thread, fd: int, quiet_s: float = PUMP_QUIET_S, most_s: float = PUMP_MAX_S) -> bool:
+    """Wait until ``pump`` has forwarded its pipe to the end; ``fd``: the agent's own descriptor of that pipe (a
+    ``dup``, so it stays valid when the pump closes its copy). Returns False if it gave up: the pipe stayed open with
+    nothing to read for ``quiet_s`` (a writer outside the rank's group holds it; the pump has read and sent all
+    there was), or the pump was still sending after ``most_s``. A pump that is behind, on a loaded machine, is waited
+    for as long as its pipe has data or its end has not been read."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    started = quiet_since = time.monotonic()
+    while pump.is_alive():
+        now = time.monotonic()
+        if poller.poll(0):  # data not yet read, or the writers gone (the pump reads the end, then stops)
+            quiet_since = now
+        elif now - quiet_since >= quiet_s:
+            return False
+        if now - started >= most_s:
+            return False
+        pump.join(0.05)
+    return True
 
 
 def _report(client: ServiceClient, report) -> None:
