@@ -100,6 +100,8 @@ class Error:
     type: str  # the exception's type name
     message: str  # its str()
     traceback: str = ""  # without sparkhvd's frames (runner/_rank/failure.py)
+    #: ``module.qualname`` of each class in the exception's MRO, by which the driver matches ``retry_on``
+    classes: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)

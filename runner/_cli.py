@@ -1,6 +1,7 @@
 """``sparkhvd run``: run a training script on np ranks from the shell (scheduled jobs, spark-submit).
 
     sparkhvd run --np 4 [--master URL | --remote sc://HOST:PORT] [--conf k=v ...] [--log-dir DIR] [--max-restarts N]
+                 [--retry-on EXCEPTION ... [--max-retries N]]
                  train.py [args...]
 
 Everything after the script path goes to the script. Exit status: 0 when every rank succeeded, 1 when
@@ -20,6 +21,7 @@ if __name__ == "__main__" and not __package__:
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import argparse
+import importlib
 import signal
 
 from sparkhvd._common import settings
@@ -46,6 +48,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--log-dir", help="where each rank's log (rank-<r>.log) goes (default: a new temp folder)")
     run.add_argument("--max-restarts", type=int, default=0, metavar="N",
                      help="relaunch every rank up to N times after an infrastructure failure (docs/elastic.md)")
+    run.add_argument("--retry-on", action="append", default=[], metavar="EXCEPTION",
+                     help="an exception class (OSError, or module.Class) that relaunches every rank from the last "
+                          "commit when a rank raises it; repeat for more")
+    run.add_argument("--max-retries", type=int, default=None, metavar="N",
+                     help="how many times --retry-on's exceptions relaunch the run (default 3)")
     run.add_argument("--start-timeout", type=float, default=None, metavar="SECONDS",
                      help="how long ranks have to start (default 120, or $SPARKHVD_START_TIMEOUT)")
     run.add_argument("script", help="the Python script every rank runs as __main__")
@@ -76,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         # that cannot run is bad usage (exit 2), before any session starts.
         main_fn, kwargs = as_payload(ns.script, tuple(ns.args), {})
         runner = HorovodRunner(ns.np, log_dir=ns.log_dir, max_restarts=ns.max_restarts,
-                               start_timeout=ns.start_timeout)
+                               start_timeout=ns.start_timeout, max_retries=ns.max_retries,
+                               retry_on=tuple(_exception_class(name) for name in ns.retry_on))
     except ValueError as exc:
         parser.error(str(exc))
     stopping = _StopOnSignal()
@@ -127,6 +135,19 @@ def _conf(parser: argparse.ArgumentParser, item: str) -> tuple[str, str]:
     if not sep or not key.strip():
         parser.error(f"--conf {item!r} is not KEY=VALUE; write e.g. --conf spark.executor.memory=4g.")
     return key.strip(), value
+
+
+def _exception_class(name: str) -> type:
+    """``--retry-on``'s class: a builtin's name (``OSError``) or ``module.Class``."""
+    module, _, attr = name.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module or "builtins"), attr)
+    except (ImportError, AttributeError, ValueError):
+        found = None
+    if not (isinstance(found, type) and issubclass(found, Exception)):
+        raise ValueError(f"--retry-on {name} names no exception class; give a builtin's name (OSError, TimeoutError) or "
+                         "module.Class of one the driver can import.")
+    return found
 
 
 def _under_spark_submit() -> bool:

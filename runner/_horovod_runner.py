@@ -57,15 +57,22 @@ class HorovodRunner:
     ``start_timeout``, a restart goes on with as many as there are, down to ``min_np``. ``max_np``:
     while Spark has free task slots, the run grows, up to ``max_np`` ranks (and a run a restart
     shrank, back to ``np``), at a commit: every rank leaves there and all are relaunched.
+
+    ``retry_on``: exception classes (``(OSError, TimeoutError)``, say) of transient errors in the user's own
+    code, an object store's 503 or a flaky read: a rank that raises one relaunches every rank from the last
+    commit, as an infrastructure failure does, up to ``max_retries`` times (default 3), a budget apart from
+    ``max_restarts``. Any other exception still fails the run at once.
     """
 
     def __init__(self, np: int, *, driver_log_verbosity: str = "all", start_timeout: float | None = None,
                  log_dir: str | None = None, network_interface: str | None = None, max_restarts: int = 0,
-                 min_np: int | None = None, max_np: int | None = None, commit_dir: str | None = None):
+                 min_np: int | None = None, max_np: int | None = None, commit_dir: str | None = None,
+                 retry_on: tuple = (), max_retries: int | None = None):
         self.config = RunnerConfig(np=np, driver_log_verbosity=driver_log_verbosity,
                                    start_timeout=start_timeout, log_dir=log_dir,
                                    network_interface=network_interface, max_restarts=max_restarts,
-                                   min_np=min_np, max_np=max_np, commit_dir=commit_dir)
+                                   min_np=min_np, max_np=max_np, commit_dir=commit_dir, retry_on=retry_on,
+                                   max_retries=max_retries)
         self.last_result: RunResult | None = None
 
     @classmethod
@@ -119,7 +126,8 @@ class HorovodRunner:
         cluster = _Cluster(backend, cfg, run_id=run_id, payload=payload, logs=logs, commits=commits,
                            every_value=every_value, env=env, bind_host=bind_host)
         policy = RunPolicy(cluster, logs, np=np, start_timeout=cfg.start_timeout, run_id=run_id,
-                           max_restarts=cfg.max_restarts, min_np=cfg.min_np, max_np=cfg.max_np)
+                           max_restarts=cfg.max_restarts, min_np=cfg.min_np, max_np=cfg.max_np,
+                           retry_on=cfg.retry_names(), max_retries=cfg.max_retries)
         try:
             status = policy.run()
             self.last_result = _result(status, logs, run_id, payload, started, every_value, policy.restarts)

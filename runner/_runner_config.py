@@ -10,6 +10,8 @@ from ._service.commit_store import check_commit_dir
 from ._service.logs import VERBOSITIES
 from ._shared.framework_env import LAYOUTS
 
+DEFAULT_RETRIES = 3  # max_retries where retry_on names classes and max_retries is not given
+
 
 @dataclass
 class RunnerConfig:
@@ -30,6 +32,8 @@ class RunnerConfig:
     min_np: int | None = None
     max_np: int | None = None
     commit_dir: str | None = None
+    retry_on: tuple = ()  # the user's exception classes a run relaunches from its last commit, max_retries times
+    max_retries: int | None = None  # None: 3 where retry_on names classes, else 0
     layout: str = field(default="torchrun", kw_only=True)
     use_gpu: bool = field(default=True, kw_only=True)
     warn_unencrypted: bool = field(default=True, kw_only=True)
@@ -46,9 +50,32 @@ class RunnerConfig:
             raise ValueError(f"start_timeout={self.start_timeout!r} must be a positive number of seconds.")
         self._check_network_interface()
         self._check_elastic()
+        self._check_retries()
         if self.commit_dir is not None:
             check_commit_dir(self.commit_dir)
         self._check_drop_in_fields()
+
+    def _check_retries(self) -> None:
+        """retry_on and max_retries."""
+        classes = (self.retry_on,) if isinstance(self.retry_on, type) else self.retry_on
+        if not isinstance(classes, (tuple, list)) or not all(isinstance(c, type) and issubclass(c, Exception)
+                                                             for c in classes):
+            raise ValueError(f"retry_on={self.retry_on!r} must be an exception class or a tuple of them, such as "
+                             "retry_on=(OSError, TimeoutError): the exceptions a rank may raise that relaunch the run "
+                             "from its last commit.")
+        self.retry_on = tuple(classes)
+        if self.max_retries is None:
+            self.max_retries = DEFAULT_RETRIES if self.retry_on else 0
+        if not _whole(self.max_retries) or self.max_retries < 0:
+            raise ValueError(f"max_retries={self.max_retries!r} must be a whole number >= 0: how many times a rank's "
+                             "exception of retry_on relaunches the run from its last commit.")
+        if self.max_retries and not self.retry_on:
+            raise ValueError(f"max_retries={self.max_retries} retries the exceptions named by retry_on, and retry_on "
+                             "is empty; pass retry_on=(OSError, ...) too, or leave max_retries unset.")
+
+    def retry_names(self) -> tuple:
+        """``module.qualname`` of each ``retry_on`` class: what the driver matches a rank's exception by."""
+        return tuple(f"{c.__module__}.{c.__qualname__}" for c in self.retry_on)
 
     def _check_drop_in_fields(self) -> None:
         if self.layout not in LAYOUTS:

@@ -25,10 +25,13 @@ def explained(failures: list[Failure], dead: dict, launch_failure, lost) -> bool
     return bool(dead or launch_failure or lost or any(not is_collateral(f) for f in failures))
 
 
-def failure_error(service, logs, failures: list[Failure], dead: dict, launch_failure, lost, run_id, launcher):
+def failure_error(service, logs, failures: list[Failure], dead: dict, launch_failure, lost, run_id, launcher,
+                  retry_on: tuple = ()):
     """One HorovodRunError whose headline is the root cause; collateral errors come after it.
 
-    ``service``: anything with ``status()`` (the driver service), read once, now; ``logs``: the run's LogRouter.
+    ``service``: anything with ``status()`` (the driver service), read once, now; ``logs``: the run's LogRouter;
+    ``retry_on``: ``module.qualname`` of the exception classes the run retries (``HorovodRunner(retry_on=)``): where
+    every rank's own exception is one of them, the error's ``retry_on`` names the class, and the run may retry it.
     """
     status = service.status()
     failures = sorted(failures, key=lambda f: f.arrived)
@@ -59,10 +62,20 @@ def failure_error(service, logs, failures: list[Failure], dead: dict, launch_fai
                             log_dir=logs.log_dir, run_id=run_id, retryable=retryable, cause=headline)
     if silent:
         error.silent_ranks = silent
+    error.retry_on = retried(causes, retry_on) if not launcher.fatal else None
     cause = _rebuilt(first.pickled) if first is not None and first.pickled else None
     if cause is not None:
         error.__cause__ = cause
     return error
+
+
+def retried(causes: list[Failure], retry_on: tuple) -> str | None:
+    """The ``retry_on`` class (``module.qualname``) the first root cause is an instance of, where every root cause is
+    an instance of one of them; None otherwise (no cause, or one the run does not retry)."""
+    if not causes or not retry_on:
+        return None
+    matches = [next((name for name in f.classes if name in retry_on), None) for f in causes]
+    return matches[0] if all(matches) else None
 
 
 def _root_causes(status, logs, causes: list[Failure], dead: dict, lost, launch_failure, launcher) -> list[str]:

@@ -16,8 +16,9 @@ FAILED     ``run`` raises the error, naming every attempt's failure
 =========  ==========================================================  =======================================
 
 An attempt that failed goes to SHRINK where a grown stage did not start, to RESTART where the
-failure is the infrastructure's and ``max_restarts`` allows another attempt, and to FAILED
-otherwise. WAIT and SUPERVISE read the service's ``RunStatus`` snapshots; ``_supervise.Watch``
+failure is the infrastructure's and ``max_restarts`` allows another attempt, or where every rank's
+own exception is one of ``retry_on``'s classes and ``max_retries`` allows another (a budget of its
+own), and to FAILED otherwise. WAIT and SUPERVISE read the service's ``RunStatus`` snapshots; ``_supervise.Watch``
 applies the rules that say when an attempt has ended. The policy reaches the world through
 small interfaces, a ``Cluster`` (launches attempts, knows the task slots) and the ``Service`` and
 ``Launcher`` each attempt gives it, so fakes stand in for Spark and the processes in tests
@@ -40,6 +41,9 @@ from . import supervise as _supervise
 from .result import RestartEvent, resumed
 from .stall_inspector import StallInspector
 from .supervise import FAILED, LEFT, Ended, Watch
+
+RESTARTS = "restart"  # an infrastructure failure, counted against max_restarts
+RETRIES = "retry"  # a user's exception of retry_on's classes, counted against max_retries
 
 
 class RunState(enum.Enum):
@@ -102,16 +106,21 @@ class Ending:
     counted: bool = True  # one of max_restarts (SHRINK's relaunch is not)
     cut_off: frozenset = frozenset()  # hosts whose ranks went silent: Spark is asked to replace their executors
     stamps: tuple = ()  # (step, time.monotonic()) of the failed attempt's end: RestartEvent.stamps
+    budget: str = RESTARTS  # which budget the relaunch counts against: RESTARTS or RETRIES
 
 
 class RunPolicy:
     """Runs attempts until the run is DONE (``run`` returns the last ``RunStatus``) or FAILED (``run`` raises)."""
 
     def __init__(self, cluster: Cluster, logs, *, np: int, start_timeout: float, run_id: str, max_restarts: int = 0,
-                 min_np: int | None = None, max_np: int | None = None, stalls=StallInspector, clock=time.monotonic):
+                 min_np: int | None = None, max_np: int | None = None, stalls=StallInspector, clock=time.monotonic,
+                 retry_on: tuple = (), max_retries: int = 0):
         self.cluster, self.logs, self.run_id = cluster, logs, run_id
         self.np, self.min_np, self.start_timeout = np, min_np, start_timeout
         self.attempts = max_restarts + 1
+        self.retry_on = retry_on  # module.qualname of the user's exception classes that max_retries relaunches
+        self.budgets = {RESTARTS: max_restarts, RETRIES: max_retries}  # relaunches each kind of failure may have
+        self.used = {RESTARTS: 0, RETRIES: 0}  # and has had
         self.stalls = stalls  # (np=, run_id=, log_dir=) -> a stall inspector for one attempt
         self.clock = clock
         self.state = RunState.START
@@ -158,7 +167,7 @@ class RunPolicy:
             event.stamps["launched"] = self.clock()
         can_grow = None if self.n >= self.target else (lambda: self.cluster.free_slots() > 0)
         self.watch = Watch(self.service, self.launcher, self.logs, np=self.n, start_timeout=self.start_timeout,
-                           run_id=self.run_id, can_grow=can_grow, clock=self.clock,
+                           run_id=self.run_id, can_grow=can_grow, clock=self.clock, retry_on=self.retry_on,
                            stalls=self.stalls(np=self.n, run_id=self.run_id, log_dir=self.logs.log_dir))
         self.status = None
         return RunState.WAIT
@@ -235,16 +244,30 @@ class RunPolicy:
         if isinstance(error, StartTimeoutError) and self.attempt:
             error.retryable, error.cause = True, "the relaunched ranks did not start in time"
         self.errors.append(error)
-        if not error.retryable or len(self.errors) == self.attempts:
+        budget = RETRIES if error.retry_on else RESTARTS if error.retryable else None
+        if budget is None:
             return self._fail(error.__cause__)
+        if self.used[budget] == self.budgets[budget]:
+            return self._fail(error.__cause__, exhausted=budget)
+        self.used[budget] += 1
         failed_at = getattr(error, "failed_at", self.clock())
         self.ending = Ending(error.cause, failed_at,
                              cut_off=frozenset(self.status.hosts_of(getattr(error, "silent_ranks", ()))),
-                             stamps=(("failed", failed_at), *self.watch.stamps.items()))
+                             stamps=(("failed", failed_at), *self.watch.stamps.items()), budget=budget)
         return RunState.RESTART
 
-    def _fail(self, cause: BaseException | None) -> RunState:
-        self.error, self._error_cause = final_error(self.errors, self.attempts), cause
+    def _fail(self, cause: BaseException | None, exhausted: str | None = None) -> RunState:
+        """FAILED, with the error naming every attempt's failure; ``exhausted``: the budget the last one ran out of."""
+        why = None
+        if exhausted == RESTARTS and self.used[RETRIES] == 0:
+            why = (f"every one of its {self.attempts} attempts (max_restarts={self.attempts - 1}) ended in a "
+                   "failure")
+        elif exhausted == RESTARTS:
+            why = f"its max_restarts={self.budgets[RESTARTS]} restarts after infrastructure failures were used up"
+        elif exhausted == RETRIES:
+            why = (f"its max_retries={self.budgets[RETRIES]} retries of {self.errors[-1].retry_on} were used up "
+                   "(retry_on)")
+        self.error, self._error_cause = final_error(self.errors, why), cause
         return RunState.FAILED
 
     # ---- the next attempt's ranks ------------------------------------------------------------------
@@ -279,23 +302,23 @@ class RunPolicy:
 
     def _relaunch(self, n: int, **stamps: float) -> RunState:
         ending = self.ending
-        event = RestartEvent(attempt=len(self.errors) + 1, attempts=self.attempts, lost=ending.lost,
-                             np_before=self.n, np_after=n, failed_at=ending.failed_at, counted=ending.counted,
-                             stamps={**dict(ending.stamps), **stamps})
+        event = RestartEvent(attempt=self.used[ending.budget] + 1, attempts=self.budgets[ending.budget] + 1,
+                             lost=ending.lost, np_before=self.n, np_after=n, failed_at=ending.failed_at,
+                             counted=ending.counted, stamps={**dict(ending.stamps), **stamps}, kind=ending.budget)
         self.restarts.append(event)
         self.logs.note(f"----- sparkhvd: {event.what()} -----")
         self.n = n
         return RunState.START
 
 
-def final_error(errors: list[HorovodRunError], attempts: int) -> HorovodRunError:
-    """The error that ends a run: the last attempt's, naming every earlier failure in order where it restarted."""
+def final_error(errors: list[HorovodRunError], exhausted: str | None) -> HorovodRunError:
+    """The error that ends a run: the last attempt's, naming every earlier failure in order where it restarted;
+    ``exhausted``: why the last failure was not relaunched where a budget ran out, None where no relaunch fixes it."""
     last = errors[-1]
     if len(errors) == 1:
         return last
-    ran_out = last.retryable and len(errors) == attempts
-    why = (f"every one of its {attempts} attempts (max_restarts={attempts - 1}) ended in a failure" if ran_out
-           else f"after {len(errors) - 1} restart{'s' if len(errors) > 2 else ''}, a failure that no restart can fix")
+    why = exhausted or (f"after {len(errors) - 1} restart{'s' if len(errors) > 2 else ''}, a failure that no restart "
+                        "can fix")
     head, _, rest = str(last).partition("\n")
     lines = [f"HorovodRunner run {last.run_id} failed: {why}; in order:"]
     lines += [f"  {i}. {e.cause}" for i, e in enumerate(errors, 1)]
@@ -303,4 +326,5 @@ def final_error(errors: list[HorovodRunError], attempts: int) -> HorovodRunError
     error = type(last)("\n".join(lines), failures=last.failures, log_dir=last.log_dir, run_id=last.run_id,
                        retryable=last.retryable, cause=last.cause)
     error.attempts = list(errors)
+    error.retry_on = last.retry_on
     return error

@@ -34,10 +34,12 @@ class RunResult:
 
 @dataclass
 class RestartEvent:
-    """One restart after an infrastructure failure (``RunResult.restarts``, printed on the driver).
+    """One restart after an infrastructure failure, or a retry of a user's exception of ``retry_on``
+    (``RunResult.restarts``, printed on the driver).
 
-    ``lost``: the failure's cause; ``attempt`` of ``attempts``: this restart's attempt (2 is the
-    first restart) and the most there can be; ``commit``: the plain fields (epoch, batch) of the
+    ``lost``: the failure's cause; ``kind``: ``"restart"`` (counted against ``max_restarts``) or
+    ``"retry"`` (against ``max_retries``); ``attempt`` of ``attempts``: this relaunch's attempt of its
+    kind (2 is the first) and the most there can be; ``commit``: the plain fields (epoch, batch) of the
     commit the ranks resumed from, None where they started from the beginning; ``seconds``: from the
     driver seeing the failure to rank 0 loading that commit (to the new ranks' start where the
     function does not use ``hvd.elastic.run``).
@@ -57,6 +59,7 @@ class RestartEvent:
     #: ``launched`` (the next attempt started), ``registered`` (its first task), ``placed`` (its last),
     #: ``fetched`` (every rank's process asked for the function), ``resumed`` (rank 0 asked for the commit)
     stamps: dict = field(repr=False, default_factory=dict)
+    kind: str = "restart"
 
     def line(self, run_id: str) -> str:
         if self.commit is None:
@@ -78,7 +81,8 @@ class RestartEvent:
                     "more ranks")
         if not self.counted:
             return f"going back from np={self.np_before} to np={self.np_after} after {self.lost}"
-        return f"restart {self.attempt - 1} of {self.attempts - 1} after {self.lost}"
+        what = "retry" if self.kind == "retry" else "restart"
+        return f"{what} {self.attempt - 1} of {self.attempts - 1} after {self.lost}"
 
 
 def resumed(event: RestartEvent | None, run_id: str, commit: dict | None, *, at: float | None = None) -> None:

@@ -53,11 +53,12 @@ class Watch:
     """The rules of one attempt, applied to one ``RunStatus`` at a time; keeps the times they need."""
 
     def __init__(self, service, launcher, logs, *, np: int, start_timeout: float, run_id: str, stalls,
-                 can_grow=None, clock=time.monotonic):
+                 can_grow=None, clock=time.monotonic, retry_on: tuple = ()):
         self.service, self.launcher, self.logs = service, launcher, logs
         self.np, self.start_timeout, self.run_id = np, start_timeout, run_id
         self.stalls = stalls  # the stall report and lost ranks (_stall_inspector.StallInspector)
         self.can_grow = can_grow  # () -> whether Spark has task slots for more ranks; None: the run cannot grow
+        self.retry_on = retry_on  # module.qualname of the exception classes the run retries (failure_report.retried)
         self.clock = clock
         self.start = Deadline(start_timeout, "start_timeout", clock)
         self.note = WaitNote(logs.verbosity == "all", clock)
@@ -146,7 +147,7 @@ class Watch:
         if self.lost is None and (unfinished := status.unfinished()):
             self.lost = self.launcher.lost(unfinished)  # Spark's word on where the silent ranks ran
         error = failure_error(self.service, self.logs, failures, dead, launch_failure, self.lost, self.run_id,
-                              self.launcher)
+                              self.launcher, self.retry_on)
         error.failed_at = self.first_problem_at
         stop(self.service, self.launcher, "another rank failed", self.stamps)
         return Ended(FAILED, error)

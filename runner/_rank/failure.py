@@ -42,9 +42,16 @@ def report_failure(client: ServiceClient, rank: int, exc: BaseException, quiet: 
     except Exception:  # noqa: BLE001 - the text is enough
         pickled = b""
     try:
-        client.ask(Error(rank=rank, type=type(exc).__name__, message=str(exc), traceback=text), pickled)
+        client.ask(Error(rank=rank, type=type(exc).__name__, message=str(exc), traceback=text,
+                         classes=class_names(type(exc))), pickled)
     except (OSError, ConnectionError, RunAborted):
         pass
+
+
+def class_names(cls: type) -> list:
+    """``module.qualname`` of ``cls`` and every class it derives from, most derived first (``retry_on`` matches
+    these on the driver, where the rank's exception may not unpickle)."""
+    return [f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__]
 
 
 def _to_log_file(client: ServiceClient, rank: int, text: str) -> bool:

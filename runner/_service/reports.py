@@ -22,6 +22,7 @@ class Failure:
     message: str
     traceback: str
     pickled: bytes = b""
+    classes: tuple = ()  # module.qualname of its class and of each base (driver_messages.Error.classes)
     arrived: float = field(default_factory=time.monotonic)
 
 
@@ -42,7 +43,8 @@ class ReportHandlers:
     def _error(self, channel: AuthenticatedChannel, error: Error, blob: bytes, peer: str) -> None:
         with self.cv:
             self.failures.append(Failure(rank=error.rank, type=error.type, message=error.message,
-                                         traceback=error.traceback, pickled=blob))
+                                         traceback=error.traceback, pickled=blob,
+                                         classes=tuple(error.classes)))
             self.cv.notify_all()
         channel.send(Kind.OK)
 

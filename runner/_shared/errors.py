@@ -12,9 +12,12 @@ class HorovodRunError(RuntimeError):
 
     ``retryable``: the cause is the infrastructure's (a rank process killed, an executor or host
     lost, a peer gone silent, a stall), which ``HorovodRunner(max_restarts=)`` restarts from the last
-    commit; a user's exception is not. ``cause``: the headline's cause, one line. ``attempts``: after
-    restarts, the error of every attempt in order, this one last.
+    commit; a user's exception is not, unless it is one of ``HorovodRunner(retry_on=)``'s classes: then
+    ``retry_on`` names that class (``module.qualname``), and ``max_retries`` relaunches it. ``cause``: the
+    headline's cause, one line. ``attempts``: after restarts, the error of every attempt in order, this one last.
     """
+
+    retry_on: str | None = None
 
     def __init__(self, message: str, *, failures=(), log_dir: str | None = None, run_id: str = "",
                  retryable: bool = False, cause: str = ""):

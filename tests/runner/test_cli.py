@@ -79,6 +79,11 @@ def test_sys_exit_status_of_the_script_fails_the_run(tmp_path):
     (["run", "--np", "2", "--conf", "spark.ui.enabled", "train.py"],
      "--conf 'spark.ui.enabled' is not KEY=VALUE; write e.g. --conf spark.executor.memory=4g."),
     (["run", "--np", "-1", "--max-restarts", "-1", "train.py"], "max_restarts=-1 must be a whole number >= 0"),
+    (["run", "--np", "-1", "--retry-on", "NoSuchError", "train.py"], "--retry-on NoSuchError names no exception "
+     "class; give a builtin's name (OSError, TimeoutError) or module.Class of one the driver can import."),
+    (["run", "--np", "-1", "--retry-on", "os.path", "train.py"], "--retry-on os.path names no exception class"),
+    (["run", "--np", "-1", "--max-retries", "2", "train.py"], "max_retries=2 retries the exceptions named by "
+     "retry_on, and retry_on is empty"),
     (["run", "train.py"], "the following arguments are required: --np"),
     (["run", "--np", "two", "train.py"], "argument --np: invalid int value: 'two'"),
     ([], "the following arguments are required: COMMAND"),

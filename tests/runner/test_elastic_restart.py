@@ -262,6 +262,13 @@ def test_a_run_grows_to_max_np_at_a_commit_when_spark_has_free_slots(spark, tmp_
     ({"max_np": 1}, "max_np=1 must be a whole number >= np=2"),
     ({"np": -2, "max_np": 4}, "max_np=4 grows a Spark run when its cluster has free task slots; np=-2 runs a fixed 2 "
                               "processes on the driver"),
+    ({"retry_on": ValueError("x")}, "retry_on=ValueError('x') must be an exception class or a tuple of them"),
+    ({"retry_on": (OSError, KeyboardInterrupt)}, "retry_on=(<class 'OSError'>, <class 'KeyboardInterrupt'>) must be an "
+                                                 "exception class or a tuple of them"),
+    ({"retry_on": OSError, "max_retries": -1}, "max_retries=-1 must be a whole number >= 0: how many times a rank's "
+                                               "exception of retry_on relaunches the run"),
+    ({"max_retries": 2}, "max_retries=2 retries the exceptions named by retry_on, and retry_on is empty; pass "
+                         "retry_on=(OSError, ...) too"),
     ({"commit_dir": "nosuchscheme://bucket/x"}, "commit_dir='nosuchscheme://bucket/x' is not a filesystem pyarrow "
                                                 "can open"),
 ])

@@ -613,3 +613,55 @@ def test_stopping_an_attempt_does_not_wait_for_the_exit_of_ranks_whose_agent_is_
         for agent in agents:
             agent.close()
         service.close()
+
+
+# ---- retry_on: a user's exception of its classes, with a budget of its own ------------------------------------
+
+OS_ERROR = ("builtins.OSError", "builtins.Exception", "builtins.BaseException", "builtins.object")
+
+
+def raises(rank: int, classes=OS_ERROR, message: str = "503 Service Unavailable"):
+    """An attempt whose rank ``rank`` raises an exception of ``classes`` (its MRO, as the rank reports it)."""
+    def action(s: FakeService):
+        s.failures.append(Failure(rank=rank, type=classes[0].rsplit(".", 1)[1], message=message,
+                                  traceback="Traceback: OSError\n", arrived=s.clock.now, classes=classes))
+    return {"script": lambda n: [(0.1, register()), (0.5, action)]}
+
+
+def test_an_exception_of_retry_on_relaunches_the_run_as_a_retry_apart_from_max_restarts(run):
+    retry_on = ("builtins.OSError",)
+    policy, cluster, status = run([raises(0), killed(), ok()], max_restarts=1, retry_on=retry_on, max_retries=1)
+    assert policy.history.count(S.RESTART) == 2 and policy.history[-1] is S.DONE
+    retry, restart = policy.restarts
+    assert (retry.kind, retry.attempt, retry.attempts) == ("retry", 2, 2)
+    assert retry.what() == "retry 1 of 1 after rank 0: OSError: 503 Service Unavailable"
+    assert (restart.kind, restart.attempt, restart.attempts) == ("restart", 2, 2)
+    assert restart.what().startswith("restart 1 of 1 after rank 1's process was killed")
+
+
+def test_a_subclass_of_a_retry_on_class_is_retried_and_another_exception_fails_at_once(run, capsys):
+    timeout = ("builtins.TimeoutError", *OS_ERROR)
+    policy, cluster, status = run([raises(1, timeout), ok()], retry_on=("builtins.OSError",), max_retries=2)
+    assert policy.history[-1] is S.DONE and policy.restarts[0].what().startswith("retry 1 of 2 after rank 1: Timeout")
+    assert f"[sparkhvd] run r1: {policy.restarts[0].what()}; training resumed" in capsys.readouterr().out
+    policy, cluster, error = run([raises(0, ("builtins.ValueError", "builtins.Exception")), ok()],
+                                 retry_on=("builtins.OSError",), max_retries=2)
+    assert policy.history[-1] is S.FAILED and len(cluster.services) == 1 and error.retry_on is None
+
+
+def test_when_retries_run_out_the_error_says_so_and_names_every_failure(run):
+    policy, cluster, error = run([raises(0), raises(1)], max_restarts=5, retry_on=("builtins.OSError",),
+                                 max_retries=1)
+    assert str(error).splitlines()[:3] == [
+        "HorovodRunner run r1 failed: its max_retries=1 retries of builtins.OSError were used up (retry_on); in order:",
+        "  1. rank 0: OSError: 503 Service Unavailable",
+        "  2. rank 1: OSError: 503 Service Unavailable"]
+    assert error.retry_on == "builtins.OSError" and not error.retryable
+
+
+def test_restarts_run_out_apart_from_retries(run):
+    policy, cluster, error = run([raises(0), killed(), killed()], max_restarts=1, retry_on=("builtins.OSError",),
+                                 max_retries=3)
+    assert str(error).splitlines()[0] == ("HorovodRunner run r1 failed: its max_restarts=1 restarts after "
+                                          "infrastructure failures were used up; in order:")
+    assert [e.kind for e in policy.restarts] == ["retry", "restart"]
