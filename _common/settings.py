@@ -246,6 +246,12 @@ COMMIT_DIR = Setting("SPARKHVD_COMMIT_DIR", None, text,
 COMMIT_MEMORY_BYTES = Setting("SPARKHVD_COMMIT_MEMORY_BYTES", 256 << 20, byte_count(
     "set it to e.g. 268435456 (commits larger than it are kept in a file on the driver).", minimum=None),
     "Bytes of commits the driver keeps in memory; larger ones go to a file on the driver.")
+STORAGE = Setting("SPARKHVD_STORAGE", None, text,
+                  "Where a run given run_id= keeps its commits, to outlive its driver, when storage= is not given: a "
+                  "path every host reaches or a pyarrow/fsspec URL (docs/elastic.md).")
+LEASE_SECONDS = Setting("SPARKHVD_LEASE_SECONDS", 30.0, seconds(
+    "set it to e.g. 30: how long a driver's claim on its run_id in the storage lasts unless renewed.", positive=True),
+    "How long a driver's lease on its run_id in the storage lasts unless renewed (it renews it every third of it).")
 
 
 section("Horovod's module names (runner/_rank/aliases.py)")

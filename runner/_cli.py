@@ -1,7 +1,7 @@
 """``sparkhvd run``: run a training script on np ranks from the shell (scheduled jobs, spark-submit).
 
     sparkhvd run --np 4 [--master URL | --remote sc://HOST:PORT] [--conf k=v ...] [--log-dir DIR] [--max-restarts N]
-                 [--retry-on EXCEPTION ... [--max-retries N]]
+                 [--retry-on EXCEPTION ... [--max-retries N]] [--run-id ID [--storage URL] [--keep-commits N]]
                  train.py [args...]
 
 Everything after the script path goes to the script. Exit status: 0 when every rank succeeded, 1 when
@@ -53,6 +53,13 @@ def _parser() -> argparse.ArgumentParser:
                           "commit when a rank raises it; repeat for more")
     run.add_argument("--max-retries", type=int, default=None, metavar="N",
                      help="how many times --retry-on's exceptions relaunch the run (default 3)")
+    run.add_argument("--run-id", metavar="ID",
+                     help="names the run; with --storage, running it again with the same ID resumes its commits")
+    run.add_argument("--storage", metavar="URL",
+                     help="where a run with --run-id keeps its commits to outlive this command (default: "
+                          "$SPARKHVD_STORAGE)")
+    run.add_argument("--keep-commits", type=int, default=0, metavar="N",
+                     help="the newest commits of each state a successful run leaves in --storage (default 0)")
     run.add_argument("--start-timeout", type=float, default=None, metavar="SECONDS",
                      help="how long ranks have to start (default 120, or $SPARKHVD_START_TIMEOUT)")
     run.add_argument("script", help="the Python script every rank runs as __main__")
@@ -84,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         main_fn, kwargs = as_payload(ns.script, tuple(ns.args), {})
         runner = HorovodRunner(ns.np, log_dir=ns.log_dir, max_restarts=ns.max_restarts,
                                start_timeout=ns.start_timeout, max_retries=ns.max_retries,
-                               retry_on=tuple(_exception_class(name) for name in ns.retry_on))
+                               retry_on=tuple(_exception_class(name) for name in ns.retry_on),
+                               run_id=ns.run_id, storage=ns.storage, keep_commits=ns.keep_commits)
     except ValueError as exc:
         parser.error(str(exc))
     stopping = _StopOnSignal()

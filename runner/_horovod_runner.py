@@ -26,6 +26,7 @@ from ._rank.log import log_to_driver  # noqa: F401 - its path before it moved to
 from ._runner_config import RunnerConfig
 from ._service.commit_store import CommitStore
 from ._service.logs import LogRouter, end_run_logs, run_log_dir
+from ._service.run_storage import RunStorage
 from ._service.service import DriverService
 from ._service.status import RunStatus
 
@@ -62,17 +63,26 @@ class HorovodRunner:
     code, an object store's 503 or a flaky read: a rank that raises one relaunches every rank from the last
     commit, as an infrastructure failure does, up to ``max_retries`` times (default 3), a budget apart from
     ``max_restarts``. Any other exception still fails the run at once.
+
+    ``run_id`` and ``storage`` (a path every host reaches or a pyarrow filesystem URL; default
+    ``$SPARKHVD_STORAGE``): the run keeps its commits in ``<storage>/<run_id>/``, so that it outlives its
+    driver: a new driver that runs with the same ``run_id`` and storage resumes from the newest complete
+    commit. A run that fails keeps them; one that succeeds removes them, or keeps the newest
+    ``keep_commits`` of each state (``RunResult.commits`` lists what is kept). Another driver running
+    the same ``run_id`` at once is refused (``RunIdInUse``).
     """
 
     def __init__(self, np: int, *, driver_log_verbosity: str = "all", start_timeout: float | None = None,
                  log_dir: str | None = None, network_interface: str | None = None, max_restarts: int = 0,
                  min_np: int | None = None, max_np: int | None = None, commit_dir: str | None = None,
-                 retry_on: tuple = (), max_retries: int | None = None):
+                 retry_on: tuple = (), max_retries: int | None = None, run_id: str | None = None,
+                 storage: str | None = None, keep_commits: int = 0):
         self.config = RunnerConfig(np=np, driver_log_verbosity=driver_log_verbosity,
                                    start_timeout=start_timeout, log_dir=log_dir,
                                    network_interface=network_interface, max_restarts=max_restarts,
                                    min_np=min_np, max_np=max_np, commit_dir=commit_dir, retry_on=retry_on,
-                                   max_retries=max_retries)
+                                   max_retries=max_retries, run_id=run_id, storage=storage,
+                                   keep_commits=keep_commits)
         self.last_result: RunResult | None = None
 
     @classmethod
@@ -117,26 +127,40 @@ class HorovodRunner:
         np = abs(cfg.np)
         started = time.monotonic()
         payload = pickle_function(main, kwargs)
-        run_id = secrets.token_hex(4)
+        run_id = cfg.run_id or secrets.token_hex(4)
         backend = backend_for(cfg)
         bind_host = backend.prepare(np, run_id=run_id, verbose=cfg.driver_log_verbosity == "all", gpus=cfg.use_gpu)
+        storage = None
+        if cfg.storage is not None:
+            storage = RunStorage(cfg.storage, run_id)
+            storage.claim()  # RunIdInUse where another driver runs it
+        succeeded = False
+        try:
+            commits = CommitStore(commit_dir=cfg.commit_dir, run_id=run_id, storage=storage, keep=cfg.keep_commits)
+        except BaseException:
+            if storage is not None:
+                storage.release()
+            raise
         log_dir = run_log_dir(run_id, cfg.log_dir)  # cfg.log_dir, or a new folder under the log root (_service/logs.py)
         logs = LogRouter(log_dir, cfg.driver_log_verbosity)
-        commits = CommitStore(commit_dir=cfg.commit_dir, run_id=run_id)
-        cluster = _Cluster(backend, cfg, run_id=run_id, payload=payload, logs=logs, commits=commits,
-                           every_value=every_value, env=env, bind_host=bind_host)
-        policy = RunPolicy(cluster, logs, np=np, start_timeout=cfg.start_timeout, run_id=run_id,
-                           max_restarts=cfg.max_restarts, min_np=cfg.min_np, max_np=cfg.max_np,
-                           retry_on=cfg.retry_names(), max_retries=cfg.max_retries)
         try:
+            if commits.inherited and cfg.driver_log_verbosity == "all":
+                print(_inherited_line(run_id, storage, commits.inherited), flush=True)
+            cluster = _Cluster(backend, cfg, run_id=run_id, payload=payload, logs=logs, commits=commits,
+                               every_value=every_value, env=env, bind_host=bind_host)
+            policy = RunPolicy(cluster, logs, np=np, start_timeout=cfg.start_timeout, run_id=run_id,
+                               max_restarts=cfg.max_restarts, min_np=cfg.min_np, max_np=cfg.max_np,
+                               retry_on=cfg.retry_names(), max_retries=cfg.max_retries)
             status = policy.run()
-            self.last_result = _result(status, logs, run_id, payload, started, every_value, policy.restarts)
-            return self.last_result
+            result = _result(status, logs, run_id, payload, started, every_value, policy.restarts)
+            succeeded = True
         finally:
-            commits.close()
+            commits.close(succeeded=succeeded)
             logs.close()
-            end_run_logs(log_dir, given=cfg.log_dir is not None,  # last_result is set only when this run succeeded
-                         succeeded=self.last_result is not None and self.last_result.run_id == run_id)
+            end_run_logs(log_dir, given=cfg.log_dir is not None, succeeded=succeeded)
+        result.commits = commits.kept()
+        self.last_result = result
+        return result
 
 
 class _Cluster:
@@ -166,7 +190,7 @@ class _Cluster:
         try:
             launcher.start(TaskSpec(address=service.address, secret=self.secret, run_id=self.run_id,
                                     stall_tasks=cfg.stall_tasks, network_interface=cfg.network_interface,
-                                    every_value=self.every_value, attempt=attempt, commit_dir=cfg.commit_dir,
+                                    every_value=self.every_value, attempt=attempt, commit_dir=self.commits.commit_dir,
                                     layout=cfg.layout, max_restarts=cfg.max_restarts, use_gpu=cfg.use_gpu,
                                     env=self.env))
         except BaseException:
@@ -196,6 +220,15 @@ def _result(status: RunStatus, logs: LogRouter, run_id: str, payload: bytes, sta
                      placements=[status.placements[t] for t in order], hosts=[regs[t].host for t in order],
                      gpus=[regs[t].gpus for t in order], payload_bytes=len(payload),
                      seconds=time.monotonic() - started, restarts=list(restarts))
+
+
+def _inherited_line(run_id: str, storage: RunStorage, inherited: dict) -> str:
+    """What the driver says when it takes up a run an earlier driver left in the storage."""
+    newest = max(inherited.values(), key=lambda m: int(m.get("seq", 0)))
+    fields = " ".join(f"{k}={v}" for k, v in (newest.get("fields") or {}).items()) or "with no plain fields"
+    return (f"[sparkhvd] run {run_id}: resuming the run an earlier driver left in {storage.url}/{run_id}, from its "
+            f"newest complete commit ({fields}; commit {newest.get('seq')} of {len(inherited)} state"
+            f"{'s' if len(inherited) > 1 else ''}).")
 
 
 def _forwarded_settings() -> dict:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from .._common import settings
 from ._service.commit_store import check_commit_dir
 from ._service.logs import VERBOSITIES
+from ._service.run_storage import check_run_id
 from ._shared.framework_env import LAYOUTS
 
 DEFAULT_RETRIES = 3  # max_retries where retry_on names classes and max_retries is not given
@@ -34,6 +35,9 @@ class RunnerConfig:
     commit_dir: str | None = None
     retry_on: tuple = ()  # the user's exception classes a run relaunches from its last commit, max_retries times
     max_retries: int | None = None  # None: 3 where retry_on names classes, else 0
+    run_id: str | None = None  # names the run; with storage, a new driver with it resumes from its commits
+    storage: str | None = None  # None: $SPARKHVD_STORAGE where run_id is given
+    keep_commits: int = 0  # with storage: the newest commits of each state a successful run leaves there
     layout: str = field(default="torchrun", kw_only=True)
     use_gpu: bool = field(default=True, kw_only=True)
     warn_unencrypted: bool = field(default=True, kw_only=True)
@@ -51,6 +55,7 @@ class RunnerConfig:
         self._check_network_interface()
         self._check_elastic()
         self._check_retries()
+        self._check_storage()
         if self.commit_dir is not None:
             check_commit_dir(self.commit_dir)
         self._check_drop_in_fields()
@@ -72,6 +77,27 @@ class RunnerConfig:
         if self.max_retries and not self.retry_on:
             raise ValueError(f"max_retries={self.max_retries} retries the exceptions named by retry_on, and retry_on "
                              "is empty; pass retry_on=(OSError, ...) too, or leave max_retries unset.")
+
+    def _check_storage(self) -> None:
+        """run_id, storage and keep_commits."""
+        if self.run_id is not None:
+            check_run_id(self.run_id)
+        if self.storage is None and self.run_id is not None:
+            self.storage = settings.STORAGE.get()
+        if self.storage is not None:
+            if self.run_id is None:
+                raise ValueError(f"storage={self.storage!r} keeps a run's commits under its run_id, so that a new "
+                                 "driver resumes them; pass run_id='...' too.")
+            if self.commit_dir is not None:
+                raise ValueError(f"storage={self.storage!r} and commit_dir={self.commit_dir!r} both say where commits "
+                                 "go; storage= also keeps them for the next driver: pass only storage=.")
+            check_commit_dir(self.storage, "storage")
+        if not _whole(self.keep_commits) or self.keep_commits < 0:
+            raise ValueError(f"keep_commits={self.keep_commits!r} must be a whole number >= 0: how many of each "
+                             "state's newest commits a run that ends well leaves in its storage.")
+        if self.keep_commits and self.storage is None:
+            raise ValueError(f"keep_commits={self.keep_commits} keeps commits in the run's storage, and there is "
+                             "none; pass run_id= and storage= (or set SPARKHVD_STORAGE) too.")
 
     def retry_names(self) -> tuple:
         """``module.qualname`` of each ``retry_on`` class: what the driver matches a rank's exception by."""

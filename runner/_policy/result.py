@@ -25,6 +25,7 @@ class RunResult:
     payload_bytes: int
     seconds: float
     restarts: list = field(default_factory=list)  # a RestartEvent per restart (HorovodRunner(max_restarts=))
+    commits: list = field(default_factory=list)  # with storage: the commits the run left there (their metas)
 
     @property
     def value(self):

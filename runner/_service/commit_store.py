@@ -13,6 +13,12 @@ The rank's side (``Publisher``, ``publish``, ``fetch``) is ``_common/commits.py`
 of one run. It never unpickles what it keeps: only ranks do, from authenticated frames. Every
 commit is removed when the run ends.
 
+With a ``RunStorage`` (``HorovodRunner(run_id=, storage=)``, ``runner/_service/run_storage.py``)
+rank 0 writes each commit into the run's folder there, and the store records the newest
+``keep`` of each state in the folder's manifest; it starts from the commits an earlier driver's
+manifest names, and at the end keeps them where the run failed (or was killed), or removes them
+where it succeeded (keeping the newest ``keep`` where that is above 0).
+
 When a restarted run reaches ``hvd.elastic.run``, rank 0 asks for the newest commit (RESTORE)
 and loads it; ``state.sync()`` then gives it to the other ranks.
 """
@@ -62,12 +68,25 @@ class Commit:
 class CommitStore:
     """The driver's newest commit of each elastic state, across one run's restarts. Thread-safe."""
 
-    def __init__(self, *, memory_bytes: int | None = None, commit_dir: str | None = None, run_id: str = ""):
+    def __init__(self, *, memory_bytes: int | None = None, commit_dir: str | None = None, run_id: str = "",
+                 storage=None, keep: int = 0):
         self.memory_bytes = settings.COMMIT_MEMORY_BYTES.get() if memory_bytes is None else memory_bytes
-        self.commit_dir = commit_dir
+        self.storage = storage  # a RunStorage: the commits outlive the driver
+        self.commit_dir = commit_dir if storage is None else storage.url
         self.run_id = run_id
+        self.keep = keep  # with storage: the newest commits of each state kept (at least 1 while the run goes on)
         self.count = 0  # commits received in the whole run
         self._commits: dict[str, Commit] = {}
+        self._older: dict[str, list] = {}  # with storage: key -> the metas of its kept older commits, newest first
+        #: with storage: the newest commit of each state that an earlier driver left (what this run resumes from)
+        self.inherited: dict[str, dict] = {}
+        self._final: dict | None = None  # with storage: what the folder keeps once the run has ended
+        if storage is not None:
+            for key, metas in storage.commits().items():
+                if metas:
+                    self.inherited[key] = metas[0]
+                    self._commits[key] = Commit(meta=dict(metas[0], attempt=-1, at=0.0))
+                    self._older[key] = list(metas[1:])
         self._spill_dir: str | None = None
         self._spills = itertools.count()  # spill files are never reused, so removing an old one never hits a new one
         self._lock = threading.Lock()
@@ -101,11 +120,42 @@ class CommitStore:
         if not keep:
             _remove_file(spilled)
             return False
-        if old is not None:
+        if self.storage is not None and meta.get("path"):
+            self._record(key, old)
+        elif old is not None:
             _remove_file(old.spilled)
             if old.meta.get("path") and old.meta.get("path") != meta.get("path"):
                 _remove_path(old.meta["path"])
         return True
+
+    def _record(self, key: str, old: Commit | None) -> None:
+        """Storage: ``old`` joins the state's older commits, those past ``keep`` are removed, and the manifest names
+        the rest. Its file goes after the manifest stops naming it, so the manifest never names a missing file."""
+        with self._lock:
+            older = self._older.setdefault(key, [])
+            if old is not None and old.meta.get("path"):
+                older.insert(0, {k: v for k, v in old.meta.items() if k not in ("at", "attempt")})
+            dropped, older[:] = older[max(self.keep, 1) - 1:], older[:max(self.keep, 1) - 1]
+            manifest = self._manifest()
+        try:
+            self.storage.record(manifest)
+        except Exception as exc:  # noqa: BLE001 - the commit stays in force in this driver; a later one may record
+            log.warning("sparkhvd: could not write run %s's manifest in %s (%s: %s); a new driver would resume from "
+                        "an older commit.", self.run_id, self.storage.url, type(exc).__name__, exc)
+            return
+        for meta in dropped:
+            _remove_path(meta["path"])
+
+    def _manifest(self) -> dict:
+        """``key -> [meta, ...]``, newest first (under the lock)."""
+        return {key: [{k: v for k, v in c.meta.items() if k not in ("at", "attempt")}, *self._older.get(key, [])]
+                for key, c in self._commits.items() if c.meta.get("path")}
+
+    def kept(self) -> list:
+        """With storage: every commit kept, newest of each state first (``RunResult.commits``)."""
+        with self._lock:
+            manifest = self._manifest() if self._final is None else self._final
+            return [meta for metas in manifest.values() for meta in metas]
 
     def attempt_of(self, key: str) -> int | None:
         """The attempt whose commit of ``key`` is kept; None when there is none."""
@@ -122,8 +172,11 @@ class CommitStore:
         with self._lock:
             return max(self._commits.values(), key=lambda c: c.meta.get("at", 0), default=None)
 
-    def close(self) -> None:
-        """Remove every commit: the spilled files and the run's folder in ``commit_dir``."""
+    def close(self, succeeded: bool = True) -> None:
+        """Remove every commit: the spilled files and the run's folder in ``commit_dir``. With storage: a run that
+        failed keeps its commits for the next driver; one that succeeded keeps its newest ``keep`` of each state."""
+        if self.storage is not None:
+            return self._close_storage(succeeded)
         with self._lock:
             commits, self._commits = list(self._commits.values()), {}
             self._closed = True
@@ -140,6 +193,26 @@ class CommitStore:
             except Exception as exc:  # noqa: BLE001 - a store the driver cannot reach: say so, keep going
                 log.warning("sparkhvd: could not remove run %s's commits from %s: %s", self.run_id,
                             self.commit_dir, exc)
+
+    def _close_storage(self, succeeded: bool) -> None:
+        with self._lock:
+            self._closed = True
+            kept = self._final = self._manifest()
+        try:
+            self.storage.release()
+            if not succeeded:
+                return
+            if not self.keep:
+                self._final = {}
+                self.storage.remove_run()
+                return
+            for key in kept:
+                for meta in kept[key][self.keep:]:
+                    _remove_path(meta["path"])
+                kept[key] = kept[key][:self.keep]
+            self.storage.record(kept)
+        except Exception as exc:  # noqa: BLE001 - a store the driver cannot reach: say so, keep going
+            log.warning("sparkhvd: could not end run %s's folder in %s: %s", self.run_id, self.storage.url, exc)
 
     def _spill(self, key: str, seq: int, blob: bytes) -> str:
         if self._spill_dir is None:
@@ -168,10 +241,11 @@ def _remove_path(url: str) -> None:
 
 
 
-def check_commit_dir(url: str) -> None:
-    """Fail on the driver, before launching, when ``commit_dir`` is not a filesystem pyarrow can open."""
+def check_commit_dir(url: str, name: str = "commit_dir") -> None:
+    """Fail on the driver, before launching, when ``commit_dir`` (or ``storage``: ``name``) is not a filesystem
+    pyarrow can open."""
     try:
         _filesystem(url)
     except Exception as exc:  # noqa: BLE001 - pyarrow's own words name the problem
-        raise ValueError(f"commit_dir={url!r} is not a filesystem pyarrow can open ({exc}); pass a local path "
+        raise ValueError(f"{name}={url!r} is not a filesystem pyarrow can open ({exc}); pass a local path "
                          "every host can reach or a URL such as hdfs://namenode/path or s3://bucket/path.") from None

@@ -34,5 +34,9 @@ class StartTimeoutError(HorovodRunError):
     """Some ranks did not register within ``start_timeout``."""
 
 
-for _cls in (HorovodRunError, StartTimeoutError):
+class RunIdInUse(RuntimeError):
+    """Another driver runs this ``run_id`` now: it holds the run's lease in the storage."""
+
+
+for _cls in (HorovodRunError, StartTimeoutError, RunIdInUse):
     _cls.__module__ = "sparkhvd.runner"  # tracebacks name the public path

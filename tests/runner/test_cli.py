@@ -84,6 +84,8 @@ def test_sys_exit_status_of_the_script_fails_the_run(tmp_path):
     (["run", "--np", "-1", "--retry-on", "os.path", "train.py"], "--retry-on os.path names no exception class"),
     (["run", "--np", "-1", "--max-retries", "2", "train.py"], "max_retries=2 retries the exceptions named by "
      "retry_on, and retry_on is empty"),
+    (["run", "--np", "-1", "--storage", "/tmp/x", "train.py"], "storage='/tmp/x' keeps a run's commits under its "
+     "run_id, so that a new driver resumes them; pass run_id='...' too."),
     (["run", "train.py"], "the following arguments are required: --np"),
     (["run", "--np", "two", "train.py"], "argument --np: invalid int value: 'two'"),
     ([], "the following arguments are required: COMMAND"),
