@@ -68,7 +68,8 @@ class HorovodRunner:
     ``$SPARKHVD_STORAGE``): the run keeps its commits in ``<storage>/<run_id>/``, so that it outlives its
     driver: a new driver that runs with the same ``run_id`` and storage resumes from the newest complete
     commit. A run that fails keeps them; one that succeeds removes them, or keeps the newest
-    ``keep_commits`` of each state (``RunResult.commits`` lists what is kept). Another driver running
+    ``keep_commits`` of each state, and with ``keep_best=("val_loss", "min")`` the commit whose state field
+    ``val_loss`` is lowest too (``RunResult.commits`` lists what is kept). Another driver running
     the same ``run_id`` at once is refused (``RunIdInUse``).
     """
 
@@ -76,13 +77,13 @@ class HorovodRunner:
                  log_dir: str | None = None, network_interface: str | None = None, max_restarts: int = 0,
                  min_np: int | None = None, max_np: int | None = None, commit_dir: str | None = None,
                  retry_on: tuple = (), max_retries: int | None = None, run_id: str | None = None,
-                 storage: str | None = None, keep_commits: int = 0):
+                 storage: str | None = None, keep_commits: int = 0, keep_best: tuple | None = None):
         self.config = RunnerConfig(np=np, driver_log_verbosity=driver_log_verbosity,
                                    start_timeout=start_timeout, log_dir=log_dir,
                                    network_interface=network_interface, max_restarts=max_restarts,
                                    min_np=min_np, max_np=max_np, commit_dir=commit_dir, retry_on=retry_on,
                                    max_retries=max_retries, run_id=run_id, storage=storage,
-                                   keep_commits=keep_commits)
+                                   keep_commits=keep_commits, keep_best=keep_best)
         self.last_result: RunResult | None = None
 
     @classmethod
@@ -136,7 +137,8 @@ class HorovodRunner:
             storage.claim()  # RunIdInUse where another driver runs it
         succeeded = False
         try:
-            commits = CommitStore(commit_dir=cfg.commit_dir, run_id=run_id, storage=storage, keep=cfg.keep_commits)
+            commits = CommitStore(commit_dir=cfg.commit_dir, run_id=run_id, storage=storage, keep=cfg.keep_commits,
+                                  keep_best=cfg.keep_best)
         except BaseException:
             if storage is not None:
                 storage.release()

@@ -38,6 +38,7 @@ class RunnerConfig:
     run_id: str | None = None  # names the run; with storage, a new driver with it resumes from its commits
     storage: str | None = None  # None: $SPARKHVD_STORAGE where run_id is given
     keep_commits: int = 0  # with storage: the newest commits of each state a successful run leaves there
+    keep_best: tuple | None = None  # with storage: (field, "min" or "max"): each state's best commit is kept too
     layout: str = field(default="torchrun", kw_only=True)
     use_gpu: bool = field(default=True, kw_only=True)
     warn_unencrypted: bool = field(default=True, kw_only=True)
@@ -95,6 +96,17 @@ class RunnerConfig:
         if not _whole(self.keep_commits) or self.keep_commits < 0:
             raise ValueError(f"keep_commits={self.keep_commits!r} must be a whole number >= 0: how many of each "
                              "state's newest commits a run that ends well leaves in its storage.")
+        best = self.keep_best
+        if best is not None:
+            if not (isinstance(best, (tuple, list)) and len(best) == 2 and isinstance(best[0], str) and best[0]
+                    and best[1] in ("min", "max")):
+                raise ValueError(f"keep_best={best!r} must be (field, 'min') or (field, 'max'), such as "
+                                 "keep_best=('val_loss', 'min'): the plain field of the elastic state whose best commit "
+                                 "the run keeps.")
+            self.keep_best = tuple(best)
+            if self.storage is None:
+                raise ValueError(f"keep_best={best!r} keeps commits in the run's storage, and there is none; pass "
+                                 "run_id= and storage= (or set SPARKHVD_STORAGE) too.")
         if self.keep_commits and self.storage is None:
             raise ValueError(f"keep_commits={self.keep_commits} keeps commits in the run's storage, and there is "
                              "none; pass run_id= and storage= (or set SPARKHVD_STORAGE) too.")

@@ -17,7 +17,8 @@ With a ``RunStorage`` (``HorovodRunner(run_id=, storage=)``, ``runner/_service/r
 rank 0 writes each commit into the run's folder there, and the store records the newest
 ``keep`` of each state in the folder's manifest; it starts from the commits an earlier driver's
 manifest names, and at the end keeps them where the run failed (or was killed), or removes them
-where it succeeded (keeping the newest ``keep`` where that is above 0).
+where it succeeded (keeping the newest ``keep`` where that is above 0). ``keep_best=(field, "min" or
+"max")`` also keeps, of each state, the commit whose plain field (``state.val_loss``, say) is best.
 
 When a restarted run reaches ``hvd.elastic.run``, rank 0 asks for the newest commit (RESTORE)
 and loads it; ``state.sync()`` then gives it to the other ranks.
@@ -69,12 +70,13 @@ class CommitStore:
     """The driver's newest commit of each elastic state, across one run's restarts. Thread-safe."""
 
     def __init__(self, *, memory_bytes: int | None = None, commit_dir: str | None = None, run_id: str = "",
-                 storage=None, keep: int = 0):
+                 storage=None, keep: int = 0, keep_best: tuple | None = None):
         self.memory_bytes = settings.COMMIT_MEMORY_BYTES.get() if memory_bytes is None else memory_bytes
         self.storage = storage  # a RunStorage: the commits outlive the driver
         self.commit_dir = commit_dir if storage is None else storage.url
         self.run_id = run_id
         self.keep = keep  # with storage: the newest commits of each state kept (at least 1 while the run goes on)
+        self.keep_best = keep_best  # with storage: (field, "min" or "max"): each state's best commit is kept too
         self.count = 0  # commits received in the whole run
         self._commits: dict[str, Commit] = {}
         self._older: dict[str, list] = {}  # with storage: key -> the metas of its kept older commits, newest first
@@ -135,7 +137,9 @@ class CommitStore:
             older = self._older.setdefault(key, [])
             if old is not None and old.meta.get("path"):
                 older.insert(0, {k: v for k, v in old.meta.items() if k not in ("at", "attempt")})
-            dropped, older[:] = older[max(self.keep, 1) - 1:], older[:max(self.keep, 1) - 1]
+            newest = {k: v for k, v in self._commits[key].meta.items() if k not in ("at", "attempt")}
+            kept, dropped = self._retained([newest, *older], max(self.keep, 1))
+            older[:] = kept[1:]
             manifest = self._manifest()
         try:
             self.storage.record(manifest)
@@ -145,6 +149,18 @@ class CommitStore:
             return
         for meta in dropped:
             _remove_path(meta["path"])
+
+    def _retained(self, metas: list, n: int) -> tuple[list, list]:
+        """Of one state's commits (newest first): the newest ``n`` and the best by ``keep_best``, and the rest."""
+        best = None
+        if self.keep_best is not None:
+            field, mode = self.keep_best
+            scored = [m for m in metas if isinstance((m.get("fields") or {}).get(field), (int, float))]
+            if scored:
+                pick = min if mode == "min" else max
+                best = pick(scored, key=lambda m: m["fields"][field])
+        kept = [m for i, m in enumerate(metas) if i < n or m is best]
+        return kept, [m for m in metas if not any(m is k for k in kept)]
 
     def _manifest(self) -> dict:
         """``key -> [meta, ...]``, newest first (under the lock)."""
@@ -202,14 +218,14 @@ class CommitStore:
             self.storage.release()
             if not succeeded:
                 return
-            if not self.keep:
+            if not self.keep and self.keep_best is None:
                 self._final = {}
                 self.storage.remove_run()
                 return
             for key in kept:
-                for meta in kept[key][self.keep:]:
+                kept[key], dropped = self._retained(kept[key], self.keep)
+                for meta in dropped:
                     _remove_path(meta["path"])
-                kept[key] = kept[key][:self.keep]
             self.storage.record(kept)
         except Exception as exc:  # noqa: BLE001 - a store the driver cannot reach: say so, keep going
             log.warning("sparkhvd: could not end run %s's folder in %s: %s", self.run_id, self.storage.url, exc)

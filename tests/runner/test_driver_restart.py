@@ -175,6 +175,9 @@ def _fails():
     ({"keep_commits": 2}, "keep_commits=2 keeps commits in the run's storage, and there is none; pass run_id= and "
                           "storage= (or set SPARKHVD_STORAGE) too."),
     ({"run_id": "r", "storage": "/tmp/x", "keep_commits": -1}, "keep_commits=-1 must be a whole number >= 0"),
+    ({"run_id": "r", "storage": "/tmp/x", "keep_best": ("loss", "lowest")}, "keep_best=('loss', 'lowest') must be "
+                                                                             "(field, 'min') or (field, 'max')"),
+    ({"keep_best": ("loss", "min")}, "keep_best=('loss', 'min') keeps commits in the run's storage, and there is none"),
 ])
 @pytest.mark.unit
 def test_bad_storage_settings_are_refused_with_the_fix(kwargs, text):

@@ -103,3 +103,19 @@ def test_a_run_that_ends_well_keeps_its_newest_keep_commits_and_lists_them(tmp_p
     store.close(succeeded=True)
     assert sorted(m["key"] for m in store.kept()) == ["0", "1"]
     assert sorted(json.loads((tmp_path / "r" / MANIFEST).read_text())["commits"]) == ["0", "1"]
+
+
+def test_keep_best_keeps_each_states_best_commit_by_its_field_beside_the_newest(tmp_path):
+    storage = RunStorage(str(tmp_path), "r", lease_s=30)
+    storage.claim()
+    store = CommitStore(run_id="r", storage=storage, keep=1, keep_best=("val_loss", "min"))
+    folder = tmp_path / "r"
+    paths = {}
+    for seq, loss in enumerate((0.9, 0.3, 0.5, 0.7), 1):
+        paths[seq] = folder / f"0-{seq}.pkl"
+        paths[seq].write_bytes(b"x")
+        store.put({"key": "0", "seq": seq, "fields": {"val_loss": loss}, "path": str(paths[seq]), "sha256": "d"}, b"")
+    assert [m["seq"] for m in store.kept()] == [4, 2]  # the newest, and the best (0.3)
+    assert not paths[1].exists() and paths[2].exists() and not paths[3].exists()
+    store.close(succeeded=True)
+    assert [m["seq"] for m in store.kept()] == [4, 2] and paths[2].exists() and paths[4].exists()
