@@ -23,7 +23,12 @@ class Launcher(abc.ABC):
 
     @abc.abstractmethod
     def start(self, spec: TaskSpec) -> None:
-        """Start every task; returns at once."""
+        """Start every task; returns at once.
+
+        Raises:
+            RuntimeError: (Spark's, a run's first attempt) other runs of this driver took the task slots since
+                ``prepare`` found them, in one sentence with the numbers and the fix (``running.py``).
+        """
 
     @abc.abstractmethod
     def failure(self) -> str | None:

@@ -11,6 +11,7 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 import warnings
 
@@ -18,6 +19,7 @@ from ..._common import settings
 from .._agent.agent import TaskSpec, run_task
 from .._shared.error_text import SPARK_STOPPED, read_text, says
 from .._shared.waits import WaitNote
+from . import running
 from .api import Backend, Launcher
 from .java import check_java
 from .job import JobLauncher
@@ -29,16 +31,35 @@ from .spark_info import executor_resources, spark_reason
 _SLOT_WAIT_S = 15.0
 _SLOT_SETTLE_S = 5.0  # executors that register together come within this of each other
 _embedded = None  # the SparkSession sparkhvd created, if any
+_embedded_lock = threading.Lock()  # two runs at once start one embedded session, and never stop it under each other
 
 
 def spark_context(np: int):
-    """The active SparkContext; where there is none, start an embedded ``local[np]`` session."""
+    """The active SparkContext; where there is none, start an embedded ``local[np]`` session.
+
+    Raises:
+        RuntimeError: the embedded session is too small for np while other runs of this driver use it.
+    """
+    with _embedded_lock:
+        return _spark_context(np)
+
+
+def _spark_context(np: int):
     global _embedded
     from pyspark import SparkContext
 
     sc = SparkContext._active_spark_context
     if sc is not None and _embedded is not None and sc is _embedded.sparkContext \
             and sc.defaultParallelism < np:
+        using = sorted({s.run_id for s in running.held(application(sc))})
+        if using:  # stopping it would fail those runs
+            raise RuntimeError(
+                f"np={np} needs {np} task slots but the session sparkhvd started for the runs of this driver, "
+                f"{sc.master}, has {sc.defaultParallelism}, and run{'s' if len(using) > 1 else ''} "
+                f"{', '.join(using)} still use{'' if len(using) > 1 else 's'} it; start this run once "
+                f"{'they have' if len(using) > 1 else 'it has'} ended (sparkhvd then starts a local[{np}] session), "
+                f"start a SparkSession with {np} or more cores before the first run, or use np=-{np} to run on the "
+                "driver.")
         _embedded.stop()  # ours and too small for this run: start a bigger one
         sc = None
     if sc is not None:
@@ -132,6 +153,8 @@ def check_slots(sc, np: int, *, verbose: bool = False) -> None:
     Executors of a cluster still starting register over a few seconds: wait for them until the
     slots suffice, the most the configuration allows is below np, or (where the configuration does
     not say how many will come) no executor has joined for ``_SLOT_SETTLE_S``; at most ``_SLOT_WAIT_S``. ``verbose``: say once what it waits for.
+    Slots that other sparkhvd runs of this driver hold (``running``) are not free: a barrier stage would wait
+    for them until start_timeout.
     """
     check_barrier_conf(sc.getConf())
     bound = max_slots(sc.master, sc.getConf())
@@ -159,6 +182,9 @@ def check_slots(sc, np: int, *, verbose: bool = False) -> None:
             f"{f', at most {bound} by its configuration' if capped else ''}); "
             f"use np<={max(bound if capped else slots, 1)}, add executors or cores, or use np=-{np} to run on "
             "the driver.")
+    problem = running.refusal(np, slots, sc.master, running.held(application(sc)))
+    if problem is not None:
+        raise RuntimeError(problem)
 
 
 def _slots_detail(sc) -> str:
@@ -203,15 +229,17 @@ def gpu_problem(np: int, amount: float, executors: list, task_cpus: int, master:
     return None
 
 
-def slots_for_restart(sc, want: int, least: int | None, timeout: float, *, verbose: bool = True) -> int:
+def slots_for_restart(sc, want: int, least: int | None, timeout: float, *, verbose: bool = True,
+                      run_id: str | None = None) -> int:
     """How many ranks a restart can have: ``want`` as soon as Spark has that many task slots again
     (a lost executor is replaced within seconds on a standalone cluster); after ``timeout`` seconds,
     what there is, if at least ``least`` (HorovodRunner's min_np); otherwise RuntimeError.
-    ``verbose``: say once what it waits for."""
+    ``verbose``: say once what it waits for. Slots that other sparkhvd runs of this driver than ``run_id``
+    hold (``running``) are not there."""
     deadline = time.monotonic() + timeout
     note = WaitNote(verbose)
     while True:
-        slots = task_slots(sc)
+        slots = running.free(task_slots(sc), running.held(application(sc), other_than=run_id))
         if slots >= want:
             return want
         if time.monotonic() >= deadline:
@@ -288,10 +316,29 @@ class SparkLauncher(JobLauncher):
         self._executors: dict = {}  # (stage id, task id) -> the executor it ran on, as found
 
     def start(self, spec: TaskSpec) -> None:
+        """Submit the barrier stage, holding its slots in ``running`` until its job ends.
+
+        Raises:
+            RuntimeError: (a run's first stage) other runs of this driver took the slots since its pre-flight.
+        """
         self._group = f"sparkhvd-{spec.run_id}-{spec.attempt}"
-        self._submit(spec, "sparkhvd-job")
+        app = application(self.sc)  # "": stopped, which the job itself reports
+        first = spec.attempt == 0 and bool(app)  # a restart's slots were waited for (slots_for_restart): no second check
+        running.hold(running.Stage(app, spec.run_id, self._group, self.np),
+                     slots=task_slots(self.sc) if first else None, master=self.sc.master)
+        try:
+            self._submit(spec, "sparkhvd-job")
+        except BaseException:
+            running.release(self._group)
+            raise
 
     def _job(self, spec: TaskSpec) -> None:
+        try:
+            self._run_stage(spec)
+        finally:
+            running.release(self._group)  # the stage's tasks have ended: its slots are free
+
+    def _run_stage(self, spec: TaskSpec) -> None:
         sc = self.sc
         try:
             attempt = f", restart {spec.attempt}" if spec.attempt else ""
@@ -361,6 +408,14 @@ class SparkLauncher(JobLauncher):
                 if not _stopped(self.sc):
                     raise
 
+
+
+def application(sc) -> str:
+    """The SparkContext's application id, which keys its stages in ``running``; "" once it is stopped."""
+    try:
+        return sc.applicationId
+    except Exception:  # noqa: BLE001 - stopped: its gateway object is gone
+        return ""
 
 
 def _barrier_task(spec: TaskSpec, _partition):
@@ -449,7 +504,7 @@ class SparkBackend(Backend):
         return free_slots(self.sc)
 
     def slots_for_restart(self, want: int, least: int | None, timeout: float) -> int:
-        return slots_for_restart(self.sc, want, least, timeout, verbose=self.verbose)
+        return slots_for_restart(self.sc, want, least, timeout, verbose=self.verbose, run_id=self.run_id)
 
     def replace_hosts(self, hosts: frozenset) -> None:
         self.replaced.update(_replace_executors(self.sc, set(hosts), self.run_id))
@@ -461,13 +516,15 @@ def backend_for(config) -> SparkBackend:
 
 
 def free_slots(sc) -> int:
-    """Task slots no running task of this application holds (Spark's slot count includes busy ones)."""
+    """Task slots no running task of this application holds (Spark's slot count includes busy ones), nor a
+    barrier stage of this driver's sparkhvd runs that Spark has not started yet (``running``)."""
     tracker = sc.statusTracker()
-    running = 0
+    active = 0
     for stage in tracker.getActiveStageIds():
         info = tracker.getStageInfo(stage)
-        running += info.numActiveTasks if info is not None else 0
-    return task_slots(sc) - running
+        active += info.numActiveTasks if info is not None else 0
+    slots = task_slots(sc)
+    return min(slots - active, running.free(slots, running.held(application(sc))))
 
 
 def _replace_executors(sc, hosts: set, run_id: str) -> list:
