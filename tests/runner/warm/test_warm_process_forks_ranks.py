@@ -125,12 +125,13 @@ def _cli_run(tmp_path, env) -> dict:
     """``python -m sparkhvd run --np 2 --master local[2]``: one Spark application; rank -> (warm, ppid)."""
     out = subprocess.run([sys.executable, "-m", "sparkhvd", "run", "--np", "2", "--master", "local[2]", "--conf",
                           "spark.ui.enabled=false", "report.py"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=240)  # a Spark application's start: 20 s alone, over 120 s under load
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split()[1:] for line in out.stdout.splitlines() if " WARM " in line]  # "[0] WARM 0 forked 123"
     return {int(rank): (warm, int(ppid)) for _, rank, warm, ppid in rows}
 
 
+@pytest.mark.timeout(600)
 def test_consecutive_spark_applications_fork_from_one_zygote(tmp_path):
     apps = [tmp_path / "app-1", tmp_path / "app-2"]  # each application in a working directory of its own, as
     for app in apps:  # Spark standalone gives each application's executors
