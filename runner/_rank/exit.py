@@ -1,11 +1,15 @@
-"""How a rank process ends before its function returns: the driver aborts the run or goes away, or its agent dies.
+"""How a rank process ends: before its function returns (the driver aborts the run or goes away, or its agent
+dies), and after it (``end``, both ways of starting a rank).
 
 ``watch`` waits on a connection of its own for the driver's ABORT, so the process ends at once even when its
-main thread is blocked inside a collective; ``die_with_parent`` ties the process to its task agent.
+main thread is blocked inside a collective; ``die_with_parent`` ties the process to its task agent. ``end`` is
+interpreter exit without its finalization: no destructor of what the user's code left (the torch process groups
+that runner/_rank/process_groups.py keeps) runs.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
@@ -69,3 +73,23 @@ def die_with_parent() -> None:
             return
         if str(os.getppid()) != (settings.PARENT_PID.get() or str(os.getppid())):
             os._exit(ABORTED_EXIT_CODE)  # the agent died before we set the signal
+
+
+def end(code: int) -> None:
+    """End as interpreter exit would (join non-daemon threads, run atexit handlers, flush), then ``os._exit``:
+    finalizing the interpreter would free what the user's code left alive, and a torch process group's destructor
+    can deadlock on the GIL (runner/_rank/process_groups.py). Never returns."""
+    try:
+        threading._shutdown()  # what Py_FinalizeEx calls
+    except BaseException:  # noqa: BLE001
+        pass
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001
+            pass
+    os._exit(code)

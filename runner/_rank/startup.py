@@ -15,6 +15,7 @@ import signal
 import sys
 
 from ..._common import settings
+from . import process_groups
 
 _BLAS_SET_THREADS = ("openblas_set_num_threads", "openblas_set_num_threads64_",
                      "scipy_openblas_set_num_threads", "scipy_openblas_set_num_threads64_")
@@ -23,7 +24,9 @@ _BLAS_SET_THREADS = ("openblas_set_num_threads", "openblas_set_num_threads64_",
 def prepare(env=None) -> None:
     """Set this process's state as a fresh ``python`` with the environment ``env`` (None: this process's) has it:
     the default signal handlers, the CPU thread counts that ``env`` asks for (runner/_agent/env.py computes them), a
-    NumPy generator seeded from the OS, and the temp folder found again from the environment."""
+    NumPy generator seeded from the OS, the temp folder found again from the environment, and torch's
+    ``destroy_process_group`` wrapped to keep the groups it destroys (now, or when torch.distributed loads:
+    runner/_rank/process_groups.py)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -32,6 +35,7 @@ def prepare(env=None) -> None:
         sys.modules["numpy"].random.seed()
     if "tempfile" in sys.modules:  # found again from the rank's own TMPDIR, as in a fresh process
         sys.modules["tempfile"].tempdir = None
+    process_groups.keep_destroyed_groups()
 
 
 def apply_threads(env=None) -> None:

@@ -27,7 +27,7 @@ from .._payload import payload as _payload
 from .._shared.host import rank_address
 from . import aliases as _aliases
 from . import startup
-from .exit import die_with_parent, finished, leave, watch
+from .exit import die_with_parent, end, finished, leave, watch
 from .failure import report_failure
 from .heartbeat import Heartbeat
 
@@ -140,13 +140,13 @@ def _size(n: int) -> str:
 
 
 def run() -> int:
-    """The rank process up to interpreter exit (``python -m``, and a rank forked by the warm process:
-    runner/_warm/child.py); returns the exit code."""
+    """The rank process up to its exit (``python -m``, and a rank forked by the warm process:
+    runner/_warm/child.py; both then ``end``); returns the exit code."""
     code = main()
     finished.set()
     sys.stdout.flush()
     sys.stderr.flush()
-    # Interpreter shutdown joins the user's non-daemon threads; don't let one hang the run.
+    # Exit joins the user's non-daemon threads; don't let one hang the run.
     timer = threading.Timer(_EXIT_GRACE_S, os._exit, (code,))
     timer.daemon = True
     timer.start()
@@ -155,4 +155,4 @@ def run() -> int:
 
 if __name__ == "__main__":  # a fresh rank; a forked one runs startup.prepare in runner/_warm/child.py
     startup.prepare()
-    sys.exit(run())
+    end(run())  # interpreter exit without finalization, as a forked rank ends (runner/_rank/exit.py)

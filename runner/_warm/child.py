@@ -1,4 +1,5 @@
-"""The forked rank's first steps: become what ``python <argv>`` would be, run it, exit as Python would.
+"""The forked rank's first steps: become what ``python <argv>`` would be, run it, exit as Python would (without
+finalizing the interpreter: runner/_rank/exit.py's ``end``).
 
 The warm process (``runner/_warm/server.py``) forks; the child calls ``become_rank``, which takes the
 agent's pipes as its stdin, stdout and stderr, the rank's working directory and whole environment, its
@@ -8,18 +9,17 @@ state every rank starts with (runner/_rank/startup.py: signals, CPU threads, see
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import io
 import os
 import runpy
 import signal
 import sys
-import threading
 import traceback
 
 from .._rank import startup
 from .._rank import worker as _worker  # the rank's bootstrap, imported once in the warm process
+from .._rank.exit import end
 from .protocol import WORKER_ARGV
 
 _PR_SET_PDEATHSIG = 1
@@ -54,8 +54,7 @@ def become_rank(zygote: int, fds: list, env: dict, cwd: str, argv: list, start_d
         startup.prepare(env)  # signals, threads, seeds, temp folder: what a fresh rank's __main__ runs too
     except BaseException:  # noqa: BLE001
         os._exit(code)
-    code = _run(argv)
-    _exit(code)
+    end(_run(argv))  # as interpreter exit, without finalization (runner/_rank/exit.py)
 
 
 def _stdio() -> None:
@@ -114,21 +113,3 @@ def _exit_code(code) -> int:
         return code & 0xFF
     sys.stderr.write(f"{code}\n")
     return 1
-
-
-def _exit(code: int) -> None:
-    """End as interpreter exit would: join non-daemon threads, run atexit handlers, flush."""
-    try:
-        threading._shutdown()  # what Py_FinalizeEx calls
-    except BaseException:  # noqa: BLE001
-        pass
-    try:
-        atexit._run_exitfuncs()
-    except BaseException:  # noqa: BLE001
-        pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except BaseException:  # noqa: BLE001
-            pass
-    os._exit(code)
