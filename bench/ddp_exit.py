@@ -65,7 +65,8 @@ BODY = textwrap.dedent(f"""\
     dist.destroy_process_group()  # the tutorial's cleanup(): the DDP model is still alive
 """)
 
-SCRIPT = BODY + 'print("WEIGHTS", rank, __import__("json").dumps(weights), flush=True)\n'
+# One write per line: torchrun's two ranks share one pipe, and print() under PYTHONUNBUFFERED writes the newline apart.
+SCRIPT = BODY + 'import json, os\nos.write(1, f"WEIGHTS {rank} {json.dumps(weights)}\\n".encode())\n'
 
 DRIVER = ("import json, sys\n"
           "from sparkhvd import HorovodRunner\n\n"
@@ -98,7 +99,10 @@ def _weights(out: str) -> list | None:
     for line in out.splitlines():
         for tag in ("RESULT ", "WEIGHTS 0 "):
             if tag in line:
-                return json.loads(line.split(tag, 1)[1])
+                try:
+                    return json.JSONDecoder().raw_decode(line.split(tag, 1)[1])[0]
+                except ValueError:
+                    return None
     return None
 
 
