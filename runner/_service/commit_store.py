@@ -136,8 +136,8 @@ class CommitStore:
         with self._lock:
             older = self._older.setdefault(key, [])
             if old is not None and old.meta.get("path"):
-                older.insert(0, {k: v for k, v in old.meta.items() if k not in ("at", "attempt")})
-            newest = {k: v for k, v in self._commits[key].meta.items() if k not in ("at", "attempt")}
+                older.insert(0, _stored(old.meta))
+            newest = _stored(self._commits[key].meta)
             kept, dropped = self._retained([newest, *older], max(self.keep, 1))
             older[:] = kept[1:]
             manifest = self._manifest()
@@ -164,7 +164,7 @@ class CommitStore:
 
     def _manifest(self) -> dict:
         """``key -> [meta, ...]``, newest first (under the lock)."""
-        return {key: [{k: v for k, v in c.meta.items() if k not in ("at", "attempt")}, *self._older.get(key, [])]
+        return {key: [_stored(c.meta), *self._older.get(key, [])]
                 for key, c in self._commits.items() if c.meta.get("path")}
 
     def kept(self) -> list:
@@ -237,6 +237,11 @@ class CommitStore:
         with open(path, "wb") as f:
             f.write(blob)
         return path
+
+
+def _stored(meta: dict) -> dict:
+    """A commit's meta as the manifest keeps it: without this driver's ``at`` and ``attempt``."""
+    return {k: v for k, v in meta.items() if k not in ("at", "attempt")}
 
 
 def _remove_file(path: str | None) -> None:

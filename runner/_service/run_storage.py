@@ -134,9 +134,6 @@ class RunStorage:
     def path_of(self, name: str) -> str:
         return f"{self.folder}/{name}"
 
-    def remove(self, path: str) -> None:
-        self._delete_path(path)
-
     def remove_run(self) -> None:
         """Remove the run's whole folder (a run that ended well, keeping no commits)."""
         try:

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from _load import cpu_hogs
 
 from sparkhvd import HorovodRunError, HorovodRunner
 from sparkhvd._common.settings import LOG_ROOT
@@ -28,13 +29,8 @@ def root(tmp_path, monkeypatch):
 @pytest.fixture
 def busy():
     """Four CPU-bound processes beside the run, on a 2-core machine."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(HOGS)]
-    try:
+    with cpu_hogs(HOGS):
         yield
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
 
 
 def _chatty(n, fail=False):

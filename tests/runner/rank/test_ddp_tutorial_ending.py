@@ -8,7 +8,6 @@ hung) in 10 of 10 tries as a function and 6 of 10 as a script (2026-12-02, 2 cor
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -17,6 +16,7 @@ import sys
 import textwrap
 
 import pytest
+from _load import cpu_hogs
 
 RUNS = 8
 RUN_TIMEOUT_S = 30.0  # a warm run takes about a second; the heartbeat would give up at 60 s
@@ -90,18 +90,6 @@ def _weights(out: str) -> dict:
     return found
 
 
-@contextlib.contextmanager
-def _busy():
-    """Two CPU hogs while it lasts: the hang needed a busy machine to show."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    try:
-        yield
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
-
-
 @pytest.mark.timeout(FIRST_TIMEOUT_S + RUNS * RUN_TIMEOUT_S + 60)
 @pytest.mark.parametrize("mode", ["function", "script"])
 def test_the_ddp_tutorials_ending_returns_every_run_on_a_busy_machine(tmp_path, mode):
@@ -117,7 +105,7 @@ def test_the_ddp_tutorials_ending_returns_every_run_on_a_busy_machine(tmp_path, 
             assert weights[rank] == pytest.approx(expected, rel=1e-5, abs=1e-6), (i, rank)
 
     check(0, FIRST_TIMEOUT_S)  # brings the session's warm process up, before the machine is made busy
-    with _busy():
+    with cpu_hogs(2):  # the hang needed a busy machine to show
         for i in range(1, RUNS + 1):
             check(i, RUN_TIMEOUT_S)
 
