@@ -7,8 +7,18 @@ import threading
 
 import pytest
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads: keep its C++ start-up lines out of the log
-tf = pytest.importorskip("tensorflow")
+# Before TensorFlow loads, keep its C++ start-up lines out of the log; then put the variable back: collection runs
+# this in every test worker, and ranks and notebook kernels started later inherit the worker's environment (the
+# tests of TensorFlow's start-up notices failed under it).
+_LEVEL = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+try:
+    tf = pytest.importorskip("tensorflow")
+finally:
+    if _LEVEL is None:
+        os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    else:
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = _LEVEL
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
