@@ -111,6 +111,9 @@ LONGEST_FIRST = (
     "tests/runner/policy/test_stall_reports.py", "tests/runner/dropins/test_migration.py", "tests/test_packaging.py",
     "tests/ml/test_ml_lightning.py", "tests/test_wheel.py", "tests/collective/test_tensorflow_imports.py",
     "tests/runner/backends/test_gpu_pinning.py", "tests/frameworks/test_frameworks_tensorflow.py",
+    # added 2026-12-02, their real-process loops (not yet measured with --durations)
+    "tests/runner/rank/test_ddp_tutorial_ending.py", "tests/runner/test_concurrent_runs.py",
+    "tests/runner/agent/test_no_line_lost.py", "tests/runner/test_driver_restart.py",
 )
 
 
