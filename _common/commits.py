@@ -34,11 +34,12 @@ class HostUpdateResult(enum.IntFlag):
 
 class RanksChanged(Exception):
     """Leaves a HorovodRunner rank at a commit after ``HostsUpdatedInterrupt``: the driver relaunches every rank
-    with the new number, which resume from that commit (not an error; the run goes on)."""
+    with the new number, or away from an executor Spark takes back, and they resume from that commit (not an error;
+    the run goes on)."""
 
     def __init__(self):
-        super().__init__("Spark has task slots for more ranks: every rank leaves at this commit, and the driver "
-                         "relaunches them all with more")
+        super().__init__("every rank leaves at this commit, and the driver relaunches them all: Spark has task "
+                         "slots for more ranks, or is decommissioning an executor of the run")
 
 def _safe(key: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in key)

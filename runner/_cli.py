@@ -1,8 +1,8 @@
 """``sparkhvd run``: run a training script on np ranks from the shell (scheduled jobs, spark-submit).
 
     sparkhvd run --np 4 [--master URL | --remote sc://HOST:PORT] [--conf k=v ...] [--log-dir DIR] [--max-restarts N]
-                 [--retry-on EXCEPTION ... [--max-retries N]] [--run-id ID [--storage URL] [--keep-commits N]]
-                 train.py [args...]
+                 [--retry-on EXCEPTION ... [--max-retries N]] [--max-preemptions N]
+                 [--run-id ID [--storage URL] [--keep-commits N] [--keep-best FIELD:min|max]] train.py [args...]
 
 Everything after the script path goes to the script. Exit status: 0 when every rank succeeded, 1 when
 the run failed (the error on stderr), 2 for bad usage, 130 / 143 when stopped by SIGINT / SIGTERM (every
@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
                           "commit when a rank raises it; repeat for more")
     run.add_argument("--max-retries", type=int, default=None, metavar="N",
                      help="how many times --retry-on's exceptions relaunch the run (default 3)")
+    run.add_argument("--max-preemptions", type=int, default=None, metavar="N",
+                     help="how many times the run relaunches after Spark decommissions an executor of its ranks "
+                          "(default: no limit)")
     run.add_argument("--run-id", metavar="ID",
                      help="names the run; with --storage, running it again with the same ID resumes its commits")
     run.add_argument("--storage", metavar="URL",
@@ -60,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
                           "$SPARKHVD_STORAGE)")
     run.add_argument("--keep-commits", type=int, default=0, metavar="N",
                      help="the newest commits of each state a successful run leaves in --storage (default 0)")
+    run.add_argument("--keep-best", metavar="FIELD:min|max",
+                     help="also keep, in --storage, each state's commit whose plain field FIELD is lowest (min) or "
+                          "highest (max), such as val_loss:min")
     run.add_argument("--start-timeout", type=float, default=None, metavar="SECONDS",
                      help="how long ranks have to start (default 120, or $SPARKHVD_START_TIMEOUT)")
     run.add_argument("script", help="the Python script every rank runs as __main__")
@@ -92,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         runner = HorovodRunner(ns.np, log_dir=ns.log_dir, max_restarts=ns.max_restarts,
                                start_timeout=ns.start_timeout, max_retries=ns.max_retries,
                                retry_on=tuple(_exception_class(name) for name in ns.retry_on),
-                               run_id=ns.run_id, storage=ns.storage, keep_commits=ns.keep_commits)
+                               run_id=ns.run_id, storage=ns.storage, keep_commits=ns.keep_commits,
+                               keep_best=_keep_best(parser, ns.keep_best), max_preemptions=ns.max_preemptions)
     except ValueError as exc:
         parser.error(str(exc))
     stopping = _StopOnSignal()
@@ -103,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         elif ns.np > 0 and (ns.master or confs or _under_spark_submit()):
             _session(ns.master, confs, ns.np)
         runner.run(main_fn, **kwargs)
+        if runner.last_result.commits:
+            print(kept_lines(runner.last_result.commits, runner.config.storage), flush=True)
         return 0
     except KeyboardInterrupt:
         name = signal.Signals(stopping.signum or signal.SIGINT).name
@@ -143,6 +152,24 @@ def _conf(parser: argparse.ArgumentParser, item: str) -> tuple[str, str]:
     if not sep or not key.strip():
         parser.error(f"--conf {item!r} is not KEY=VALUE; write e.g. --conf spark.executor.memory=4g.")
     return key.strip(), value
+
+
+def _keep_best(parser: argparse.ArgumentParser, item: str | None) -> tuple | None:
+    if item is None:
+        return None
+    field, sep, how = item.rpartition(":")
+    if not sep or not field:
+        parser.error(f"--keep-best {item!r} is not FIELD:min or FIELD:max; write e.g. --keep-best val_loss:min.")
+    return field, how
+
+
+def kept_lines(commits: list, storage: str) -> str:
+    """What a run left in its storage (``RunResult.commits``), one line per commit, newest of each state first."""
+    lines = [f"sparkhvd run: the run left {len(commits)} commit{'s' if len(commits) != 1 else ''} in {storage}:"]
+    for meta in commits:
+        fields = " ".join(f"{k}={v}" for k, v in (meta.get("fields") or {}).items()) or "no plain fields"
+        lines.append(f"  {meta['key']} commit {meta['seq']} ({fields}): {meta.get('path', '')}")
+    return "\n".join(lines)
 
 
 def _exception_class(name: str) -> type:

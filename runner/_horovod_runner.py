@@ -54,8 +54,9 @@ class HorovodRunner:
     or host lost, a peer gone silent, a stall) relaunches every rank, which then resume from the
     last ``state.commit()`` of ``hvd.elastic.run`` (docs/elastic.md); a user's exception is never
     retried. Commits go to the driver, or to ``commit_dir`` (a path or pyarrow filesystem URL every
-    host reaches) for large models. ``min_np``: where Spark cannot give all ``np`` slots back within
-    ``start_timeout``, a restart goes on with as many as there are, down to ``min_np``. ``max_np``:
+    host reaches) for large models. ``min_np``: where Spark has fewer than ``np`` task slots after a failure
+    (an executor lost), a restart goes on at once with as many as there are, down to ``min_np``, as Horovod
+    elastic goes on with its survivors, and the run grows back to ``np`` at a commit once Spark has the slots. ``max_np``:
     while Spark has free task slots, the run grows, up to ``max_np`` ranks (and a run a restart
     shrank, back to ``np``), at a commit: every rank leaves there and all are relaunched.
 
@@ -63,6 +64,11 @@ class HorovodRunner:
     code, an object store's 503 or a flaky read: a rank that raises one relaunches every rank from the last
     commit, as an infrastructure failure does, up to ``max_retries`` times (default 3), a budget apart from
     ``max_restarts``. Any other exception still fails the run at once.
+
+    ``max_preemptions`` (default None: no limit): when Spark decommissions an executor that holds ranks
+    (``spark.decommission.enabled``: SIGPWR to the executor or its worker, a Kubernetes pod's preStop), every
+    rank of an ``hvd.elastic.run`` leaves at a commit soon after, and the run goes on from it on the executors
+    Spark keeps: a relaunch counted against ``max_preemptions``, not ``max_restarts``.
 
     ``run_id`` and ``storage`` (a path every host reaches or a pyarrow filesystem URL; default
     ``$SPARKHVD_STORAGE``): the run keeps its commits in ``<storage>/<run_id>/``, so that it outlives its
@@ -77,13 +83,14 @@ class HorovodRunner:
                  log_dir: str | None = None, network_interface: str | None = None, max_restarts: int = 0,
                  min_np: int | None = None, max_np: int | None = None, commit_dir: str | None = None,
                  retry_on: tuple = (), max_retries: int | None = None, run_id: str | None = None,
-                 storage: str | None = None, keep_commits: int = 0, keep_best: tuple | None = None):
+                 storage: str | None = None, keep_commits: int = 0, keep_best: tuple | None = None,
+                 max_preemptions: int | None = None):
         self.config = RunnerConfig(np=np, driver_log_verbosity=driver_log_verbosity,
                                    start_timeout=start_timeout, log_dir=log_dir,
                                    network_interface=network_interface, max_restarts=max_restarts,
                                    min_np=min_np, max_np=max_np, commit_dir=commit_dir, retry_on=retry_on,
                                    max_retries=max_retries, run_id=run_id, storage=storage,
-                                   keep_commits=keep_commits, keep_best=keep_best)
+                                   keep_commits=keep_commits, keep_best=keep_best, max_preemptions=max_preemptions)
         self.last_result: RunResult | None = None
 
     @classmethod
@@ -152,7 +159,8 @@ class HorovodRunner:
                                every_value=every_value, env=env, bind_host=bind_host)
             policy = RunPolicy(cluster, logs, np=np, start_timeout=cfg.start_timeout, run_id=run_id,
                                max_restarts=cfg.max_restarts, min_np=cfg.min_np, max_np=cfg.max_np,
-                               retry_on=cfg.retry_names(), max_retries=cfg.max_retries)
+                               retry_on=cfg.retry_names(), max_retries=cfg.max_retries,
+                               max_preemptions=cfg.max_preemptions)
             status = policy.run()
             result = _result(status, logs, run_id, payload, started, every_value, policy.restarts)
             succeeded = True

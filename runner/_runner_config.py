@@ -35,6 +35,7 @@ class RunnerConfig:
     commit_dir: str | None = None
     retry_on: tuple = ()  # the user's exception classes a run relaunches from its last commit, max_retries times
     max_retries: int | None = None  # None: 3 where retry_on names classes, else 0
+    max_preemptions: int | None = None  # relaunches after Spark took back an executor of the run; None: no limit
     run_id: str | None = None  # names the run; with storage, a new driver with it resumes from its commits
     storage: str | None = None  # None: $SPARKHVD_STORAGE where run_id is given
     keep_commits: int = 0  # with storage: the newest commits of each state a successful run leaves there
@@ -62,7 +63,7 @@ class RunnerConfig:
         self._check_drop_in_fields()
 
     def _check_retries(self) -> None:
-        """retry_on and max_retries."""
+        """retry_on, max_retries and max_preemptions."""
         classes = (self.retry_on,) if isinstance(self.retry_on, type) else self.retry_on
         if not isinstance(classes, (tuple, list)) or not all(isinstance(c, type) and issubclass(c, Exception)
                                                              for c in classes):
@@ -75,6 +76,10 @@ class RunnerConfig:
         if not _whole(self.max_retries) or self.max_retries < 0:
             raise ValueError(f"max_retries={self.max_retries!r} must be a whole number >= 0: how many times a rank's "
                              "exception of retry_on relaunches the run from its last commit.")
+        if self.max_preemptions is not None and (not _whole(self.max_preemptions) or self.max_preemptions < 0):
+            raise ValueError(f"max_preemptions={self.max_preemptions!r} must be a whole number >= 0 or None (no "
+                             "limit): how many times a run relaunches its ranks after Spark decommissioned an "
+                             "executor of theirs.")
         if self.max_retries and not self.retry_on:
             raise ValueError(f"max_retries={self.max_retries} retries the exceptions named by retry_on, and retry_on "
                              "is empty; pass retry_on=(OSError, ...) too, or leave max_retries unset.")

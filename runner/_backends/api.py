@@ -38,6 +38,11 @@ class Launcher(abc.ABC):
         """Why these ranks (``(rank, Registration)``) may have vanished, if known."""
         return None
 
+    def preempted(self, unfinished: list) -> str | None:
+        """Whether the cluster is taking back (decommissioning) an executor where these ranks (``(rank,
+        Registration)``) run: a clause naming the executors, their hosts and their ranks, or None."""
+        return None
+
     def waiting_for(self) -> str:
         """While ranks have not registered: what the backend says of the launch, as a clause for the wait's note
         (``" (Spark has not submitted the barrier stage yet)"``), or "" where it says nothing."""
@@ -81,11 +86,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def slots_for_restart(self, want: int, least: int | None, timeout: float) -> int:
-        """Ranks a restart can have: ``want`` once there are that many slots; after ``timeout`` seconds what
-        there is, if at least ``least``.
+        """Ranks a restart can have: ``want`` once there are that many slots; at once what there is, if at least
+        ``least`` (min_np: the run goes on with fewer and grows back at a commit).
 
         Raises:
-            RuntimeError: fewer than ``want`` slots, and fewer than ``least`` (or ``least`` is None), after
+            RuntimeError: fewer than ``want`` slots and fewer than ``least`` (or ``least`` is None) for
                 ``timeout`` seconds, in one sentence with the numbers and the fix.
         """
 

@@ -231,9 +231,10 @@ def gpu_problem(np: int, amount: float, executors: list, task_cpus: int, master:
 
 def slots_for_restart(sc, want: int, least: int | None, timeout: float, *, verbose: bool = True,
                       run_id: str | None = None) -> int:
-    """How many ranks a restart can have: ``want`` as soon as Spark has that many task slots again
-    (a lost executor is replaced within seconds on a standalone cluster); after ``timeout`` seconds,
-    what there is, if at least ``least`` (HorovodRunner's min_np); otherwise RuntimeError.
+    """How many ranks a restart can have: ``want`` as soon as Spark has that many task slots again; with
+    ``least`` (HorovodRunner's min_np), at once what there is, if at least ``least``, as Horovod elastic goes
+    on with its survivors (the run grows back at a commit when Spark returns the slots); otherwise, after
+    ``timeout`` seconds, RuntimeError (a lost executor is replaced within seconds on a standalone cluster).
     ``verbose``: say once what it waits for. Slots that other sparkhvd runs of this driver than ``run_id``
     hold (``running``) are not there."""
     deadline = time.monotonic() + timeout
@@ -242,9 +243,9 @@ def slots_for_restart(sc, want: int, least: int | None, timeout: float, *, verbo
         slots = running.free(task_slots(sc), running.held(application(sc), other_than=run_id))
         if slots >= want:
             return want
+        if least is not None and slots >= least:
+            return slots
         if time.monotonic() >= deadline:
-            if least is not None and slots >= least:
-                return slots
             raise RuntimeError(
                 f"after the failure Spark had {slots} task slot{'s' if slots != 1 else ''} free for the restart within "
                 f"start_timeout={timeout:g} s, not the {want} it needs"
@@ -382,22 +383,45 @@ class SparkLauncher(JobLauncher):
         try:
             removed = {executor_id: reason for executor_id, _, reason in self.status.removed_executors()
                        if executor_id not in self.replaced}
-            tasks = {reg.spark_task for _, reg in unfinished if reg.spark_task is not None}
-            if not removed or not tasks:
-                return None
-            if tasks - set(self._executors):
-                self._executors.update(self.status.task_executors(tasks - set(self._executors)))
+            ran = self._ranks_on(unfinished, removed) if removed else {}
         except Exception:  # noqa: BLE001 - a Spark without this private API, or one stopping: no executor detail
             return None
-        ran: dict[str, tuple] = {}  # executor id -> (a registration there, its ranks)
+        found = [f"{_ranks_clause(ranks)} ran on executor {executor_id} on host {reg.host} ({reg.peer}), which Spark "
+                 f"lost: {removed[executor_id]}" for executor_id, (reg, ranks) in ran.items()]
+        return "; ".join(found) or None
+
+    def preempted(self, unfinished: list) -> str | None:
+        """The executors of these ranks that Spark is decommissioning (``spark.decommission.enabled``: SIGPWR to
+        the executor or its worker, a Kubernetes pod's preStop, a spot notice a cluster manager forwards)."""
+        try:
+            self._executors_of(unfinished)
+            ids = {self._executors[reg.spark_task] for _, reg in unfinished if reg.spark_task in self._executors}
+            taken = self.status.decommissioned(ids) if ids else {}
+            ran = self._ranks_on(unfinished, taken) if taken else {}
+        except Exception:  # noqa: BLE001 - a Spark without this private API, or one stopping: no notice
+            return None
+        found = [f"executor {executor_id} on host {reg.host} ({reg.peer}), which runs {_ranks_clause(ranks)}, is "
+                 f"being decommissioned by Spark{taken[executor_id]}" for executor_id, (reg, ranks) in ran.items()]
+        return "; ".join(found) or None
+
+    def _executors_of(self, unfinished: list) -> bool:
+        """Look up the executor of each of these ranks' Spark tasks not yet known; whether any is known."""
+        tasks = {reg.spark_task for _, reg in unfinished if reg.spark_task is not None}
+        if tasks - set(self._executors):
+            self._executors.update(self.status.task_executors(tasks - set(self._executors)))
+        return bool(tasks & set(self._executors))
+
+    def _ranks_on(self, unfinished: list, executors) -> dict:
+        """``executor id -> (a registration there, its ranks)`` for those of ``executors`` these ranks ran on,
+        in rank order."""
+        if not self._executors_of(unfinished):
+            return {}
+        ran: dict[str, tuple] = {}
         for rank, reg in unfinished:
             executor_id = self._executors.get(reg.spark_task)
-            if executor_id in removed:
+            if executor_id in executors:
                 ran.setdefault(executor_id, (reg, []))[1].append(rank)
-        found = [f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, sorted(ranks)))} ran on executor "
-                 f"{executor_id} on host {reg.host} ({reg.peer}), which Spark lost: {removed[executor_id]}"
-                 for executor_id, (reg, ranks) in sorted(ran.items(), key=lambda item: min(item[1][1]))]
-        return "; ".join(found) or None
+        return dict(sorted(ran.items(), key=lambda item: min(item[1][1])))
 
     def stop(self) -> None:
         self._stopped = True
@@ -408,6 +432,10 @@ class SparkLauncher(JobLauncher):
                 if not _stopped(self.sc):
                     raise
 
+
+
+def _ranks_clause(ranks: list) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, sorted(ranks)))}"
 
 
 def application(sc) -> str:
@@ -459,6 +487,18 @@ class SparkStatus:
             reason = reason.get() if reason.isDefined() else "no reason given"
             removed.append((summary.id(), summary.hostPort().rsplit(":", 1)[0], reason))
         return removed
+
+    def decommissioned(self, executor_ids: set) -> dict:
+        """``executor id -> ""`` (or ``", with its worker on <host>"``) for those of ``executor_ids`` that
+        Spark's scheduler is decommissioning or has removed by decommissioning."""
+        scheduler = self.sc._jsc.sc().taskScheduler()
+        found = {}
+        for executor_id in executor_ids:
+            state = scheduler.getExecutorDecommissionState(executor_id)
+            if state.isDefined():
+                worker = state.get().workerHost()
+                found[executor_id] = f", with its worker on {worker.get()}" if worker.isDefined() else ""
+        return found
 
     def task_executors(self, tasks: set) -> dict:
         """``(stage id, task id) -> executor id`` of those of ``tasks`` that the store has seen start."""

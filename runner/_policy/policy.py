@@ -6,8 +6,8 @@ state      what it does                                                next
 =========  ==========================================================  =======================================
 START      launches an attempt: a driver service and ``n`` ranks       WAIT
 WAIT       polls while the tasks register                              SUPERVISE, or an ended attempt (below)
-SUPERVISE  polls until every rank returned, left at a commit, or       DONE, GROW, or an ended attempt
-           failed
+SUPERVISE  polls until every rank returned, left at a commit, or       DONE, GROW, RESTART (preempted), or an
+           failed                                                      ended attempt
 RESTART    the relaunch's ``n``: np, or what Spark gives back          START; FAILED without the slots
 GROW       the relaunch's ``n``: Spark's free slots, up to max_np      START; FAILED if Spark fails
 SHRINK     the relaunch's ``n``: the ranks the run had before growing  START
@@ -18,7 +18,9 @@ FAILED     ``run`` raises the error, naming every attempt's failure
 An attempt that failed goes to SHRINK where a grown stage did not start, to RESTART where the
 failure is the infrastructure's and ``max_restarts`` allows another attempt, or where every rank's
 own exception is one of ``retry_on``'s classes and ``max_retries`` allows another (a budget of its
-own), and to FAILED otherwise. WAIT and SUPERVISE read the service's ``RunStatus`` snapshots; ``_supervise.Watch``
+own), and to FAILED otherwise. A preempted attempt (Spark decommissions an executor of its ranks:
+they leave at a commit, or fail with the executor) goes to RESTART, counted against
+``max_preemptions`` (unlimited by default) rather than ``max_restarts``. WAIT and SUPERVISE read the service's ``RunStatus`` snapshots; ``_supervise.Watch``
 applies the rules that say when an attempt has ended. The policy reaches the world through
 small interfaces, a ``Cluster`` (launches attempts, knows the task slots) and the ``Service`` and
 ``Launcher`` each attempt gives it, so fakes stand in for Spark and the processes in tests
@@ -44,6 +46,7 @@ from .supervise import FAILED, LEFT, Ended, Watch
 
 RESTARTS = "restart"  # an infrastructure failure, counted against max_restarts
 RETRIES = "retry"  # a user's exception of retry_on's classes, counted against max_retries
+PREEMPTIONS = "preemption"  # Spark took back an executor of the run's ranks, counted against max_preemptions
 
 
 class RunState(enum.Enum):
@@ -91,7 +94,7 @@ class Cluster(Protocol):
         """Task slots no running task holds (0 where the run cannot grow)."""
 
     def slots_for_restart(self, want: int, least: int | None, timeout: float) -> int:
-        """Ranks a restart can have: ``want``, or after ``timeout`` at least ``least``; RuntimeError if not."""
+        """Ranks a restart can have: ``want``, or at once at least ``least``; RuntimeError after ``timeout``."""
 
     def replace_hosts(self, hosts: frozenset) -> None:
         """Ask the cluster to replace the executors on ``hosts``, whose ranks went silent."""
@@ -106,7 +109,7 @@ class Ending:
     counted: bool = True  # one of max_restarts (SHRINK's relaunch is not)
     cut_off: frozenset = frozenset()  # hosts whose ranks went silent: Spark is asked to replace their executors
     stamps: tuple = ()  # (step, time.monotonic()) of the failed attempt's end: RestartEvent.stamps
-    budget: str = RESTARTS  # which budget the relaunch counts against: RESTARTS or RETRIES
+    budget: str = RESTARTS  # which budget the relaunch counts against: RESTARTS, RETRIES or PREEMPTIONS
 
 
 class RunPolicy:
@@ -114,13 +117,14 @@ class RunPolicy:
 
     def __init__(self, cluster: Cluster, logs, *, np: int, start_timeout: float, run_id: str, max_restarts: int = 0,
                  min_np: int | None = None, max_np: int | None = None, stalls=StallInspector, clock=time.monotonic,
-                 retry_on: tuple = (), max_retries: int = 0):
+                 retry_on: tuple = (), max_retries: int = 0, max_preemptions: int | None = None):
         self.cluster, self.logs, self.run_id = cluster, logs, run_id
         self.np, self.min_np, self.start_timeout = np, min_np, start_timeout
         self.attempts = max_restarts + 1
         self.retry_on = retry_on  # module.qualname of the user's exception classes that max_retries relaunches
-        self.budgets = {RESTARTS: max_restarts, RETRIES: max_retries}  # relaunches each kind of failure may have
-        self.used = {RESTARTS: 0, RETRIES: 0}  # and has had
+        # relaunches each kind of failure may have (None: no limit), and has had
+        self.budgets = {RESTARTS: max_restarts, RETRIES: max_retries, PREEMPTIONS: max_preemptions}
+        self.used = {RESTARTS: 0, RETRIES: 0, PREEMPTIONS: 0}
         self.stalls = stalls  # (np=, run_id=, log_dir=) -> a stall inspector for one attempt
         self.clock = clock
         self.state = RunState.START
@@ -226,6 +230,9 @@ class RunPolicy:
                 return self._failed(ended.error)
             resumed(self.restarts[-1] if self.restarts else None, self.run_id, None,
                     at=self.status.placed_at)  # where no rank asked for a commit
+            if ended.how == LEFT and self.watch.preempted is not None:  # every rank left at a commit: relaunch
+                return self._preempted(Ending(f"a preemption: {self.watch.preempted}", self.watch.preempted_at,
+                                              budget=PREEMPTIONS))
             if ended.how == LEFT:
                 self.ending = Ending(lost=None, failed_at=self.clock())
                 return RunState.GROW
@@ -244,16 +251,33 @@ class RunPolicy:
         if isinstance(error, StartTimeoutError) and self.attempt:
             error.retryable, error.cause = True, "the relaunched ranks did not start in time"
         self.errors.append(error)
-        budget = RETRIES if error.retry_on else RESTARTS if error.retryable else None
+        preempted = self.watch is not None and self.watch.preempted is not None
+        budget = RETRIES if error.retry_on else (PREEMPTIONS if preempted else RESTARTS) if error.retryable else None
         if budget is None:
             return self._fail(error.__cause__)
-        if self.used[budget] == self.budgets[budget]:
-            return self._fail(error.__cause__, exhausted=budget)
-        self.used[budget] += 1
         failed_at = getattr(error, "failed_at", self.clock())
-        self.ending = Ending(error.cause, failed_at,
-                             cut_off=frozenset(self.status.hosts_of(getattr(error, "silent_ranks", ()))),
-                             stamps=(("failed", failed_at), *self.watch.stamps.items()), budget=budget)
+        cause = f"a preemption: {self.watch.preempted}, then {error.cause}" if budget == PREEMPTIONS else error.cause
+        return self._relaunch_after(Ending(cause, failed_at,
+                                           cut_off=frozenset(self.status.hosts_of(getattr(error, "silent_ranks", ()))),
+                                           stamps=(("failed", failed_at), *self.watch.stamps.items()), budget=budget),
+                                    error.__cause__)
+
+    def _preempted(self, ending: Ending) -> RunState:
+        """Every rank left at a commit after a preemption notice: RESTART from it, where max_preemptions allows."""
+        if self.used[PREEMPTIONS] == self.budgets[PREEMPTIONS]:
+            self.errors.append(HorovodRunError(
+                f"HorovodRunner run {self.run_id} failed: {ending.lost}; every rank left at its last commit, and "
+                f"max_preemptions={self.budgets[PREEMPTIONS]} relaunches were used up: raise max_preemptions, or "
+                "pass max_preemptions=None for no limit.", log_dir=self.logs.log_dir, run_id=self.run_id,
+                retryable=True, cause=ending.lost))
+        return self._relaunch_after(ending, None)
+
+    def _relaunch_after(self, ending: Ending, cause: BaseException | None) -> RunState:
+        """RESTART after ``ending``, where its budget allows another relaunch; FAILED where it is used up."""
+        if self.used[ending.budget] == self.budgets[ending.budget]:
+            return self._fail(cause, exhausted=ending.budget)
+        self.used[ending.budget] += 1
+        self.ending = ending
         return RunState.RESTART
 
     def _fail(self, cause: BaseException | None, exhausted: str | None = None) -> RunState:
@@ -267,6 +291,9 @@ class RunPolicy:
         elif exhausted == RETRIES:
             why = (f"its max_retries={self.budgets[RETRIES]} retries of {self.errors[-1].retry_on} were used up "
                    "(retry_on)")
+        elif exhausted == PREEMPTIONS:
+            why = (f"its max_preemptions={self.budgets[PREEMPTIONS]} relaunches after preemptions were used up; "
+                   "raise max_preemptions, or pass max_preemptions=None for no limit")
         self.error, self._error_cause = final_error(self.errors, why), cause
         return RunState.FAILED
 
@@ -302,7 +329,8 @@ class RunPolicy:
 
     def _relaunch(self, n: int, **stamps: float) -> RunState:
         ending = self.ending
-        event = RestartEvent(attempt=self.used[ending.budget] + 1, attempts=self.budgets[ending.budget] + 1,
+        most = self.budgets[ending.budget]
+        event = RestartEvent(attempt=self.used[ending.budget] + 1, attempts=None if most is None else most + 1,
                              lost=ending.lost, np_before=self.n, np_after=n, failed_at=ending.failed_at,
                              counted=ending.counted, stamps={**dict(ending.stamps), **stamps}, kind=ending.budget)
         self.restarts.append(event)

@@ -38,16 +38,16 @@ class RestartEvent:
     """One restart after an infrastructure failure, or a retry of a user's exception of ``retry_on``
     (``RunResult.restarts``, printed on the driver).
 
-    ``lost``: the failure's cause; ``kind``: ``"restart"`` (counted against ``max_restarts``) or
-    ``"retry"`` (against ``max_retries``); ``attempt`` of ``attempts``: this relaunch's attempt of its
-    kind (2 is the first) and the most there can be; ``commit``: the plain fields (epoch, batch) of the
+    ``lost``: the failure's cause; ``kind``: ``"restart"`` (counted against ``max_restarts``),
+    ``"retry"`` (against ``max_retries``) or ``"preemption"`` (against ``max_preemptions``); ``attempt`` of
+    ``attempts``: this relaunch's attempt of its kind (2 is the first) and the most there can be (None: no limit); ``commit``: the plain fields (epoch, batch) of the
     commit the ranks resumed from, None where they started from the beginning; ``seconds``: from the
     driver seeing the failure to rank 0 loading that commit (to the new ranks' start where the
     function does not use ``hvd.elastic.run``).
     """
 
     attempt: int
-    attempts: int
+    attempts: int | None
     lost: str | None  # None: not a failure, the run grew (every rank left at a commit, Spark had slots for more)
     np_before: int
     np_after: int
@@ -69,7 +69,8 @@ class RestartEvent:
             fields = " ".join(f"{k}={v}" for k, v in self.commit.items()) or "with no plain fields"
             resumed = f"from the last commit ({fields})"
         ranks = f" with np={self.np_after} (was {self.np_before})" if self.np_after != self.np_before else ""
-        since = "the failure" if self.lost is not None else "every rank left"
+        since = ("the preemption notice" if self.kind == "preemption" else "the failure") if self.lost is not None \
+            else "every rank left"
         when = f" {self.seconds:.1f} s after {since}" if self.seconds is not None else ""
         return f"[sparkhvd] run {run_id}: {self.what()}; training resumed{when}{ranks}, {resumed}."
 
@@ -82,6 +83,9 @@ class RestartEvent:
                     "more ranks")
         if not self.counted:
             return f"going back from np={self.np_before} to np={self.np_after} after {self.lost}"
+        if self.kind == "preemption":
+            most = "" if self.attempts is None else f" of {self.attempts - 1}"
+            return f"preempted: relaunch {self.attempt - 1}{most} (max_preemptions) after {self.lost}"
         what = "retry" if self.kind == "retry" else "restart"
         return f"{what} {self.attempt - 1} of {self.attempts - 1} after {self.lost}"
 

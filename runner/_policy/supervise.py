@@ -35,6 +35,7 @@ STOP_WAIT_S = 15.0  # after an abort, wait this long for the tasks to end
 EXIT_WAIT_S = 35.0  # after every result, wait this long for the rank processes to exit
 RESIZE_WAIT_S = 300.0  # how long the first rank to leave for a resize waits for the others (rank 0 sends its commit)
 GROW_CHECK_S = 2.0  # how often to ask Spark whether a run that can grow has free task slots
+PREEMPT_CHECK_S = 1.0  # how often to ask Spark whether it is decommissioning an executor of the run's ranks
 
 RETURNED = "returned"  # every rank returned its value
 LEFT = "left"  # every rank left at the same commit, to be relaunched with more ranks
@@ -69,6 +70,9 @@ class Watch:
         self.all_results_at: float | None = None
         self.lost: str | None = None  # Spark's word on lost executors, asked while a failure is unexplained
         self.lost_checked_at = 0.0
+        self.preempted: str | None = None  # Spark's decommission notice for executors of these ranks, once seen
+        self.preempted_at: float | None = None  # when the driver saw it
+        self.preempt_checked_at = -PREEMPT_CHECK_S
         self.stamps: dict[str, float] = {}  # when a failed attempt's ranks had exited and its tasks ended (stop)
 
     def registering(self, status: RunStatus) -> Ended | None:
@@ -107,6 +111,7 @@ class Watch:
                     return self._stalled(stalled, now)
                 if self.lost is None:
                     return None
+        self._ask_preempted(status)
         if self.can_grow is not None and status.hosts_updated is None and not status.failures \
                 and self.clock() - self.grow_checked_at >= GROW_CHECK_S:
             self.grow_checked_at = self.clock()
@@ -123,6 +128,23 @@ class Watch:
     def interrupted(self) -> None:
         """Ctrl-C on the driver: stop every rank before the KeyboardInterrupt goes on."""
         stop(self.service, self.launcher, INTERRUPTED)
+
+    def _ask_preempted(self, status: RunStatus) -> None:
+        """Ask the launcher, at most every ``PREEMPT_CHECK_S``, whether Spark is taking back an executor of the
+        ranks; on the first notice, tell rank 0 at its next commit that every rank leaves at the one after it
+        (Horovod's ``HostsUpdatedInterrupt``, hosts removed), and say so."""
+        now = self.clock()
+        if self.preempted is not None or status.failures or now - self.preempt_checked_at < PREEMPT_CHECK_S:
+            return
+        self.preempt_checked_at = now
+        notice = self.launcher.preempted(status.unfinished())
+        if notice is None:
+            return
+        self.preempted, self.preempted_at = notice, now
+        self.service.announce_preemption()
+        print(f"[sparkhvd] run {self.run_id}: preempted: {notice}; every rank leaves at one of its next two "
+              "hvd.elastic commits (the first after rank 0 hears of it), and the run resumes from that commit on the "
+              "executors Spark keeps.", flush=True)
 
     def _ask_lost(self, status: RunStatus, now: float) -> None:
         """Ask the launcher, at most every ``_LOST_POLL_S``, whether Spark lost the executors of the ranks not done."""

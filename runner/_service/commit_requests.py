@@ -17,7 +17,7 @@ log = logging.getLogger("sparkhvd.service")
 
 
 class CommitHandlers:
-    """COMMIT and RESTORE, and ``announce_growth``. Uses ``DriverService``'s ``cv``, ``commits``, ``attempt``,
+    """COMMIT and RESTORE, ``announce_growth`` and ``announce_preemption``. Uses ``DriverService``'s ``cv``, ``commits``, ``attempt``,
     ``hosts_updated``, ``finished``, ``_restored`` and ``_on_restore``."""
 
     def announce_growth(self) -> None:
@@ -25,6 +25,13 @@ class CommitHandlers:
         with self.cv:
             if self.hosts_updated is None:
                 self.hosts_updated = [time.time(), int(HostUpdateResult.added)]
+
+    def announce_preemption(self) -> None:
+        """Tell rank 0, in the answer to its next commit, that hosts are going (Horovod's hosts removed): every
+        rank leaves at the commit after it, for the driver to relaunch them on the executors Spark keeps."""
+        with self.cv:
+            stamp, update = self.hosts_updated or (time.time(), 0)
+            self.hosts_updated = [stamp, int(HostUpdateResult(update) | HostUpdateResult.removed)]
 
     def _commit(self, channel: AuthenticatedChannel, commit: Commit, blob: bytes, peer: str) -> None:
         key = commit.key

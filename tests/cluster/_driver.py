@@ -44,6 +44,7 @@ def session(config: dict):
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.dynamicAllocation.enabled", "false")
+               .config("spark.decommission.enabled", "true")  # SIGPWR to an executor decommissions it
                .config("spark.executorEnv.PYSPARK_PYTHON", sys.executable))
     for key, value in config.get("executor_env", {}).items():
         builder = builder.config(f"spark.executorEnv.{key}", str(value))

@@ -92,9 +92,11 @@ def allreduce_loop(steps: int = 1_000_000, numel: int = 1 << 16):
     return steps
 
 
-def elastic_train(epochs: int = 3, batches: int = 40, commit_every: int = 5, step_seconds: float = 0.05):
+def elastic_train(epochs: int = 3, batches: int = 40, commit_every: int = 5, step_seconds: float = 0.05,
+                  say_steps: bool = False):
     """Deterministic training under ``hvd.elastic.run``, committing every few batches; slow enough for a fault
-    to land mid-run. Returns the final weights and the steps counted in the committed state."""
+    to land mid-run. Returns the final weights and the steps counted in the committed state. ``say_steps``:
+    rank 0 prints ``step N done`` after each step, so that a test counts the steps done twice across attempts."""
     import time
 
     import torch
@@ -121,6 +123,8 @@ def elastic_train(epochs: int = 3, batches: int = 40, commit_every: int = 5, ste
                 time.sleep(step_seconds)
                 state.batch += 1
                 state.steps += 1
+                if say_steps and hvd.rank() == 0:
+                    print(f"step {state.steps} done", flush=True)
                 if state.batch % commit_every == 0:
                     state.commit()
                     if state.steps == 2 * commit_every and hvd.rank() == 0:

@@ -1,6 +1,7 @@
 """Restarts on the 2-host cluster: a training run under ``hvd.elastic.run`` with ``max_restarts`` goes on
 after its host B loses a rank process, after a frozen rank on host A and then host B's executor JVM
-killed, and after host B is cut off; it ends with the weights of the same run uninterrupted, bit for bit.
+killed, after host B's executor is decommissioned (a preemption), and after host B is cut off; it ends
+with the weights of the same run uninterrupted, bit for bit.
 
 np=4 (ranks 0,1 on host A, 2,3 on host B); the fault lands mid-training, after some commits. Each
 test prints the seconds from the fault to the run's end and the driver's restart line.
@@ -116,6 +117,37 @@ def test_a_frozen_rank_on_host_a_then_an_executor_killed_on_host_b_each_restart_
     # restarts, at most one idle warm process per task slot of a host (one per host, by the key)
     warm = {h.hostname: len(cluster.processes(h, SERVER_MODULE)) for h in cluster.hosts}
     assert all(n <= cluster.slots // len(cluster.hosts) for n in warm.values()), warm
+
+
+def test_host_bs_executor_decommissioned_is_a_preemption_that_loses_no_step(cluster, reference):
+    """SIGPWR to host B's executor JVM: Spark decommissions it (spark.decommission.enabled, as a Kubernetes pod's
+    preStop hook or a cluster manager's spot notice does). Every rank leaves at a commit soon after; the run goes on
+    from it, counted against max_preemptions (max_restarts=0 here), with the uninterrupted run's weights, bit for
+    bit, and no step done twice."""
+    pending = cluster.driver.submit("elastic_train", NP, runner={"max_restarts": 0}, say_steps=True)
+    for r in range(NP):
+        pending.wait_for_output(f"[{r}] rank {r} pid", timeout=120)
+    ranks = _faults.wait_for_ranks(cluster, NP, timeout=30)
+    pending.wait_for_output("[0] commit of step 10 is on the driver", timeout=120)
+    b = ranks[3][0]
+    noticed = time.monotonic()
+    _faults.kill_executor(cluster, b, signal.SIGPWR)
+    outcome = pending.result(300)
+    seconds = time.monotonic() - noticed
+    assert outcome.ok, f"the run did not survive a decommissioned executor: {outcome.error}"
+    weights, steps = outcome.values[0]
+    assert _same(weights, reference[0]) and steps == reference[1] == STEPS
+    [event] = outcome.restarts
+    assert event["kind"] == "preemption" and event["commit"]["steps"] >= 10, event
+    assert re.fullmatch(rf"a preemption: executor \d+ on host {b.hostname} \({re.escape(b.address)}\), which runs "
+                        r"ranks \d,\d, is being decommissioned by Spark", event["lost"]), event
+    done = [int(m) for m in re.findall(r"^\[0\] step (\d+) done$", outcome.output, re.M)]
+    lost = len(done) - STEPS  # steps done again after the relaunch: those past the commit it resumed from
+    line = next(line for line in outcome.output.splitlines() if "preempted: relaunch 1 (max_preemptions)" in line)
+    print(f"\n[cluster] host B's executor decommissioned (SIGPWR): the run ended {seconds:.1f} s after the signal; "
+          f"{event['seconds']:.1f} s from the notice to training resumed; {lost} steps lost\n[cluster]   {line}")
+    assert lost == 0 and sorted(done) == list(range(1, STEPS + 1)), done
+    assert not cluster.wait_no_ranks(timeout=30)
 
 
 def _executors(cluster) -> set:

@@ -67,6 +67,38 @@ def test_sys_exit_status_of_the_script_fails_the_run(tmp_path):
     assert "restart" not in out.stdout  # a user's failure is never retried
 
 
+KEEPER = """
+    import sparkhvd.collective.torch as hvd
+    from sparkhvd._common import commits
+
+    hvd.init()
+    state = hvd.elastic.TorchState(step=0, loss=10.0)
+
+    @hvd.elastic.run
+    def loop(state):
+        while state.step < 6:
+            state.step += 1
+            state.loss = abs(state.step - 3) + 0.5  # the lowest at step 3
+            state.commit()
+            commits.flush(30)  # each commit reaches the storage: none is replaced by a newer one on its way
+
+    loop(state)
+"""
+
+
+def test_a_run_with_storage_lists_the_commits_it_kept(tmp_path):
+    _script(tmp_path, KEEPER)
+    storage = tmp_path / "storage"
+    out = _run([SPARKHVD, "run", "--np", "-2", "--run-id", "cli1", "--storage", str(storage), "--keep-commits", "1",
+                "--keep-best", "loss:min", "train.py"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    listed = out.stdout.split(f"sparkhvd run: the run left 2 commits in {storage}:\n", 1)[1].splitlines()[:2]
+    assert [line.split(": ", 1)[0] for line in listed] == ["  TorchState-0 commit 6 (step=6 loss=3.5)",
+                                                           "  TorchState-0 commit 3 (step=3 loss=0.5)"], out.stdout
+    for line in listed:
+        assert os.path.exists(line.split(": ", 1)[1]), line
+
+
 @pytest.mark.parametrize("argv, message", [
     (["run", "--np", "-1", "nope.py"], "the script 'nope.py' does not exist"),
     (["run", "--np", "0", "train.py"], "np=0 runs nothing; use np>0"),
@@ -84,6 +116,12 @@ def test_sys_exit_status_of_the_script_fails_the_run(tmp_path):
     (["run", "--np", "-1", "--retry-on", "os.path", "train.py"], "--retry-on os.path names no exception class"),
     (["run", "--np", "-1", "--max-retries", "2", "train.py"], "max_retries=2 retries the exceptions named by "
      "retry_on, and retry_on is empty"),
+    (["run", "--np", "-1", "--max-preemptions", "-2", "train.py"], "max_preemptions=-2 must be a whole number >= 0 "
+     "or None (no limit)"),
+    (["run", "--np", "-1", "--run-id", "r", "--storage", "/tmp/x", "--keep-best", "loss", "train.py"],
+     "--keep-best 'loss' is not FIELD:min or FIELD:max; write e.g. --keep-best val_loss:min."),
+    (["run", "--np", "-1", "--run-id", "r", "--storage", "/tmp/x", "--keep-best", "loss:lowest", "train.py"],
+     "keep_best=('loss', 'lowest') must be (field, 'min') or (field, 'max')"),
     (["run", "--np", "-1", "--storage", "/tmp/x", "train.py"], "storage='/tmp/x' keeps a run's commits under its "
      "run_id, so that a new driver resumes them; pass run_id='...' too."),
     (["run", "train.py"], "the following arguments are required: --np"),

@@ -269,6 +269,8 @@ def test_a_run_grows_to_max_np_at_a_commit_when_spark_has_free_slots(spark, tmp_
                                                "exception of retry_on relaunches the run"),
     ({"max_retries": 2}, "max_retries=2 retries the exceptions named by retry_on, and retry_on is empty; pass "
                          "retry_on=(OSError, ...) too"),
+    ({"max_preemptions": -1}, "max_preemptions=-1 must be a whole number >= 0 or None (no limit): how many times a "
+                              "run relaunches its ranks after Spark decommissioned an executor of theirs."),
     ({"commit_dir": "nosuchscheme://bucket/x"}, "commit_dir='nosuchscheme://bucket/x' is not a filesystem pyarrow "
                                                 "can open"),
 ])

@@ -1,4 +1,5 @@
-"""Which executor loss an attempt's failure names: the executors its own tasks ran on, by id, never by host.
+"""Which executor loss an attempt's failure names, and which decommission notice is the attempt's: the executors its
+own tasks ran on, by id, never by host.
 
 ``SparkLauncher.lost`` reads Spark's status store through ``SparkStatus``; a fake store stands in for it
 here (the real one is exercised by tests/cluster: a killed executor, and an executor replaced before a
@@ -22,10 +23,14 @@ STAGE = 7
 class FakeStatus:
     """Spark's status store as ``SparkStatus`` reads it: removed executors, and the executor of each task."""
 
-    def __init__(self, tasks: dict, removed=()):
+    def __init__(self, tasks: dict, removed=(), decommissioning=None):
         self.tasks = tasks  # task id -> executor id
         self.removed = list(removed)  # (executor id, host, reason)
+        self.decommissioning = dict(decommissioning or {})  # executor id -> "" or ", with its worker on <host>"
         self.asked: list[set] = []
+
+    def decommissioned(self, executor_ids: set) -> dict:
+        return {e: self.decommissioning[e] for e in executor_ids if e in self.decommissioning}
 
     def removed_executors(self) -> list:
         return list(self.removed)
@@ -109,6 +114,26 @@ def test_each_task_is_looked_up_once_and_a_failing_store_says_nothing():
             raise RuntimeError("py4j: the SparkContext was stopped")
 
     assert launcher(Broken({})).lost(FOUR) is None
+
+
+def test_an_executor_spark_decommissions_is_named_with_its_ranks_and_host():
+    status = FakeStatus({10: "4", 11: "4", 12: "1", 13: "1"}, decommissioning={"1": ""})
+    assert launcher(status).preempted(FOUR) == ("executor 1 on host d (10.0.0.4), which runs ranks 2,3, is being "
+                                                "decommissioned by Spark")
+    status.decommissioning = {"4": ", with its worker on 10.0.0.1", "1": "", "9": ""}  # 9: not this attempt's
+    assert launcher(status).preempted(FOUR) == (
+        "executor 4 on host a (10.0.0.1), which runs ranks 0,1, is being decommissioned by Spark, with its worker on "
+        "10.0.0.1; executor 1 on host d (10.0.0.4), which runs ranks 2,3, is being decommissioned by Spark")
+
+
+def test_no_decommission_or_no_api_is_no_notice():
+    assert launcher(FakeStatus({10: "4", 11: "4", 12: "1", 13: "1"}, decommissioning={"7": ""})).preempted(FOUR) is None
+
+    class Old(FakeStatus):  # a Spark without the scheduler's decommission state
+        def decommissioned(self, executor_ids):
+            raise AttributeError("getExecutorDecommissionState")
+
+    assert launcher(Old({10: "4"})).preempted(FOUR) is None
 
 
 @pytest.mark.parametrize("value, expected", [([3, 41], (3, 41)), ((3, 41), (3, 41)), (None, None), ([3], None),

@@ -53,6 +53,8 @@ class FakeService:
         self.hosts_updated = None
         self.aborted, self.closed, self.waited_for_exits = None, 0, []
         self.on_growth = None  # the script's reaction when the driver announces growth
+        self.on_preemption = None  # and a preemption
+        self.preemptions = 0
         self.interrupt_at = None
         self.polls = 0
 
@@ -76,6 +78,12 @@ class FakeService:
             self.script += [(self.clock.now + at, action) for at, action in self.on_growth]
             self.script.sort(key=lambda e: e[0])
 
+    def announce_preemption(self) -> None:
+        self.hosts_updated, self.preemptions = (0.0, 1), self.preemptions + 1
+        if self.on_preemption is not None:
+            self.script += [(self.clock.now + at, action) for at, action in self.on_preemption]
+            self.script.sort(key=lambda e: e[0])
+
     def abort(self, reason: str) -> None:
         self.aborted = reason
 
@@ -87,19 +95,20 @@ class FakeService:
 
 
 class FakeLauncher(Launcher):
-    """A launcher whose launch fails at ``failure_at`` (with ``failure``), and whose Spark lost an executor at
-    ``lost_at`` (``lost``)."""
+    """A launcher whose launch fails at ``failure_at`` (with ``failure``), whose Spark lost an executor at
+    ``lost_at`` (``lost``), and began to decommission one at ``preempted_at`` (``preempted``)."""
 
     def start(self, spec) -> None:
         pass  # FakeCluster.start hands the policy a launched attempt
 
     def __init__(self, n: int, clock: Clock, *, failure=None, failure_at=0.0, lost=None, lost_at=0.0, fatal=False,
-                 joins=True):
+                 joins=True, preempted=None, preempted_at=0.0):
         self.description = f"{n} fake tasks"
         self.clock, self.start = clock, clock.now
         self.fatal, self.joins = fatal, joins
         self._failure, self._failure_at, self._lost, self._lost_at = failure, failure_at, lost, lost_at
-        self.stopped, self.joined, self.asked_lost = 0, [], []
+        self.stopped, self.joined, self.asked_lost, self.asked_preempted = 0, [], [], []
+        self._preempted, self._preempted_at = preempted, preempted_at
 
     def failure(self):
         return self._failure if self._failure and self.clock.now - self.start >= self._failure_at else None
@@ -107,6 +116,10 @@ class FakeLauncher(Launcher):
     def lost(self, unfinished: list):
         self.asked_lost.append(unfinished)
         return self._lost if self._lost and self.clock.now - self.start >= self._lost_at else None
+
+    def preempted(self, unfinished: list):
+        self.asked_preempted.append(self.clock.now - self.start)
+        return self._preempted if self._preempted and self.clock.now - self.start >= self._preempted_at else None
 
     def join(self, timeout: float) -> bool:
         self.joined.append(timeout)
@@ -146,7 +159,7 @@ class FakeCluster:
         spec = self.attempts[attempt]
         self.started.append(n)
         service = FakeService(n, self.clock, spec["script"](n), hosts=spec.get("hosts"))
-        service.on_growth = spec.get("on_growth")
+        service.on_growth, service.on_preemption = spec.get("on_growth"), spec.get("on_preemption")
         launcher = FakeLauncher(n, self.clock, **spec.get("launcher", {}))
         self.services.append(service)
         self.launchers.append(launcher)
@@ -547,6 +560,64 @@ def test_ranks_that_left_wait_at_most_resize_wait_s_for_the_others(run, monkeypa
     policy, cluster, error = run([attempt], np=2, max_np=4, free=4)
     assert policy.history[-1] is S.FAILED
     assert str(error).startswith("HorovodRunner run r1 failed: rank 1 stopped without a word")
+
+
+# ---- SUPERVISE -> RESTART after a preemption, counted against max_preemptions ---------------------------------
+
+NOTICE = "executor 2 on host b (10.0.0.2), which runs rank 1, is being decommissioned by Spark"
+
+
+def preempted(at: float = 1.0, then=None):
+    """An attempt whose executor Spark decommissions at ``at``; every rank leaves at a commit 0.3 s after the
+    driver announces it (``then``: what the ranks do instead)."""
+    return {**ok(at=1e9), "launcher": {"preempted": NOTICE, "preempted_at": at},
+            "on_preemption": then if then is not None else [(0.3, leaves())]}
+
+
+def test_a_preempted_run_leaves_at_a_commit_and_relaunches_without_using_max_restarts(run, capsys):
+    policy, cluster, status = run([preempted(at=1.0), ok()], np=2, max_restarts=0)
+    assert policy.history == [S.START, S.WAIT, S.SUPERVISE, S.RESTART, S.START, S.WAIT, S.SUPERVISE, S.DONE]
+    [event] = policy.restarts
+    assert event.kind == "preemption" and event.attempts is None and (event.np_before, event.np_after) == (2, 2)
+    assert event.what() == f"preempted: relaunch 1 (max_preemptions) after a preemption: {NOTICE}"
+    assert event.failed_at == pytest.approx(1001.0, abs=_supervise.PREEMPT_CHECK_S)  # the notice, not the leaving
+    assert policy.used == {"restart": 0, "retry": 0, "preemption": 1} and policy.errors == []
+    assert cluster.restart_asks == [(2, None, 10.0)]  # the slots Spark keeps, as after a failure
+    first = cluster.launchers[0]
+    assert cluster.services[0].preemptions == 1 and cluster.services[0].aborted is None and first.stopped == 0
+    # asked every PREEMPT_CHECK_S until the notice, never after it
+    assert len(first.asked_preempted) == 1 + int(1.0 / _supervise.PREEMPT_CHECK_S)
+    out = capsys.readouterr().out
+    assert f"[sparkhvd] run r1: preempted: {NOTICE}; every rank leaves at one of its next two hvd.elastic commits" in out
+
+
+def test_max_preemptions_bounds_the_relaunches_and_the_error_says_so(run):
+    policy, cluster, error = run([preempted(), preempted(), ok()], np=2, max_restarts=5, max_preemptions=1)
+    assert policy.history[-1] is S.FAILED and cluster.started == [2, 2]
+    assert str(error) == (f"HorovodRunner run r1 failed: a preemption: {NOTICE}; every rank left at its last commit, "
+                          "and max_preemptions=1 relaunches were used up: raise max_preemptions, or pass "
+                          "max_preemptions=None for no limit.")
+    assert error.retryable and policy.used == {"restart": 0, "retry": 0, "preemption": 1}
+    assert policy.restarts[0].what() == f"preempted: relaunch 1 of 1 (max_preemptions) after a preemption: {NOTICE}"
+
+    policy, cluster, error = run([preempted()], np=2, max_preemptions=0)
+    assert str(error).startswith(f"HorovodRunner run r1 failed: a preemption: {NOTICE}; every rank left at its last "
+                                 "commit, and max_preemptions=0 relaunches were used up")
+
+
+def test_a_preempted_executor_lost_before_the_commit_counts_as_a_preemption(run):
+    # the decommission ended (the executor's JVM exited) before the ranks reached a commit
+    attempt = preempted(at=1.0, then=[(0.2, exits(1, -9)), (0.3, fails(0, "MeshError", "rank 1 closed its link"))])
+    policy, cluster, status = run([attempt, ok()], np=2, max_restarts=0)
+    assert policy.history[-1] is S.DONE
+    [event] = policy.restarts
+    assert event.kind == "preemption" and event.lost.startswith(f"a preemption: {NOTICE}, then rank 1's process")
+    assert policy.used["restart"] == 0
+
+
+def test_without_a_notice_a_lost_executor_is_a_restart(run):
+    policy, cluster, status = run([killed(), ok()], np=2, max_restarts=1)
+    assert policy.restarts[0].kind == "restart" and policy.used == {"restart": 1, "retry": 0, "preemption": 0}
 
 
 # ---- the snapshot ---------------------------------------------------------------------------------------
