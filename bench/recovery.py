@@ -29,6 +29,7 @@ other load shows: compare ours with the peer of the same table, measured alongsi
     python bench/recovery.py --repeats 5
     python bench/recovery.py --quick      # one repeat of each, no warm-up restarts (about 80 s)
     python bench/recovery.py --no-spark   # recovery at np=-2 only, no SparkSession
+    python bench/recovery.py --driver     # a driver SIGKILLed, a new driver resuming from storage, stage by stage
     python bench/recovery.py --cluster    # np=8 on a 4-host testbed, a killed rank and executor, stage by stage
 """
 
@@ -42,6 +43,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -54,9 +56,10 @@ STEPS, KILL_AT, COMMIT_EVERY = 12, 9, 4  # killed at step 9, resumes from the co
 # 1. recovery: the training function the ranks run
 
 
-def train(marks: str, kill: bool):
+def train(marks: str, kill: bool, kill_driver: int = 0):
     """A user's elastic loop; rank 0 records when it entered, imported torch, finished hvd.init() and its
-    first step (``first-<pid>.json``), and, with ``kill``, when it killed itself (``killed.json``)."""
+    first step (``first-<pid>.json``), and, with ``kill``, when it killed itself (``killed.json``); with
+    ``kill_driver`` (a pid), it SIGKILLs that driver process instead, once, at the same step."""
     import os
     import signal
     import time
@@ -86,11 +89,13 @@ def train(marks: str, kill: bool):
     def loop(state):
         while state.step < STEPS:
             mark = os.path.join(marks, "killed")
-            if kill and state.step == KILL_AT and hvd.rank() == 0 and not os.path.exists(mark):
+            if (kill or kill_driver) and state.step == KILL_AT and hvd.rank() == 0 and not os.path.exists(mark):
                 _commits.flush(60)  # the commit after step 8 is on the driver: the one resumed
                 open(mark, "w").close()
                 write("killed.json", wall=time.time(), mono=time.monotonic())
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(kill_driver or os.getpid(), signal.SIGKILL)
+                if kill_driver:
+                    time.sleep(120)  # the driver is gone: this rank leaves when it notices
             resumed_at = state.step
             g = torch.Generator().manual_seed(100 * state.step + hvd.rank())
             x = torch.randn(64, 32, generator=g)
@@ -238,6 +243,102 @@ def recovery(repeats: int, warmup: bool, scratch: str, modes: list[int]) -> dict
     finally:
         stamps.close()
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 1b. a driver killed, and a new driver that resumes the run from its storage
+
+DRIVER = """
+import json, os, sys, time
+started = time.monotonic()
+sys.path.insert(0, {bench!r})
+from recovery import train
+from sparkhvd import HorovodRunner
+imported = time.monotonic()
+marks, run_id, storage, kill = sys.argv[1], sys.argv[2], sys.argv[3] or None, sys.argv[4] == "kill"
+runner = HorovodRunner(-2, run_id=run_id, storage=storage, driver_log_verbosity="log_callback_only",
+                       log_dir=os.path.join(marks, "logs-" + str(os.getpid())))
+with open(os.path.join(marks, "driver-" + str(os.getpid()) + ".json"), "w") as f:
+    json.dump({{"started": started, "imported": imported, "called": time.monotonic()}}, f)
+print("STEPS", runner.run(train, marks=marks, kill=False, kill_driver=os.getpid() if kill else 0), flush=True)
+"""
+
+DRIVER_PHASES = [
+    "the driver script starts -> sparkhvd imported",
+    "-> HorovodRunner(...).run called",
+    "-> rank 0 enters the function (lease, manifest, launch, process start)",
+    "-> import torch, hvd.init(), model, optimizer, TorchState",
+    "-> first step done (the commit loaded: the resumed run; none: the fresh run)",
+    "total: process start -> first step done",
+]
+
+
+def _driver(scratch: str, marks: str, run_id: str, storage: str, kill: bool) -> subprocess.CompletedProcess:
+    script = os.path.join(scratch, "driver.py")
+    if not os.path.exists(script):
+        with open(script, "w") as f:
+            f.write(DRIVER.format(bench=os.path.dirname(os.path.abspath(__file__))))
+    return subprocess.run([sys.executable, script, marks, run_id, storage, "kill" if kill else ""],
+                          capture_output=True, text=True, timeout=300)
+
+
+def _first_step(marks: str, driver_pid: int) -> list:
+    """The phases of one driver process's run (``DRIVER_PHASES``), from its stamps and rank 0's."""
+    d = read(os.path.join(marks, f"driver-{driver_pid}.json"))
+    firsts = [read(os.path.join(marks, n)) for n in os.listdir(marks) if n.startswith("first-")]
+    r = max((f for f in firsts if f["entered"] >= d["called"]), key=lambda f: f["mono"])
+    return [d["imported"] - d["started"], d["called"] - d["imported"], r["entered"] - d["called"],
+            r["built"] - r["entered"], r["mono"] - r["built"], r["mono"] - d["started"]]
+
+
+def _pid_of(marks: str, after: set) -> int:
+    (name,) = [n for n in os.listdir(marks) if n.startswith("driver-") and n not in after]
+    return int(name[len("driver-"):-len(".json")])
+
+
+def driver_restart_once(scratch: str, n: int) -> dict:
+    """A driver SIGKILLed at step 9 (its ranks flushed the commit after step 8 to its storage), then a new driver
+    with the same run_id; and, as the peer, a fresh driver process of the same function without storage."""
+    marks = tempfile.mkdtemp(dir=scratch)
+    storage = os.path.join(scratch, "storage")
+    run_id = f"bench-driver-{n}"
+    first = _driver(scratch, marks, run_id, storage, kill=True)
+    assert first.returncode == -9, (first.returncode, first.stderr[-2000:])
+    seen = {x for x in os.listdir(marks) if x.startswith("driver-")}
+    second = _driver(scratch, marks, run_id, storage, kill=False)
+    assert second.returncode == 0 and f"STEPS {STEPS}" in second.stdout, second.stderr[-3000:]
+    resumed = _first_step(marks, _pid_of(marks, seen))
+    fresh_marks = tempfile.mkdtemp(dir=scratch)
+    fresh = _driver(scratch, fresh_marks, f"bench-fresh-{n}", "", kill=False)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    return {"resumed": resumed, "fresh": _first_step(fresh_marks, _pid_of(fresh_marks, set())),
+            "resumed_step": max((read(os.path.join(marks, x)) for x in os.listdir(marks) if x.startswith("first-")),
+                                key=lambda f: f["mono"])["step"]}
+
+
+def driver_restarts(repeats: int, scratch: str) -> list:
+    driver_restart_once(scratch, 0)  # warm-up: the warm process, the page cache
+    runs = []
+    for rep in range(repeats):
+        runs.append(driver_restart_once(scratch, rep + 1))
+        print(f"driver restart, rep {rep + 1}/{repeats}: new driver -> first step {runs[-1]['resumed'][-1]:.2f} s "
+              f"(resumed at step {runs[-1]['resumed_step']}), fresh driver -> first step {runs[-1]['fresh'][-1]:.2f} s",
+              file=sys.stderr, flush=True)
+    return runs
+
+
+def print_driver_restarts(runs: list, repeats: int) -> None:
+    print()
+    print(f"## A driver SIGKILLed at step {KILL_AT}, then a new driver process with the same run_id and storage "
+          f"(np=-2, a local storage folder): seconds, median (min-max) of {repeats}; peer: a fresh driver process "
+          "of the same function")
+    print()
+    rows = [[label, spread([r["resumed"][i] for r in runs]), spread([r["fresh"][i] for r in runs]),
+             ratio([r["resumed"][i] for r in runs], [r["fresh"][i] for r in runs]) if i == len(DRIVER_PHASES) - 1
+             else "-"] for i, label in enumerate(DRIVER_PHASES)]
+    print(table(["phase", "new driver, resumed", "fresh driver", "ours/peer"], rows))
+    print(f"\nthe new driver resumed at step {sorted({r['resumed_step'] for r in runs})} (the commit after step "
+          f"{KILL_AT - 1}); goal: total <= 2x the fresh driver's")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,6 +556,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (default 3)")
     parser.add_argument("--quick", action="store_true", help="one repeat of each, no warm-up restarts")
     parser.add_argument("--no-spark", action="store_true", help="recovery at np=-2 only (no SparkSession)")
+    parser.add_argument("--driver", action="store_true",
+                        help="only a driver SIGKILLed and a new driver resuming from its storage (np=-2)")
     parser.add_argument("--cluster", action="store_true",
                         help="recovery at np=8 on a 4-host namespace testbed, stage by stage (bench/recovery_cluster.py)")
     args = parser.parse_args()
@@ -477,6 +580,13 @@ def main() -> int:
     os.environ["PYSPARK_SUBMIT_ARGS"] = (f"--driver-java-options {jvm_tmp} --conf "
                                          f"spark.executor.extraJavaOptions={jvm_tmp} pyspark-shell")
     spark = None
+    if args.driver:
+        try:
+            runs = driver_restarts(repeats, scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        print_driver_restarts(runs, repeats)
+        return 0
     try:
         modes = [-2]
         if not args.no_spark:

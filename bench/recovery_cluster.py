@@ -5,8 +5,11 @@ slots each, runs tests/cluster/_jobs.py's ``recovery_train`` (``import torch``, 
 ``hvd.DistributedOptimizer`` under ``hvd.elastic.run``, a commit every 5 steps) with ``max_restarts=1``. Once
 rank 0's commit of step 10 is on the driver, a fault hits the host of the last rank:
 
-  rank      SIGKILL of that rank's process
-  executor  kill -9 of that host's executor JVM (Spark replaces it)
+  rank       SIGKILL of that rank's process
+  executor   kill -9 of that host's executor JVM (Spark replaces it)
+  preempted  SIGPWR to that host's executor JVM: Spark decommissions it (spark.decommission.enabled); every rank
+             leaves at a commit and the run goes on from it (stage 1 is then the notice seen, stage 2 every rank
+             left at the commit after it, and the total runs from the notice)
 
 Each stage of the restart, from one clock (every host is this machine): the driver's
 ``RunResult.restarts[0].stamps`` and rank 0's own marks (``entered``, ``init``, ``step``). The total is what
@@ -29,7 +32,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NP, HOSTS = 8, 4
-KINDS = ("rank", "executor")
+KINDS = ("rank", "executor", "preempted")
 
 #: (label, from stamp, to stamp): driver stamps, the fault's time ("fault") and rank 0's marks ("r0.*")
 STAGES = [
@@ -75,14 +78,15 @@ def fault_once(cluster, faults, kind: str, scratch: str) -> dict:
     if kind == "rank":
         os.kill(pid, signal.SIGKILL)
     else:
-        faults.kill_executor(cluster, host)
+        faults.kill_executor(cluster, host, signal.SIGPWR if kind == "preempted" else signal.SIGKILL)
     outcome = pending.result(300)
     if not outcome.ok or len(outcome.restarts) != 1:
         raise RuntimeError(f"the {kind} fault's run did not end in one restart: {outcome.error or outcome.restarts}")
     event = outcome.restarts[0]
     stamps = {"fault": fault, **event["stamps"], **_marks(marks)}
-    line = next(line for line in outcome.output.splitlines() if "restart 1 of 1 after" in line)
-    if kind == "executor":
+    line = next(line for line in outcome.output.splitlines()
+                if "restart 1 of 1 after" in line or "preempted: relaunch 1" in line)
+    if kind != "rank":
         _wait_executors(cluster)
     return {"stamps": stamps, "seconds": event["seconds"], "to_step": stamps["r0.step"] - stamps["failed"],
             "line": line}
@@ -136,15 +140,20 @@ def report(out: dict, repeats: int, table) -> None:
     print()
     rows = []
     for label, start, end in STAGES:
-        rows.append([label] + [f"{statistics.median(s['stamps'][end] - s['stamps'][start] for s in out[k]):.2f}"
-                               for k in KINDS])
+        rows.append([label] + [_median_stage(out[k], start, end) for k in KINDS])
     rows.append(["total: the restart line (failure seen -> rank 0 asks for the commit)"]
                 + [f"{statistics.median(s['seconds'] for s in out[k]):.2f}" for k in KINDS])
     fresh = statistics.median(out["fresh"])
     rows.append(["failure seen -> first step done; peer: a fresh run, call -> first step done"]
                 + [f"{statistics.median(s['to_step'] for s in out[k]):.2f} / {fresh:.2f} = "
                    f"{statistics.median(s['to_step'] for s in out[k]) / fresh:.2f}" for k in KINDS])
-    print(table(["stage", *(f"{k} killed" for k in KINDS)], rows))
+    print(table(["stage", *(k if k == "preempted" else f"{k} killed" for k in KINDS)], rows))
+
+
+def _median_stage(samples: list, start: str, end: str) -> str:
+    """The stage's median seconds, or "-" where the relaunch had no such step (a preemption stops no stage)."""
+    spans = [s["stamps"][end] - s["stamps"][start] for s in samples if start in s["stamps"] and end in s["stamps"]]
+    return f"{statistics.median(spans):.2f}" if spans else "-"
 
 
 def main(repeats: int, table) -> None:

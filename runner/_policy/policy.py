@@ -232,7 +232,9 @@ class RunPolicy:
                     at=self.status.placed_at)  # where no rank asked for a commit
             if ended.how == LEFT and self.watch.preempted is not None:  # every rank left at a commit: relaunch
                 return self._preempted(Ending(f"a preemption: {self.watch.preempted}", self.watch.preempted_at,
-                                              budget=PREEMPTIONS))
+                                              budget=PREEMPTIONS, stamps=(("failed", self.watch.preempted_at),
+                                                                          ("exited", self.clock()),
+                                                                          ("cancelled", self.clock()))))
             if ended.how == LEFT:
                 self.ending = Ending(lost=None, failed_at=self.clock())
                 return RunState.GROW
