@@ -40,8 +40,8 @@ def _same(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def _training(cluster):
-    pending = cluster.driver.submit("elastic_train", NP, runner={"max_restarts": 2})
+def _training(cluster, runner=None, **kwargs):
+    pending = cluster.driver.submit("elastic_train", NP, runner=runner or {"max_restarts": 2}, **kwargs)
     for r in range(NP):
         pending.wait_for_output(f"[{r}] rank {r} pid", timeout=120)
     ranks = _faults.wait_for_ranks(cluster, NP, timeout=30)
@@ -124,12 +124,7 @@ def test_host_bs_executor_decommissioned_is_a_preemption_that_loses_no_step(clus
     preStop hook or a cluster manager's spot notice does). Every rank leaves at a commit soon after; the run goes on
     from it, counted against max_preemptions (max_restarts=0 here), with the uninterrupted run's weights, bit for
     bit, and no step done twice."""
-    pending = cluster.driver.submit("elastic_train", NP, runner={"max_restarts": 0}, say_steps=True)
-    for r in range(NP):
-        pending.wait_for_output(f"[{r}] rank {r} pid", timeout=120)
-    ranks = _faults.wait_for_ranks(cluster, NP, timeout=30)
-    pending.wait_for_output("[0] commit of step 10 is on the driver", timeout=120)
-    b = ranks[3][0]
+    pending, b = _training(cluster, runner={"max_restarts": 0}, say_steps=True)
     noticed = time.monotonic()
     _faults.kill_executor(cluster, b, signal.SIGPWR)
     outcome = pending.result(300)
