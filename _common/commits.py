@@ -67,8 +67,11 @@ class Publisher:
     def submit(self, meta: dict, snapshot, on_hosts_updated=None) -> None:
         with self._cv:
             # Replaces this state's commit not yet taken (only the newest matters), never another state's.
+            replaced = self._pending.get(str(meta["key"]))
             self._pending[str(meta["key"])] = (meta, snapshot, on_hosts_updated)
             self._cv.notify_all()
+        if replaced is not None:
+            remove_shards(replaced[0].get("shards"))  # its shards were written, but no manifest will name them
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every submitted commit has reached the driver; True if it has."""
@@ -88,6 +91,7 @@ class Publisher:
                     growing = True
                     on_hosts_updated(*update)  # Spark has room for more ranks: the state resizes at its next commit
             except Exception as exc:  # noqa: BLE001 - the run goes on; the previous commit stays in force
+                remove_shards(meta.get("shards"))
                 self._drop_client()  # the next commit reconnects: a broken link must not lose every later one
                 print(f"sparkhvd: rank 0 could not send commit {meta.get('seq')} of {meta.get('key')} off the rank: "
                       f"{type(exc).__name__}: {exc}; the previous commit stays the one a restart resumes from.",
@@ -123,7 +127,21 @@ class Publisher:
         if self._client is None:
             self._client = self._ctx.new_client()
         reply = self._client.ask(Commit(**meta), blob)  # ERR raises ServiceError
-        return decode(Committed, reply.meta).hosts_updated
+        answer = decode(Committed, reply.meta)
+        if not answer.kept:
+            remove_shards(meta.get("shards"))  # an older attempt's, say: nothing will name them
+        return answer.hosts_updated
+
+
+def remove_shards(shards: dict | None) -> None:
+    """Remove a sharded commit's folder (``collective/torch/_sharded.py``) that nothing names any more; best effort."""
+    if not shards or not shards.get("path"):
+        return
+    try:
+        fs, path = _filesystem(shards["path"])
+        fs.delete_dir(path)
+    except Exception:  # noqa: BLE001 - left behind, it goes with the run's folder
+        pass
 
 
 _publisher: Publisher | None = None

@@ -140,6 +140,7 @@ class Commit:
     bytes: int = 0  # the pickled snapshot's size
     sha256: str | None = None  # with ``path``: the file's digest, checked before it is loaded
     path: str | None = None  # the snapshot's file in the commit folder (then the blob is empty)
+    shards: dict | None = None  # a sharded state's folder of every rank's shard: path, sha256 (file -> [digest, bytes])
 
 
 @dataclass(frozen=True)

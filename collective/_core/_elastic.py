@@ -82,11 +82,21 @@ class State:
     def _publish(self) -> None:
         """Inside a HorovodRunner run, send rank 0's commit off the ranks (``_common/commits.py``)."""
         self._seq += 1
-        if _context.current() is None or self._rank() != 0:
+        if _context.current() is None:
             return
-
-        _commits.publish({"key": self._key, "seq": self._seq, "size": size(), "fields": self._fields()},
+        extra = self._write_shards()  # every rank, for a sharded state
+        if extra is None or self._rank() != 0:
+            return
+        _commits.publish({"key": self._key, "seq": self._seq, "size": size(), "fields": self._fields(), **extra},
                          self._snapshot(), self.on_hosts_updated)
+
+    def _write_shards(self) -> dict | None:
+        """Every rank: write what each rank holds of a sharded state; the commit's extra meta ({} for a state
+        that is not sharded), or None where the commit cannot leave the ranks."""
+        return {}
+
+    def _read_shards(self, meta: dict) -> None:
+        """Every rank: load its part of a sharded commit (what ``_write_shards`` wrote)."""
 
     def _fields(self) -> dict:
         """Plain values to name a commit by in the driver's messages (epoch, batch)."""
@@ -222,6 +232,8 @@ def _resume(state: State) -> None:
         return
     meta, snapshot = found
     state._seq = max(state._seq, int(meta["seq"]))
+    if meta.get("shards"):
+        state._read_shards(meta)
     if snapshot is not None:
         state._load(snapshot)
     if int(meta.get("size", size())) != size():

@@ -15,6 +15,7 @@ import torch
 
 from .._core import broadcast_object, rank, size
 from .._core._elastic import HostsUpdatedInterrupt, HostUpdateResult, ObjectState, State, run
+from . import _sharded
 from ._functions import broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["TorchState", "ElasticSampler", "ObjectState", "State", "HostsUpdatedInterrupt", "HostUpdateResult",
@@ -85,13 +86,16 @@ class TorchState(ObjectState):
     def __init__(self, model=None, optimizer=None, **kwargs):
         kwargs.update(model=model, optimizer=optimizer)
         handlers, values = {}, {}
+        sharded = _sharded.sharded_handlers(kwargs)  # FSDP2 modules and their optimizers: each rank keeps its shard
         for name, value in kwargs.items():
-            handler = _handler(value)
+            handler = sharded.get(name) or _handler(value)
             if handler is not None:
                 handlers[name] = handler
             else:
                 values[name] = value
         self._handlers = handlers
+        self._sharded = list(sharded)
+        self._shard_token = None
         for name, handler in handlers.items():
             setattr(self, name, handler.value)
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **values)
@@ -112,12 +116,26 @@ class TorchState(ObjectState):
         super().sync()
 
     def _snapshot(self) -> dict:
-        return dict(super()._snapshot(), handlers={name: h._saved for name, h in self._handlers.items()})
+        return dict(super()._snapshot(), handlers={name: h._saved for name, h in self._handlers.items()
+                                                   if name not in self._sharded})
 
     def _load(self, snapshot: dict) -> None:
         for name, handler in self._handlers.items():
-            handler._saved = snapshot["handlers"][name]
+            if name not in self._sharded:
+                handler._saved = snapshot["handlers"][name]
         super()._load(snapshot)
+
+    def _write_shards(self) -> dict | None:
+        if not self._sharded:
+            return {}
+        if self._shard_token is None:
+            self._shard_token = _sharded.new_token()
+        shards = _sharded.write(self._key, self._seq, self._shard_token,
+                                {name: self._handlers[name]._saved for name in self._sharded})
+        return None if shards is None else {"shards": shards}
+
+    def _read_shards(self, meta: dict) -> None:
+        _sharded.read(meta["shards"], {name: self._handlers[name] for name in self._sharded})
 
     def __setattr__(self, name, value):
         if name in getattr(self, "_handlers", ()) and hasattr(self, name):

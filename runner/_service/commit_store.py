@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 
 from ..._common import settings
-from ..._common.commits import _filesystem, _safe
+from ..._common.commits import _filesystem, _safe, remove_shards
 
 log = logging.getLogger("sparkhvd.commits")
 
@@ -127,7 +127,7 @@ class CommitStore:
         elif old is not None:
             _remove_file(old.spilled)
             if old.meta.get("path") and old.meta.get("path") != meta.get("path"):
-                _remove_path(old.meta["path"])
+                _remove_commit(old.meta)
         return True
 
     def _record(self, key: str, old: Commit | None) -> None:
@@ -148,7 +148,7 @@ class CommitStore:
                         "an older commit.", self.run_id, self.storage.url, type(exc).__name__, exc)
             return
         for meta in dropped:
-            _remove_path(meta["path"])
+            _remove_commit(meta)
 
     def _retained(self, metas: list, n: int) -> tuple[list, list]:
         """Of one state's commits (newest first): the newest ``n`` and the best by ``keep_best``, and the rest."""
@@ -225,7 +225,7 @@ class CommitStore:
             for key in kept:
                 kept[key], dropped = self._retained(kept[key], self.keep)
                 for meta in dropped:
-                    _remove_path(meta["path"])
+                    _remove_commit(meta)
             self.storage.record(kept)
         except Exception as exc:  # noqa: BLE001 - a store the driver cannot reach: say so, keep going
             log.warning("sparkhvd: could not end run %s's folder in %s: %s", self.run_id, self.storage.url, exc)
@@ -250,6 +250,12 @@ def _remove_file(path: str | None) -> None:
             os.remove(path)
         except OSError:
             pass
+
+
+def _remove_commit(meta: dict) -> None:
+    """Remove a commit's file and, for a sharded state, its folder of shards."""
+    _remove_path(meta["path"])
+    remove_shards(meta.get("shards"))
 
 
 def _remove_path(url: str) -> None:

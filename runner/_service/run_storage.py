@@ -3,6 +3,7 @@
 Under ``<storage>/<run_id>/``:
 
     <key>-<seq>-<token>.pkl   each commit rank 0 wrote (``_common/commits.py``, as under ``commit_dir``)
+    <key>-<seq>-<token>.dcp/  a sharded state's commit: every rank's shard (``collective/torch/_sharded.py``)
     manifest.json             the newest complete commits, each with the SHA-256 rank 0 checks before loading
     lease.json                which driver runs the run now, until when (renewed while it runs)
 

@@ -1,0 +1,207 @@
+"""Sharded commits: a ``TorchState`` whose model is sharded (FSDP2's ``fully_shard``) commits each rank's shard.
+
+Gathering a sharded model to rank 0 for every commit is slow, and for a model larger than one host's memory,
+impossible. So where a module's parameters are DTensors, the state keeps it (and the optimizer that steps it)
+through ``torch.distributed.checkpoint.state_dict``: ``save()`` copies this rank's shard in its memory, as
+Horovod's commit copies the whole state, and ``sync()`` leaves it alone (each rank's shard is its own).
+
+Inside a HorovodRunner run with a folder for commits (``commit_dir=``, or ``run_id=`` with ``storage=``), every
+rank's ``commit()`` then writes its shard there with ``torch.distributed.checkpoint.save`` (a collective, over
+torch.distributed's default group, as DCP's), into ``<folder>/<state>-<seq>-<token>.dcp/``. The ranks hash the
+files they wrote between them, and rank 0 sends the driver only the folder's name and the digests, with the
+state's plain values. A restarted run (or a new driver's) loads every rank's part with
+``torch.distributed.checkpoint.load``, which reshards where the number of ranks changed, after the ranks have
+checked every file's digest between them: the driver never carries a shard.
+
+Without such a folder the sharded part cannot leave the ranks: it is kept in memory only (``restore()`` works),
+nothing of the state is sent to the driver, and a restart starts the state over; a rank says so once.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import secrets
+
+import torch
+
+from ..._common import context as _context
+from ..._common import settings
+from ..._common.commits import _filesystem, _safe
+from .._core import allgather_object, broadcast_object, rank, size
+
+METADATA = ".metadata"  # DCP's file of what is where, written by its coordinator (rank 0)
+_warned: set = set()
+
+
+def is_sharded_module(value) -> bool:
+    """Whether ``value`` is a module with a DTensor parameter (FSDP2's ``fully_shard``, a tensor-parallel plan)."""
+    if not isinstance(value, torch.nn.Module):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in value.parameters())
+
+
+def is_sharded_optimizer(value) -> bool:
+    if not isinstance(value, torch.optim.Optimizer):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for group in value.param_groups for p in group["params"])
+
+
+class ShardedModelHandler:
+    """A sharded module's part of a TorchState: this rank's shard, by parameter name (DCP's model state dict)."""
+
+    def __init__(self, value):
+        self.value = value
+        self.save()
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.value)
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.state_dict())  # a copy: the shard's tensors change with the next step
+
+    def restore(self) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.value, copy.deepcopy(self._saved))
+
+    def sync(self) -> None:
+        """Nothing: each rank's shard is its own, and rank 0's would not fit the others' places."""
+
+    def set_value(self, value) -> None:
+        self.value = value
+        self.save()
+
+
+class ShardedOptimizerHandler(ShardedModelHandler):
+    """The optimizer of a sharded module: its state by parameter name (DCP's optimizer state dict)."""
+
+    def __init__(self, value, model):
+        self.model = model
+        super().__init__(value)
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.value)
+
+    def restore(self) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.value, copy.deepcopy(self._saved))
+
+
+def sharded_handlers(values: dict) -> dict:
+    """The TorchState keywords whose values are sharded, each with its handler; TypeError for an optimizer of
+    sharded parameters whose module is not in the state."""
+    handlers = {name: ShardedModelHandler(v) for name, v in values.items() if is_sharded_module(v)}
+    for name, value in values.items():
+        if not is_sharded_optimizer(value):
+            continue
+        params = {id(p) for group in value.param_groups for p in group["params"]}
+        model = next((h.value for h in handlers.values()
+                      if isinstance(h, ShardedModelHandler) and params & {id(p) for p in h.value.parameters()}), None)
+        if model is None:
+            raise TypeError(f"hvd.elastic.TorchState: the optimizer {name}= steps sharded (DTensor) parameters, but "
+                            "no module of the state holds them, and its state is kept by parameter name; pass the "
+                            f"sharded model too, as TorchState(model=model, {name}=optimizer).")
+        handlers[name] = ShardedOptimizerHandler(value, model)
+    return handlers
+
+
+# ---- writing and reading a commit's shards ---------------------------------------------------------------------
+
+def folder() -> str | None:
+    """Where this run's commits go (``commit_dir=`` or the storage), as a path or URL; None where there is none."""
+    ctx = _context.current()
+    root = settings.COMMIT_DIR.get()
+    if ctx is None or not root:
+        return None
+    return f"{root.rstrip('/')}/{ctx.run_id}"
+
+
+def write(key: str, seq: int, token: str, saved: dict) -> dict | None:
+    """Every rank: write ``saved`` (name -> this rank's saved state dict) as commit ``seq`` of state ``key``; the
+    commit's ``shards`` meta (its folder, each file's SHA-256, its bytes) on every rank, or None where the run has no
+    folder for commits (said once)."""
+    where = folder()
+    if where is None:
+        if key not in _warned and rank() == 0:
+            _warned.add(key)
+            print(f"sparkhvd: {key} holds a sharded model, whose shards cannot go to the driver; its commits stay in "
+                  "the ranks' memory only, so a restart starts it over. Give HorovodRunner a folder every rank "
+                  "reaches (commit_dir=, or run_id= with storage=) to resume it.", flush=True)
+        return None
+    import torch.distributed.checkpoint as dcp
+
+    url = f"{where}/{_safe(key)}-{seq}-{token}.dcp"
+    metadata = dcp.save(saved, **_target(url, write=True))
+    files = sorted({info.relative_path for info in metadata.storage_data.values()})
+    mine = files[rank()::size()] + ([METADATA] if rank() == 0 else [])
+    digests: dict = {}
+    for part in allgather_object({name: _digest(url, name) for name in mine}):
+        digests.update(part)
+    return {"path": url, "sha256": digests, "bytes": sum(n for _, n in digests.values())}
+
+
+def read(shards: dict, handlers: dict) -> None:
+    """Every rank: check the commit's files (each by one rank), then load this rank's part into ``handlers`` (name ->
+    sharded handler) and restore them; DCP reshards where the commit was made with another number of ranks."""
+    import torch.distributed.checkpoint as dcp
+
+    url, digests = shards["path"], shards["sha256"]
+    names = sorted(digests)
+    wrong = []
+    for name in names[rank()::size()]:
+        try:
+            found = _digest(url, name)[0]
+        except FileNotFoundError:
+            found = "missing"
+        if found != digests[name][0]:
+            wrong.append(f"{name} ({found})")
+    wrong = [w for part in allgather_object(wrong) for w in part]
+    if wrong:
+        raise ValueError(f"the sharded commit {url} is not the one its ranks wrote: {', '.join(wrong)} do not match "
+                         "the SHA-256 the driver recorded; something else wrote to the run's folder. Give each run a "
+                         "folder only it writes to (or a new run_id). Nothing was loaded from it.")
+    template = {name: handler.state_dict() for name, handler in handlers.items()}
+    dcp.load(template, **_target(url, write=False))
+    for name, handler in handlers.items():
+        handler._saved = copy.deepcopy(template[name])
+        handler.restore()
+
+
+def new_token() -> str:
+    """A name part every rank agrees on (rank 0's): this attempt's commit folders are never another's."""
+    return broadcast_object(secrets.token_hex(4) if rank() == 0 else None)
+
+
+def _target(url: str, *, write: bool) -> dict:
+    """DCP's checkpoint arguments for ``url``: a local folder, or an fsspec URL."""
+    if "://" not in url or url.startswith("file://"):
+        path = url[len("file://"):] if url.startswith("file://") else url
+        return {"checkpoint_id": os.path.abspath(path)}
+    try:
+        from torch.distributed.checkpoint import FsspecReader, FsspecWriter
+    except ImportError as exc:  # fsspec is not installed
+        raise RuntimeError(f"sharded commits to {url} need fsspec (and its package for that scheme, such as s3fs): "
+                           "pip install fsspec s3fs, or give a local folder every rank reaches.") from exc
+    return {"storage_writer": FsspecWriter(url)} if write else {"storage_reader": FsspecReader(url)}
+
+
+def _digest(url: str, name: str) -> tuple[str, int]:
+    fs, path = _filesystem(f"{url}/{name}")
+    digest, count = hashlib.sha256(), 0
+    with fs.open_input_stream(path) as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+            count += len(chunk)
+    return digest.hexdigest(), count
+
