@@ -16,6 +16,7 @@ import os
 import pickle
 import secrets
 import threading
+import time
 
 from . import context as _context
 from . import settings
@@ -165,9 +166,26 @@ def publish(meta: dict, snapshot, on_hosts_updated=None) -> bool:
     return True
 
 
+_writers: set = set()  # threads still writing a sharded commit's shards (collective/torch/_sharded.py)
+
+
+def writing(thread: threading.Thread) -> None:
+    """Count ``thread`` (not yet started) among this rank's commits on their way until it ends: ``flush`` waits."""
+    _writers.add(thread)
+
+
+def written(thread: threading.Thread) -> None:
+    _writers.discard(thread)
+
+
 def flush(timeout: float | None = None) -> bool:
-    """Wait for this rank's commits to reach the driver (True at once where none were sent)."""
-    return _publisher is None or _publisher.flush(timeout)
+    """Wait for this rank's commits to reach the driver, shards first (True at once where none were sent)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for thread in list(_writers):
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            return False
+    return _publisher is None or _publisher.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 def fetch(key: str, *, data: bool = True):

@@ -84,19 +84,18 @@ class State:
         self._seq += 1
         if _context.current() is None:
             return
-        extra = self._write_shards()  # every rank, for a sharded state
-        if extra is None or self._rank() != 0:
-            return
-        _commits.publish({"key": self._key, "seq": self._seq, "size": size(), "fields": self._fields(), **extra},
-                         self._snapshot(), self.on_hosts_updated)
+        self._send({"key": self._key, "seq": self._seq, "size": size(), "fields": self._fields()})
 
-    def _write_shards(self) -> dict | None:
-        """Every rank: write what each rank holds of a sharded state; the commit's extra meta ({} for a state
-        that is not sharded), or None where the commit cannot leave the ranks."""
-        return {}
+    def _send(self, meta: dict) -> None:
+        """Every rank: send this commit off the ranks; rank 0 sends it (a sharded state's ranks write theirs)."""
+        if self._rank() == 0:
+            _commits.publish(meta, self._snapshot(), self.on_hosts_updated)
+
+    def _settle(self) -> None:
+        """Every rank, the loop ended or leaves for new ranks: wait for this state's commits still being written."""
 
     def _read_shards(self, meta: dict) -> None:
-        """Every rank: load its part of a sharded commit (what ``_write_shards`` wrote)."""
+        """Every rank: load its part of a sharded commit (what ``_send`` wrote)."""
 
     def _fields(self) -> dict:
         """Plain values to name a commit by in the driver's messages (epoch, batch)."""
@@ -254,8 +253,11 @@ def run_fn(func, reset):
             try:
                 if not skip_sync:
                     state.sync()
-                return func(state, *args, **kwargs)
+                result = func(state, *args, **kwargs)
+                state._settle()  # the last commit's shards are written before the loop's caller goes on
+                return result
             except HostsUpdatedInterrupt as interrupt:
+                state._settle()  # every rank raised it together: the shards on their way are all written
                 if interrupt.relaunch:  # every rank leaves here; this commit reaches the driver first
                     _commits.flush(_RESIZE_FLUSH_S)
                     raise RanksChanged() from None

@@ -6,12 +6,13 @@ through ``torch.distributed.checkpoint.state_dict``: ``save()`` copies this rank
 Horovod's commit copies the whole state, and ``sync()`` leaves it alone (each rank's shard is its own).
 
 Inside a HorovodRunner run with a folder for commits (``commit_dir=``, or ``run_id=`` with ``storage=``), every
-rank's ``commit()`` then writes its shard there with ``torch.distributed.checkpoint.save`` (a collective, over
-torch.distributed's default group, as DCP's), into ``<folder>/<state>-<seq>-<token>.dcp/``. The ranks hash the
-files they wrote between them, and rank 0 sends the driver only the folder's name and the digests, with the
-state's plain values. A restarted run (or a new driver's) loads every rank's part with
-``torch.distributed.checkpoint.load``, which reshards where the number of ranks changed, after the ranks have
-checked every file's digest between them: the driver never carries a shard.
+rank's ``commit()`` then hands its copy to a thread (``ShardWriter``) that writes it there with
+``torch.distributed.checkpoint.save``, into ``<folder>/<state>-<seq>-<token>.dcp/``, over a gloo group of its
+own; the loop goes on meanwhile. The ranks hash the files they wrote between them, and rank 0 sends the driver
+only the folder's name and the digests, with the state's plain values. A restarted run (or a new driver's) loads
+every rank's part with ``torch.distributed.checkpoint.load``, which reshards where the number of ranks changed,
+after the ranks have checked every file's digest between them: the driver never carries a shard, and no rank
+loads DCP's pickled ``.metadata`` before it matches the digest the driver recorded.
 
 Without such a folder the sharded part cannot leave the ranks: it is kept in memory only (``restore()`` works),
 nothing of the state is sent to the driver, and a restart starts the state over; a rank says so once.
@@ -23,9 +24,11 @@ import copy
 import hashlib
 import os
 import secrets
+import threading
 
 import torch
 
+from ..._common import commits as _commits
 from ..._common import context as _context
 from ..._common import settings
 from ..._common.commits import _filesystem, _safe
@@ -127,28 +130,81 @@ def folder() -> str | None:
     return f"{root.rstrip('/')}/{ctx.run_id}"
 
 
-def write(key: str, seq: int, token: str, saved: dict) -> dict | None:
-    """Every rank: write ``saved`` (name -> this rank's saved state dict) as commit ``seq`` of state ``key``; the
-    commit's ``shards`` meta (its folder, each file's SHA-256, its bytes) on every rank, or None where the run has no
-    folder for commits (said once)."""
-    where = folder()
-    if where is None:
-        if key not in _warned and rank() == 0:
-            _warned.add(key)
-            print(f"sparkhvd: {key} holds a sharded model, whose shards cannot go to the driver; its commits stay in "
-                  "the ranks' memory only, so a restart starts it over. Give HorovodRunner a folder every rank "
-                  "reaches (commit_dir=, or run_id= with storage=) to resume it.", flush=True)
-        return None
-    import torch.distributed.checkpoint as dcp
+class ShardWriter:
+    """One state's sharded commits, each written by every rank on a thread of its own, so ``commit()`` blocks the
+    loop only for the copy of this rank's shard (as ``torch.distributed.checkpoint.async_save``).
 
-    url = f"{where}/{_safe(key)}-{seq}-{token}.dcp"
-    metadata = dcp.save(saved, **_target(url, write=True))
-    files = sorted({info.relative_path for info in metadata.storage_data.values()})
-    mine = files[rank()::size()] + ([METADATA] if rank() == 0 else [])
-    digests: dict = {}
-    for part in allgather_object({name: _digest(url, name) for name in mine}):
-        digests.update(part)
-    return {"path": url, "sha256": digests, "bytes": sum(n for _, n in digests.values())}
+    DCP's collectives and the digests' go over a gloo group of their own, made at the first commit, so they never
+    cross the training's on the default group. A commit waits for the one before it; rank 0 publishes each once
+    every rank's files are written and hashed (``_common/commits.py``), and ``commits.flush()`` waits for it.
+    """
+
+    def __init__(self):
+        self._group = None
+        self._world = None  # the default group the writer's group was made from
+        self._token = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, key: str, seq: int, saved: dict, publish) -> None:
+        """Every rank: write ``saved`` (name -> this rank's saved state dict) as commit ``seq`` of state ``key``,
+        then ``publish(shards)`` on rank 0, ``shards`` being the commit's meta (its folder, each file's SHA-256
+        and size, their total). Where the run has no folder for commits, nothing is written (said once)."""
+        import torch.distributed as dist
+
+        where = folder()
+        if where is None:
+            if key not in _warned and rank() == 0:
+                _warned.add(key)
+                print(f"sparkhvd: {key} holds a sharded model, whose shards cannot go to the driver; its commits "
+                      "stay in the ranks' memory only, so a restart starts it over. Give HorovodRunner a folder "
+                      "every rank reaches (commit_dir=, or run_id= with storage=) to resume it.", flush=True)
+            return
+        self.wait()
+        if self._group is None or self._world is not dist.group.WORLD:  # first commit, or a new default group
+            self._world, self._group = dist.group.WORLD, dist.new_group(backend="gloo")
+            self._token = new_token()
+        url = f"{where}/{_safe(key)}-{seq}-{self._token}.dcp"
+        thread = threading.Thread(target=self._write, args=(url, seq, key, saved, publish, rank(), size()),
+                                  name=f"sparkhvd-shards-{key}", daemon=True)
+        _commits.writing(thread)
+        self._thread = thread
+        thread.start()
+
+    def wait(self) -> None:
+        """Until the commit being written (if any) is written and published."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _write(self, url: str, seq: int, key: str, saved: dict, publish, me: int, ranks: int) -> None:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            try:
+                metadata = dcp.save(saved, process_group=self._group, **_target(url, write=True))
+            except Exception as exc:  # noqa: BLE001 - DCP raises on every rank together; the run goes on
+                mine = f"{type(exc).__name__}: {exc}"
+            else:
+                files = sorted({info.relative_path for info in metadata.storage_data.values()})
+                try:
+                    mine = {name: _digest(url, name) for name in files[me::ranks] + ([METADATA] if me == 0 else [])}
+                except Exception as exc:  # noqa: BLE001 - said below, by rank 0, for every rank
+                    mine = f"{type(exc).__name__}: {exc}"
+                parts = [None] * ranks
+                dist.all_gather_object(parts, mine, group=self._group)
+                mine = next((p for p in parts if isinstance(p, str)), mine)
+            if isinstance(mine, str):
+                if me == 0:
+                    _commits.remove_shards({"path": url})
+                    print(f"sparkhvd: could not write commit {seq} of {key} to {url}: {mine}; the previous commit "
+                          "stays the one a restart resumes from.", flush=True)
+                return
+            if me == 0:
+                digests = {name: d for part in parts for name, d in part.items()}
+                publish({"path": url, "sha256": digests, "bytes": sum(n for _, n in digests.values())})
+        finally:
+            _commits.written(threading.current_thread())
 
 
 def read(shards: dict, handlers: dict) -> None:

@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from ..._common import commits as _commits
 from .._core import broadcast_object, rank, size
 from .._core._elastic import HostsUpdatedInterrupt, HostUpdateResult, ObjectState, State, run
 from . import _sharded
@@ -95,7 +96,7 @@ class TorchState(ObjectState):
                 values[name] = value
         self._handlers = handlers
         self._sharded = list(sharded)
-        self._shard_token = None
+        self._shards = _sharded.ShardWriter()
         for name, handler in handlers.items():
             setattr(self, name, handler.value)
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **values)
@@ -125,14 +126,19 @@ class TorchState(ObjectState):
                 handler._saved = snapshot["handlers"][name]
         super()._load(snapshot)
 
-    def _write_shards(self) -> dict | None:
+    def _send(self, meta: dict) -> None:
         if not self._sharded:
-            return {}
-        if self._shard_token is None:
-            self._shard_token = _sharded.new_token()
-        shards = _sharded.write(self._key, self._seq, self._shard_token,
-                                {name: self._handlers[name]._saved for name in self._sharded})
-        return None if shards is None else {"shards": shards}
+            return super()._send(meta)
+        snapshot = self._snapshot() if self._rank() == 0 else None  # the plain values as save() kept them
+
+        def publish(shards: dict) -> None:
+            _commits.publish(dict(meta, shards=shards), snapshot, self.on_hosts_updated)
+
+        self._shards.start(self._key, self._seq, {name: self._handlers[name]._saved for name in self._sharded},
+                           publish)
+
+    def _settle(self) -> None:
+        self._shards.wait()
 
     def _read_shards(self, meta: dict) -> None:
         _sharded.read(meta["shards"], {name: self._handlers[name] for name in self._sharded})
