@@ -5,14 +5,17 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["HorovodRunner", "HorovodRunError", "MirroredStrategyRunner", "RunResult", "TorchDistributor", "log_to_driver",
-           "__version__"]
+__all__ = ["Checkpoint", "HorovodRunner", "HorovodRunError", "MirroredStrategyRunner", "RunResult", "TorchDistributor",
+           "get_checkpoint", "log_to_driver", "report", "__version__"]
 
 _LAZY = {
     "HorovodRunner": "sparkhvd.runner",
     "HorovodRunError": "sparkhvd.runner",
     "RunResult": "sparkhvd.runner",
     "log_to_driver": "sparkhvd.runner",
+    "report": "sparkhvd.runner",  # Ray Train's train.report, get_checkpoint and Checkpoint
+    "get_checkpoint": "sparkhvd.runner",
+    "Checkpoint": "sparkhvd.runner",
     "TorchDistributor": "sparkhvd.runner",  # pyspark's, on HorovodRunner
     "MirroredStrategyRunner": "sparkhvd.runner",  # spark-tensorflow-distributor's, on HorovodRunner
 }

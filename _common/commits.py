@@ -145,6 +145,31 @@ def remove_shards(shards: dict | None) -> None:
         pass
 
 
+def file_digest(url: str, name: str) -> tuple[str, int]:
+    """The SHA-256 and size of file ``name`` in folder ``url`` (a path or a pyarrow filesystem URL)."""
+    fs, path = _filesystem(f"{url}/{name}")
+    digest, count = hashlib.sha256(), 0
+    with fs.open_input_stream(path) as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+            count += len(chunk)
+    return digest.hexdigest(), count
+
+
+def changed_files(url: str, digests: dict, names: list | None = None) -> list:
+    """Of ``names`` (default: every file of ``digests``, name -> (sha256, size)), those in folder ``url`` whose digest
+    is not the recorded one, each as ``name (its digest, or missing)``."""
+    wrong = []
+    for name in sorted(digests) if names is None else names:
+        try:
+            found = file_digest(url, name)[0]
+        except FileNotFoundError:
+            found = "missing"
+        if found != digests[name][0]:
+            wrong.append(f"{name} ({found})")
+    return wrong
+
+
 _publisher: Publisher | None = None
 growing = False  # the driver said the run can grow: HostsUpdatedInterrupt relaunches every rank
 _publisher_lock = threading.Lock()

@@ -7,6 +7,7 @@ does not import the driver-side modules.
 import importlib
 
 __all__ = [
+    "Checkpoint",
     "HorovodRunner",
     "HorovodRunError",
     "JavaNotFoundError",
@@ -17,14 +18,19 @@ __all__ = [
     "StartTimeoutError",
     "TorchDistributor",
     "assign_ranks",
+    "get_checkpoint",
     "horovod_spark_run",
     "log_to_driver",
+    "report",
 ]
 
 _WHERE = {
     "HorovodRunner": "._horovod_runner",
     "RunResult": "._policy.result",
     "log_to_driver": "._rank.log",
+    "report": "._rank.report",  # Ray Train's report(metrics, checkpoint=), get_checkpoint() and Checkpoint
+    "get_checkpoint": "._rank.report",
+    "Checkpoint": "._rank.report",
     "HorovodRunError": "._shared.errors",
     "StartTimeoutError": "._shared.errors",
     "RunIdInUse": "._shared.errors",

@@ -21,7 +21,6 @@ nothing of the state is sent to the driver, and a restart starts the state over;
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 import secrets
 import threading
@@ -31,7 +30,7 @@ import torch
 from ..._common import commits as _commits
 from ..._common import context as _context
 from ..._common import settings
-from ..._common.commits import _filesystem, _safe
+from ..._common.commits import _safe
 from .._core import allgather_object, broadcast_object, rank, size
 
 METADATA = ".metadata"  # DCP's file of what is where, written by its coordinator (rank 0)
@@ -188,7 +187,8 @@ class ShardWriter:
             else:
                 files = sorted({info.relative_path for info in metadata.storage_data.values()})
                 try:
-                    mine = {name: _digest(url, name) for name in files[me::ranks] + ([METADATA] if me == 0 else [])}
+                    mine = {name: _commits.file_digest(url, name)
+                            for name in files[me::ranks] + ([METADATA] if me == 0 else [])}
                 except Exception as exc:  # noqa: BLE001 - said below, by rank 0, for every rank
                     mine = f"{type(exc).__name__}: {exc}"
                 parts = [None] * ranks
@@ -213,15 +213,7 @@ def read(shards: dict, handlers: dict) -> None:
     import torch.distributed.checkpoint as dcp
 
     url, digests = shards["path"], shards["sha256"]
-    names = sorted(digests)
-    wrong = []
-    for name in names[rank()::size()]:
-        try:
-            found = _digest(url, name)[0]
-        except FileNotFoundError:
-            found = "missing"
-        if found != digests[name][0]:
-            wrong.append(f"{name} ({found})")
+    wrong = _commits.changed_files(url, digests, sorted(digests)[rank()::size()])
     wrong = [w for part in allgather_object(wrong) for w in part]
     if wrong:
         raise ValueError(f"the sharded commit {url} is not the one its ranks wrote: {', '.join(wrong)} do not match "
@@ -250,14 +242,4 @@ def _target(url: str, *, write: bool) -> dict:
         raise RuntimeError(f"sharded commits to {url} need fsspec (and its package for that scheme, such as s3fs): "
                            "pip install fsspec s3fs, or give a local folder every rank reaches.") from exc
     return {"storage_writer": FsspecWriter(url)} if write else {"storage_reader": FsspecReader(url)}
-
-
-def _digest(url: str, name: str) -> tuple[str, int]:
-    fs, path = _filesystem(f"{url}/{name}")
-    digest, count = hashlib.sha256(), 0
-    with fs.open_input_stream(path) as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-            count += len(chunk)
-    return digest.hexdigest(), count
 
