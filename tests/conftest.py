@@ -114,6 +114,7 @@ LONGEST_FIRST = (
     # added 2026-12-02, their real-process loops (not yet measured with --durations)
     "tests/runner/rank/test_ddp_tutorial_ending.py", "tests/runner/test_concurrent_runs.py",
     "tests/runner/agent/test_no_line_lost.py", "tests/runner/test_driver_restart.py",
+    "tests/frameworks/test_frameworks_deepspeed.py",  # added 2026-12-03: a ZeRO-2 restart, about 40 s
 )
 
 

@@ -100,9 +100,55 @@ class ShardedOptimizerHandler(ShardedModelHandler):
         set_optimizer_state_dict(self.model, self.value, copy.deepcopy(self._saved))
 
 
+def is_deepspeed_engine(value) -> bool:
+    """Whether ``value`` is a DeepSpeed engine (``deepspeed.initialize``'s first value), without importing DeepSpeed."""
+    return any(c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed.")
+               for c in type(value).__mro__)
+
+
+class DeepSpeedHandler:
+    """A DeepSpeed engine's part of a TorchState. Its model and its ZeRO optimizer's partitions are written at each
+    commit by the engine's own ``save_checkpoint`` (every rank its partition), and ``restore()`` loads the newest
+    one written with ``load_checkpoint``: ``save()`` alone keeps nothing, as a copy of a ZeRO state in memory has
+    no loader of DeepSpeed's."""
+
+    def __init__(self, value):
+        self.value = value
+        self._saved = None  # (folder, tag) of the newest commit written
+
+    def save(self) -> None:
+        """Nothing: the commit writes the engine's checkpoint (``write_deepspeed``)."""
+
+    def restore(self) -> None:
+        if self._saved is None:
+            raise RuntimeError("hvd.elastic.TorchState: a DeepSpeed engine is restored from its newest commit, and "
+                               "none was written: its state is written by commit() inside a HorovodRunner run with a "
+                               "folder for commits (commit_dir=, or run_id= with storage=).")
+        folder, tag = self._saved
+        self.value.load_checkpoint(folder, tag=tag)
+
+    def sync(self) -> None:
+        """Nothing: each rank holds its own partition of the optimizer."""
+
+    def set_value(self, value) -> None:
+        self.value = value
+
+
 def sharded_handlers(values: dict) -> dict:
     """The TorchState keywords whose values are sharded, each with its handler; TypeError for an optimizer of
-    sharded parameters whose module is not in the state."""
+    sharded parameters whose module is not in the state, and for a DeepSpeed engine's optimizer or a DeepSpeed
+    engine beside a DTensor model."""
+    engines = {name: DeepSpeedHandler(v) for name, v in values.items() if is_deepspeed_engine(v)}
+    for name, value in values.items():
+        if name not in engines and type(value).__module__.startswith("deepspeed."):
+            raise TypeError(f"hvd.elastic.TorchState: {name}= is DeepSpeed's {type(value).__name__}, which its engine's "
+                            f"checkpoint holds; pass the engine alone, as TorchState(model=engine), and leave {name}= "
+                            "out.")
+    if engines:
+        if any(is_sharded_module(v) for v in values.values()):
+            raise TypeError("hvd.elastic.TorchState: a DeepSpeed engine and a DTensor (FSDP2) model in one state are "
+                            "committed two ways at once; give each its own TorchState.")
+        return engines
     handlers = {name: ShardedModelHandler(v) for name, v in values.items() if is_sharded_module(v)}
     for name, value in values.items():
         if not is_sharded_optimizer(value):
@@ -152,11 +198,7 @@ class ShardWriter:
 
         where = folder()
         if where is None:
-            if key not in _warned and rank() == 0:
-                _warned.add(key)
-                print(f"sparkhvd: {key} holds a sharded model, whose shards cannot go to the driver; its commits "
-                      "stay in the ranks' memory only, so a restart starts it over. Give HorovodRunner a folder "
-                      "every rank reaches (commit_dir=, or run_id= with storage=) to resume it.", flush=True)
+            _say_not_resumable(key)
             return
         self.wait()
         if self._group is None or self._world is not dist.group.WORLD:  # first commit, or a new default group
@@ -212,18 +254,70 @@ def read(shards: dict, handlers: dict) -> None:
     sharded handler) and restore them; DCP reshards where the commit was made with another number of ranks."""
     import torch.distributed.checkpoint as dcp
 
-    url, digests = shards["path"], shards["sha256"]
+    url = shards["path"]
+    _check(url, shards["sha256"])
+    template = {name: handler.state_dict() for name, handler in handlers.items()}
+    dcp.load(template, **_target(url, write=False))
+    for name, handler in handlers.items():
+        handler._saved = copy.deepcopy(template[name])
+        handler.restore()
+
+
+def write_deepspeed(key: str, seq: int, token: str, handlers: dict) -> dict | None:
+    """Every rank, on the training's thread (DeepSpeed's collectives are the training's): each engine of
+    ``handlers`` (name -> DeepSpeedHandler) writes its checkpoint with ``save_checkpoint``, tag ``name``, into
+    ``<folder>/<key>-<seq>-<token>.ds``; the commit's ``shards`` meta, or None where the run has no folder."""
+    where = folder()
+    if where is None:
+        _say_not_resumable(key)
+        return None
+    if "://" in where and not where.startswith("file://"):
+        raise RuntimeError(f"hvd.elastic.TorchState: DeepSpeed writes its checkpoint to a local folder, and this run's "
+                           f"commits go to {where}; give HorovodRunner a storage path every host mounts (/dbfs/..., "
+                           "an NFS mount) for a DeepSpeed engine's commits.")
+    url = f"{where.removeprefix('file://')}/{_safe(key)}-{seq}-{token}.ds"
+    for name, handler in handlers.items():
+        handler.value.save_checkpoint(url, tag=name, save_latest=False)
+        handler._saved = (url, name)
+    broadcast_object(None)  # every rank's files are written before any rank lists them
+    files = sorted(os.path.relpath(os.path.join(root, f), url) for root, _, names in os.walk(url) for f in names)
+    digests: dict = {}
+    for part in allgather_object({name: _commits.file_digest(url, name) for name in files[rank()::size()]}):
+        digests.update(part)
+    return {"path": url, "sha256": digests, "bytes": sum(n for _, n in digests.values()), "deepspeed": sorted(handlers)}
+
+
+def read_deepspeed(shards: dict, handlers: dict, made_with: int) -> None:
+    """Every rank: check the commit's files, then load each engine's checkpoint (the number of ranks that wrote it
+    only: DeepSpeed's ZeRO partitions do not reshard without its universal-checkpoint conversion)."""
+    url = shards["path"]
+    if made_with != size():
+        raise ValueError(f"the DeepSpeed commit {url} was written by {made_with} ranks and this run has {size()}: "
+                         "DeepSpeed loads its ZeRO partitions at the number of ranks that wrote them; run with "
+                         f"np={made_with}, or convert the checkpoint with DeepSpeed's ds_to_universal and load it "
+                         "yourself.")
+    _check(url, shards["sha256"])
+    for name, handler in handlers.items():
+        handler.value.load_checkpoint(url, tag=name)
+        handler._saved = (url, name)
+
+
+def _check(url: str, digests: dict) -> None:
+    """Every rank: each file of the commit checked by one rank; ValueError on every rank where one is not the same."""
     wrong = _commits.changed_files(url, digests, sorted(digests)[rank()::size()])
     wrong = [w for part in allgather_object(wrong) for w in part]
     if wrong:
         raise ValueError(f"the sharded commit {url} is not the one its ranks wrote: {', '.join(wrong)} do not match "
                          "the SHA-256 the driver recorded; something else wrote to the run's folder. Give each run a "
                          "folder only it writes to (or a new run_id). Nothing was loaded from it.")
-    template = {name: handler.state_dict() for name, handler in handlers.items()}
-    dcp.load(template, **_target(url, write=False))
-    for name, handler in handlers.items():
-        handler._saved = copy.deepcopy(template[name])
-        handler.restore()
+
+
+def _say_not_resumable(key: str) -> None:
+    if key not in _warned and rank() == 0:
+        _warned.add(key)
+        print(f"sparkhvd: {key} holds a sharded model, whose shards cannot go to the driver; its commits stay in the "
+              "ranks' memory only, so a restart starts it over. Give HorovodRunner a folder every rank reaches "
+              "(commit_dir=, or run_id= with storage=) to resume it.", flush=True)
 
 
 def new_token() -> str:

@@ -97,6 +97,9 @@ class TorchState(ObjectState):
         self._handlers = handlers
         self._sharded = list(sharded)
         self._shards = _sharded.ShardWriter()
+        self._deepspeed = any(isinstance(h, _sharded.DeepSpeedHandler) for h in sharded.values())
+        self._shard_token = None
+        self._loading = False
         for name, handler in handlers.items():
             setattr(self, name, handler.value)
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **values)
@@ -107,8 +110,9 @@ class TorchState(ObjectState):
         super().save()
 
     def restore(self) -> None:
-        for handler in self._handlers.values():
-            handler.restore()
+        for name, handler in self._handlers.items():
+            if not (self._loading and name in self._sharded):  # rank 0 alone loads a snapshot: no collective here
+                handler.restore()
         super().restore()
 
     def sync(self) -> None:
@@ -124,11 +128,23 @@ class TorchState(ObjectState):
         for name, handler in self._handlers.items():
             if name not in self._sharded:
                 handler._saved = snapshot["handlers"][name]
-        super()._load(snapshot)
+        self._loading = True  # the sharded parts were loaded by every rank (_read_shards)
+        try:
+            super()._load(snapshot)
+        finally:
+            self._loading = False
 
     def _send(self, meta: dict) -> None:
         if not self._sharded:
             return super()._send(meta)
+        if self._deepspeed:
+            if self._shard_token is None:
+                self._shard_token = _sharded.new_token()
+            shards = _sharded.write_deepspeed(self._key, self._seq, self._shard_token,
+                                              {name: self._handlers[name] for name in self._sharded})
+            if shards is not None and self._rank() == 0:
+                _commits.publish(dict(meta, shards=shards), self._snapshot(), self.on_hosts_updated)
+            return
         snapshot = self._snapshot() if self._rank() == 0 else None  # the plain values as save() kept them
 
         def publish(shards: dict) -> None:
@@ -141,7 +157,10 @@ class TorchState(ObjectState):
         self._shards.wait()
 
     def _read_shards(self, meta: dict) -> None:
-        _sharded.read(meta["shards"], {name: self._handlers[name] for name in self._sharded})
+        handlers = {name: self._handlers[name] for name in self._sharded}
+        if self._deepspeed:
+            return _sharded.read_deepspeed(meta["shards"], handlers, int(meta["size"]))
+        _sharded.read(meta["shards"], handlers)
 
     def __setattr__(self, name, value):
         if name in getattr(self, "_handlers", ()) and hasattr(self, name):

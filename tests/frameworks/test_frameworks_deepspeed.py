@@ -1,5 +1,6 @@
 """DeepSpeed's engine trains under HorovodRunner on CPU, from the torchrun environment every rank gets: the same
-weights on every rank."""
+weights on every rank. In hvd.elastic.TorchState, a ZeRO-2 engine's commits hold every rank's partition, and a
+rank killed mid-run resumes from them bit for bit."""
 
 from __future__ import annotations
 
@@ -49,3 +50,99 @@ def test_deepspeed_trains_alike_on_every_rank():
     torch.manual_seed(0)
     start = list(torch.nn.Linear(4, 1).parameters())
     assert not all(torch.equal(a, b.detach()) for a, b in zip(values[0][1], start))  # it trained
+
+
+# ---- a DeepSpeed engine in hvd.elastic.TorchState: its ZeRO partitions in every commit -------------------------
+
+ELASTIC_STEPS, KILL_AT = 5, 3
+
+
+def _engine():
+    import deepspeed
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+              "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def _step(engine, step: int) -> None:
+    import torch
+
+    x = torch.randn(BATCH, 4, generator=torch.Generator().manual_seed(10 * step + engine.global_rank))
+    engine.backward((engine(x) - x.sum(1, keepdim=True)).pow(2).mean())
+    engine.step()
+
+
+def _zero2_elastic(marks: str):
+    import os
+    import signal
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.ops
+
+    import sparkhvd.collective.torch as hvd
+    from sparkhvd._common import commits
+    from sparkhvd.collective.torch import _sharded
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    hvd.init()
+    engine = _engine()
+    refused = []
+    for bad in (lambda: hvd.elastic.TorchState(model=engine, optimizer=engine.optimizer),
+                lambda: _sharded.read_deepspeed({"path": "/x"}, {}, made_with=3)):
+        try:
+            bad()
+        except (TypeError, ValueError) as exc:
+            refused.append(str(exc))
+    state = hvd.elastic.TorchState(model=engine, step=0)
+
+    @hvd.elastic.run
+    def loop(state):
+        while state.step < ELASTIC_STEPS:
+            if state.step == KILL_AT:
+                commits.flush(60)
+                hvd.barrier()
+                if hvd.rank() == 1 and not os.path.exists(os.path.join(marks, "killed")):
+                    open(os.path.join(marks, "killed"), "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+            _step(state.model, state.step)
+            state.step += 1
+            state.commit()
+        return [p.detach().clone() for p in state.model.module.parameters()]
+
+    resumed = loop(state)
+    reference = _engine()  # the same steps in the same process, never interrupted
+    for step in range(ELASTIC_STEPS):
+        _step(reference, step)
+    return resumed, [p.detach().clone() for p in reference.module.parameters()], refused
+
+
+@pytest.mark.timeout(300)
+def test_a_zero2_engine_in_an_elastic_state_resumes_from_every_ranks_partition_bit_for_bit(tmp_path):
+    import os
+
+    storage = str(tmp_path / "storage")
+    runner = HorovodRunner(np=-2, max_restarts=1, run_id="ds", storage=storage, keep_commits=1)
+    (resumed, reference, refused), _ = runner.run_all(_zero2_elastic, marks=str(tmp_path)).values
+    assert (tmp_path / "killed").exists() and len(runner.last_result.restarts) == 1
+    assert all(torch.equal(a, b) for a, b in zip(resumed, reference))  # ZeRO-2's momentum partitions resumed too
+    [kept] = runner.last_result.commits
+    shards = kept["shards"]
+    assert shards["deepspeed"] == ["model"] and shards["path"].endswith(".ds")
+    assert sorted(n for n in shards["sha256"] if n.endswith(".pt")) == [  # rank 0's model, each rank's partition
+        "model/mp_rank_00_model_states.pt", "model/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "model/zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert all(os.path.exists(os.path.join(shards["path"], name)) for name in shards["sha256"])
+    assert refused == [
+        "hvd.elastic.TorchState: optimizer= is DeepSpeed's DeepSpeedZeroOptimizer, which its engine's checkpoint "
+        "holds; pass the engine alone, as TorchState(model=engine), and leave optimizer= out.",
+        "the DeepSpeed commit /x was written by 3 ranks and this run has 2: DeepSpeed loads its ZeRO partitions at the "
+        "number of ranks that wrote them; run with np=3, or convert the checkpoint with DeepSpeed's ds_to_universal "
+        "and load it yourself."]
