@@ -92,7 +92,8 @@ class Publisher:
                     growing = True
                     on_hosts_updated(*update)  # Spark has room for more ranks: the state resizes at its next commit
             except Exception as exc:  # noqa: BLE001 - the run goes on; the previous commit stays in force
-                remove_shards(meta.get("shards"))
+                # Its shards stay: the driver may have named them before the answer was lost; the run's folder goes
+                # with the run.
                 self._drop_client()  # the next commit reconnects: a broken link must not lose every later one
                 print(f"sparkhvd: rank 0 could not send commit {meta.get('seq')} of {meta.get('key')} off the rank: "
                       f"{type(exc).__name__}: {exc}; the previous commit stays the one a restart resumes from.",
@@ -165,6 +166,8 @@ def changed_files(url: str, digests: dict, names: list | None = None) -> list:
             found = file_digest(url, name)[0]
         except FileNotFoundError:
             found = "missing"
+        except Exception as exc:  # noqa: BLE001 - unreadable: the callers gather it, so every rank says so together
+            found = f"unreadable: {type(exc).__name__}: {exc}"
         if found != digests[name][0]:
             wrong.append(f"{name} ({found})")
     return wrong
@@ -205,12 +208,14 @@ def written(thread: threading.Thread) -> None:
 
 def flush(timeout: float | None = None) -> bool:
     """Wait for this rank's commits to reach the driver, shards first (True at once where none were sent)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+    start = time.monotonic()
+    written_by = None if timeout is None else start + timeout / 2  # a writer stuck on a lost peer leaves the rest
     for thread in list(_writers):
-        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if thread.is_alive():
-            return False
-    return _publisher is None or _publisher.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        thread.join(None if written_by is None else max(0.0, written_by - time.monotonic()))
+    writing = any(thread.is_alive() for thread in list(_writers))
+    sent = _publisher is None or _publisher.flush(None if timeout is None else
+                                                   max(0.0, start + timeout - time.monotonic()))
+    return sent and not writing
 
 
 def fetch(key: str, *, data: bool = True):

@@ -140,7 +140,9 @@ def sharded_handlers(values: dict) -> dict:
     engine beside a DTensor model."""
     engines = {name: DeepSpeedHandler(v) for name, v in values.items() if is_deepspeed_engine(v)}
     for name, value in values.items():
-        if name not in engines and type(value).__module__.startswith("deepspeed."):
+        parts = [p for h in engines.values() for p in (getattr(h.value, "optimizer", None),
+                                                         getattr(h.value, "lr_scheduler", None)) if p is not None]
+        if any(value is part for part in parts):
             raise TypeError(f"hvd.elastic.TorchState: {name}= is DeepSpeed's {type(value).__name__}, which its engine's "
                             f"checkpoint holds; pass the engine alone, as TorchState(model=engine), and leave {name}= "
                             "out.")
@@ -205,7 +207,8 @@ class ShardWriter:
             self._world, self._group = dist.group.WORLD, dist.new_group(backend="gloo")
             self._token = new_token()
         url = f"{where}/{_safe(key)}-{seq}-{self._token}.dcp"
-        thread = threading.Thread(target=self._write, args=(url, seq, key, saved, publish, rank(), size()),
+        target = _target(url, write=True)  # here, so that a missing fsspec raises on every rank, not in one thread
+        thread = threading.Thread(target=self._write, args=(url, target, seq, key, saved, publish, rank(), size()),
                                   name=f"sparkhvd-shards-{key}", daemon=True)
         _commits.writing(thread)
         self._thread = thread
@@ -217,13 +220,13 @@ class ShardWriter:
             self._thread.join()
             self._thread = None
 
-    def _write(self, url: str, seq: int, key: str, saved: dict, publish, me: int, ranks: int) -> None:
+    def _write(self, url: str, target: dict, seq: int, key: str, saved: dict, publish, me: int, ranks: int) -> None:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
         try:
             try:
-                metadata = dcp.save(saved, process_group=self._group, **_target(url, write=True))
+                metadata = dcp.save(saved, process_group=self._group, **target)
             except Exception as exc:  # noqa: BLE001 - DCP raises on every rank together; the run goes on
                 mine = f"{type(exc).__name__}: {exc}"
             else:
@@ -234,13 +237,17 @@ class ShardWriter:
                 except Exception as exc:  # noqa: BLE001 - said below, by rank 0, for every rank
                     mine = f"{type(exc).__name__}: {exc}"
                 parts = [None] * ranks
-                dist.all_gather_object(parts, mine, group=self._group)
+                try:
+                    dist.all_gather_object(parts, mine, group=self._group)
+                except Exception as exc:  # noqa: BLE001 - a peer lost: the driver restarts the run
+                    parts = [f"{type(exc).__name__}: {exc}"]
                 mine = next((p for p in parts if isinstance(p, str)), mine)
             if isinstance(mine, str):
                 if me == 0:
                     _commits.remove_shards({"path": url})
                     print(f"sparkhvd: could not write commit {seq} of {key} to {url}: {mine}; the previous commit "
-                          "stays the one a restart resumes from.", flush=True)
+                          "stays the one a restart resumes from. Check that every rank can write to the run's "
+                          "folder (free space, permissions).", flush=True)
                 return
             if me == 0:
                 digests = {name: d for part in parts for name, d in part.items()}
@@ -279,10 +286,21 @@ def write_deepspeed(key: str, seq: int, token: str, handlers: dict) -> dict | No
     for name, handler in handlers.items():
         handler.value.save_checkpoint(url, tag=name, save_latest=False)
         handler._saved = (url, name)
-    broadcast_object(None)  # every rank's files are written before any rank lists them
-    files = sorted(os.path.relpath(os.path.join(root, f), url) for root, _, names in os.walk(url) for f in names)
+    # every rank's files are written before rank 0 lists them; each rank then hashes its share of rank 0's list
+    files = broadcast_object(sorted(os.path.relpath(os.path.join(root, f), url) for root, _, names in os.walk(url)
+                                    for f in names) if rank() == 0 else None)
+    try:
+        mine = {name: _commits.file_digest(url, name) for name in files[rank()::size()]}
+    except Exception as exc:  # noqa: BLE001 - gathered: every rank raises it together
+        mine = f"{type(exc).__name__}: {exc}"
+    parts = allgather_object(mine)
+    failed = next((p for p in parts if isinstance(p, str)), None)
+    if failed is not None:
+        raise RuntimeError(f"hvd.elastic.TorchState: commit {seq} of {key} was written to {url}, but a rank could not "
+                           f"read it back: {failed}. Give HorovodRunner a folder every rank reaches (one shared "
+                           "mount, not a local path on each host).")
     digests: dict = {}
-    for part in allgather_object({name: _commits.file_digest(url, name) for name in files[rank()::size()]}):
+    for part in parts:
         digests.update(part)
     return {"path": url, "sha256": digests, "bytes": sum(n for _, n in digests.values()), "deepspeed": sorted(handlers)}
 
@@ -298,7 +316,11 @@ def read_deepspeed(shards: dict, handlers: dict, made_with: int) -> None:
                          "yourself.")
     _check(url, shards["sha256"])
     for name, handler in handlers.items():
-        handler.value.load_checkpoint(url, tag=name)
+        loaded, _ = handler.value.load_checkpoint(url, tag=name)
+        if loaded is None:  # DeepSpeed returns (None, None) where it found nothing to load
+            raise ValueError(f"DeepSpeed found no checkpoint {name!r} in the commit {url}, whose files matched their "
+                             "digests; the engine in this state is not the one that wrote it. Give the state the same "
+                             "keyword for the engine as the run that wrote it, or a new run_id.")
         handler._saved = (url, name)
 
 

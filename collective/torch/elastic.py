@@ -137,6 +137,8 @@ class TorchState(ObjectState):
     def _send(self, meta: dict) -> None:
         if not self._sharded:
             return super()._send(meta)
+        if not self._resumed:  # before hvd.elastic.run: every rank's restore must see the previous attempt's commit
+            return
         if self._deepspeed:
             if self._shard_token is None:
                 self._shard_token = _sharded.new_token()

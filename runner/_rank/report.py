@@ -1,7 +1,8 @@
 """``sparkhvd.report(metrics, checkpoint=)`` and ``sparkhvd.get_checkpoint()``: Ray Train's reporting, on the
 commits' path (``_common/commits.py``).
 
-Each report is a commit of the state ``report``: its metrics are the commit's fields, so ``keep_commits`` and
+Each report is a commit of the state ``report`` (``report-metrics`` for one without a checkpoint, so that it never
+drops the newest checkpoint): its metrics are the commit's fields, so ``keep_commits`` and
 ``keep_best=("val_loss", "min")`` keep reports as they keep an elastic state's commits, and ``RunResult.commits``
 and ``sparkhvd run`` list them. Rank 0's report is the one kept (Ray Train keeps rank 0's metrics too); its
 checkpoint, a folder the function wrote, is copied:
@@ -29,7 +30,8 @@ from ..._common import context as _context
 from ..._common import settings
 from ..._common.commits import _filesystem
 
-KEY = "report"
+KEY = "report"  # the reports with a checkpoint
+METRICS_KEY = "report-metrics"  # those without: kept apart, so that one never drops the newest checkpoint
 _FLUSH_S = 600.0  # a driver that does not answer: the run goes on, and the next report tries again
 _FIELD_TYPES = (str, bool, int, float, type(None))
 _state = {"seq": None, "token": secrets.token_hex(4)}
@@ -98,7 +100,8 @@ def report(metrics: dict, checkpoint=None) -> None:
     if ctx is None or ctx.placement.rank != 0:
         return
     seq = _next_seq()
-    meta = {"key": KEY, "seq": seq, "size": ctx.placement.size, "fields": fields}
+    meta = {"key": KEY if folder is not None else METRICS_KEY, "seq": seq, "size": ctx.placement.size,
+            "fields": fields}
     snapshot = {"metrics": fields}
     if folder is not None:
         root = settings.COMMIT_DIR.get()
@@ -108,7 +111,9 @@ def report(metrics: dict, checkpoint=None) -> None:
         else:
             snapshot["files"] = _read(folder)
     _commits.publish(meta, snapshot)
-    _commits.flush(_FLUSH_S)  # as Ray Train's report: the checkpoint is kept when this returns
+    if not _commits.flush(_FLUSH_S):  # as Ray Train's report: the checkpoint is kept when this returns
+        print(f"sparkhvd: report {seq} had not reached the driver after {_FLUSH_S:.0f} s; the run goes on, and a "
+              "restart resumes from the report before it.", flush=True)
 
 
 def get_checkpoint() -> Checkpoint | None:
@@ -158,8 +163,8 @@ def _fields(metrics) -> dict:
 
 def _next_seq() -> int:
     if _state["seq"] is None:  # the first report of this process: go on from the run's newest one
-        found = _commits.fetch(KEY, data=False)
-        _state["seq"] = int(found[0]["seq"]) if found is not None else 0
+        found = [_commits.fetch(key, data=False) for key in (KEY, METRICS_KEY)]
+        _state["seq"] = max([int(f[0]["seq"]) for f in found if f is not None], default=0)
     _state["seq"] += 1
     return _state["seq"]
 

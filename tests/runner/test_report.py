@@ -47,6 +47,7 @@ def _train(marks: str, kill_at: int = -1):
                 json.dump(seen, f)
             sparkhvd.report({"epoch": epoch, "val_loss": LOSSES[epoch]},
                             checkpoint=sparkhvd.Checkpoint.from_directory(folder))
+        sparkhvd.report({"epoch": epoch, "lr": 0.1})  # metrics alone: the checkpoint before stays the one resumed
     return seen
 
 
@@ -58,10 +59,11 @@ def test_a_killed_run_resumes_from_its_reported_checkpoint_and_keep_best_keeps_t
     seen = runner.run(_train, marks=str(tmp_path), kill_at=KILL_AT)
     assert seen == [0, 1, 2, "resumed {'epoch': 2, 'val_loss': 0.6}", 3, 4]
     kept = [(c["key"], c["fields"]) for c in runner.last_result.commits]
-    assert kept == [("report", {"epoch": 4, "val_loss": 0.7}), ("report", {"epoch": 1, "val_loss": 0.4})]
+    assert sorted(kept, key=str) == [("report", {"epoch": 1, "val_loss": 0.4}), ("report", {"epoch": 4, "val_loss": 0.7}),
+                                     ("report-metrics", {"epoch": 4, "lr": 0.1})]
     folders = sorted(name for name in os.listdir(f"{storage}/rep") if name.endswith(".ckpt"))
     assert len(folders) == 2  # the others were removed with their reports
-    newest = runner.last_result.commits[0]["shards"]
+    newest = next(c for c in runner.last_result.commits if c["fields"]["epoch"] == 4 and "shards" in c)["shards"]
     assert sorted(newest["sha256"]) == ["seen.json", "state.json"]
 
     # a new driver with the run_id: the newest kept report is the one it resumes from
