@@ -34,7 +34,7 @@ KEY = "report"  # the reports with a checkpoint
 METRICS_KEY = "report-metrics"  # those without: kept apart, so that one never drops the newest checkpoint
 _FLUSH_S = 600.0  # a driver that does not answer: the run goes on, and the next report tries again
 _FIELD_TYPES = (str, bool, int, float, type(None))
-_state = {"seq": None, "token": secrets.token_hex(4)}
+_state = {"seq": 0, "token": secrets.token_hex(4), "asked": set()}  # "asked": the keys this process fetched
 
 
 class Checkpoint:
@@ -120,10 +120,11 @@ def get_checkpoint() -> Checkpoint | None:
     """The newest kept report's checkpoint, in a restarted run or a new driver's with the same ``run_id``; None where
     there is none (a first run, a report without a checkpoint, or outside a HorovodRunner run)."""
     found = _commits.fetch(KEY)
+    _state["asked"].add(KEY)
     if found is None:
         return None
     meta, snapshot = found
-    _state["seq"] = max(_state["seq"] or 0, int(meta["seq"]))
+    _state["seq"] = max(_state["seq"], int(meta["seq"]))
     metrics = dict(meta.get("fields") or {})
     shards = meta.get("shards")
     if shards:
@@ -162,9 +163,14 @@ def _fields(metrics) -> dict:
 
 
 def _next_seq() -> int:
-    if _state["seq"] is None:  # the first report of this process: go on from the run's newest one
-        found = [_commits.fetch(key, data=False) for key in (KEY, METRICS_KEY)]
-        _state["seq"] = max([int(f[0]["seq"]) for f in found if f is not None], default=0)
+    # The first report of this process goes on from the run's newest one; and the driver keeps a restarted attempt's
+    # commit of a key only once the attempt has asked for that key's newest (runner/_service/commit_requests.py).
+    for key in (KEY, METRICS_KEY):
+        if key not in _state["asked"]:
+            found = _commits.fetch(key, data=False)
+            _state["asked"].add(key)
+            if found is not None:
+                _state["seq"] = max(_state["seq"], int(found[0]["seq"]))
     _state["seq"] += 1
     return _state["seq"]
 
