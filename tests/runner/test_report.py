@@ -24,7 +24,9 @@ def _train(marks: str, kill_at: int = -1):
     import tempfile
 
     import sparkhvd
+    import sparkhvd.collective.torch as hvd
 
+    hvd.init()
     start, seen = 0, []
     checkpoint = sparkhvd.get_checkpoint()
     if checkpoint is not None:
@@ -34,6 +36,7 @@ def _train(marks: str, kill_at: int = -1):
             with open(os.path.join(folder, "seen.json")) as f:
                 seen = json.load(f)
         seen.append(f"resumed {checkpoint.metrics}")
+    hvd.barrier()  # every rank has read it before rank 0's next report may replace it (docs/elastic.md)
     for epoch in range(start, EPOCHS):
         if epoch == kill_at and os.environ["RANK"] == "0" and not os.path.exists(os.path.join(marks, "killed")):
             open(os.path.join(marks, "killed"), "w").close()
