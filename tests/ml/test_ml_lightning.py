@@ -71,6 +71,10 @@ class KilledOnce(Regression):
         with open(self.flag + ".steps", "a") as f:
             f.write(f"{os.getpid()} {self.trainer.global_step}\n")
         if self.trainer.global_step == self.at:
+            from sparkhvd._common import commits
+
+            commits.flush(60)  # rank 0's commit before this step has reached the driver: it is the one resumed
+            self.trainer.strategy.barrier()  # (a loaded machine's rank 0 sent it after the other rank was killed)
             try:
                 os.close(os.open(self.flag, os.O_CREAT | os.O_EXCL))
             except FileExistsError:
