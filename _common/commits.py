@@ -146,6 +146,27 @@ def remove_shards(shards: dict | None) -> None:
         pass
 
 
+def run_folder() -> str | None:
+    """Where this run's commits go (``commit_dir=`` or the storage, then the run's id), as a path or URL; None
+    outside a run or where the run has no such folder."""
+    ctx = _context.current()
+    root = settings.COMMIT_DIR.get()
+    if ctx is None or not root:
+        return None
+    return f"{root.rstrip('/')}/{ctx.run_id}"
+
+
+def files_under(path: str) -> list:
+    """The files under local folder ``path``, by their names relative to it, sorted."""
+    return sorted(os.path.relpath(os.path.join(root, name), path)
+                  for root, _, names in os.walk(path) for name in names)
+
+
+def folder_meta(url: str, digests: dict) -> dict:
+    """A commit's ``shards``: the folder ``url`` of its files, each file's (SHA-256, size), and their total size."""
+    return {"path": url, "sha256": digests, "bytes": sum(n for _, n in digests.values())}
+
+
 def file_digest(url: str, name: str) -> tuple[str, int]:
     """The SHA-256 and size of file ``name`` in folder ``url`` (a path or a pyarrow filesystem URL)."""
     fs, path = _filesystem(f"{url}/{name}")

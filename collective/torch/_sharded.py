@@ -28,8 +28,6 @@ import threading
 import torch
 
 from ..._common import commits as _commits
-from ..._common import context as _context
-from ..._common import settings
 from ..._common.commits import _safe
 from .._core import allgather_object, broadcast_object, rank, size
 
@@ -139,9 +137,9 @@ def sharded_handlers(values: dict) -> dict:
     sharded parameters whose module is not in the state, and for a DeepSpeed engine's optimizer or a DeepSpeed
     engine beside a DTensor model."""
     engines = {name: DeepSpeedHandler(v) for name, v in values.items() if is_deepspeed_engine(v)}
+    parts = [p for h in engines.values() for p in (getattr(h.value, "optimizer", None),
+                                                     getattr(h.value, "lr_scheduler", None)) if p is not None]
     for name, value in values.items():
-        parts = [p for h in engines.values() for p in (getattr(h.value, "optimizer", None),
-                                                         getattr(h.value, "lr_scheduler", None)) if p is not None]
         if any(value is part for part in parts):
             raise TypeError(f"hvd.elastic.TorchState: {name}= is DeepSpeed's {type(value).__name__}, which its engine's "
                             f"checkpoint holds; pass the engine alone, as TorchState(model=engine), and leave {name}= "
@@ -168,15 +166,6 @@ def sharded_handlers(values: dict) -> dict:
 
 # ---- writing and reading a commit's shards ---------------------------------------------------------------------
 
-def folder() -> str | None:
-    """Where this run's commits go (``commit_dir=`` or the storage), as a path or URL; None where there is none."""
-    ctx = _context.current()
-    root = settings.COMMIT_DIR.get()
-    if ctx is None or not root:
-        return None
-    return f"{root.rstrip('/')}/{ctx.run_id}"
-
-
 class ShardWriter:
     """One state's sharded commits, each written by every rank on a thread of its own, so ``commit()`` blocks the
     loop only for the copy of this rank's shard (as ``torch.distributed.checkpoint.async_save``).
@@ -198,7 +187,7 @@ class ShardWriter:
         and size, their total). Where the run has no folder for commits, nothing is written (said once)."""
         import torch.distributed as dist
 
-        where = folder()
+        where = _commits.run_folder()
         if where is None:
             _say_not_resumable(key)
             return
@@ -251,7 +240,7 @@ class ShardWriter:
                 return
             if me == 0:
                 digests = {name: d for part in parts for name, d in part.items()}
-                publish({"path": url, "sha256": digests, "bytes": sum(n for _, n in digests.values())})
+                publish(_commits.folder_meta(url, digests))
         finally:
             _commits.written(threading.current_thread())
 
@@ -274,7 +263,7 @@ def write_deepspeed(key: str, seq: int, token: str, handlers: dict) -> dict | No
     """Every rank, on the training's thread (DeepSpeed's collectives are the training's): each engine of
     ``handlers`` (name -> DeepSpeedHandler) writes its checkpoint with ``save_checkpoint``, tag ``name``, into
     ``<folder>/<key>-<seq>-<token>.ds``; the commit's ``shards`` meta, or None where the run has no folder."""
-    where = folder()
+    where = _commits.run_folder()
     if where is None:
         _say_not_resumable(key)
         return None
@@ -287,8 +276,7 @@ def write_deepspeed(key: str, seq: int, token: str, handlers: dict) -> dict | No
         handler.value.save_checkpoint(url, tag=name, save_latest=False)
         handler._saved = (url, name)
     # every rank's files are written before rank 0 lists them; each rank then hashes its share of rank 0's list
-    files = broadcast_object(sorted(os.path.relpath(os.path.join(root, f), url) for root, _, names in os.walk(url)
-                                    for f in names) if rank() == 0 else None)
+    files = broadcast_object(_commits.files_under(url) if rank() == 0 else None)
     try:
         mine = {name: _commits.file_digest(url, name) for name in files[rank()::size()]}
     except Exception as exc:  # noqa: BLE001 - gathered: every rank raises it together
@@ -302,7 +290,7 @@ def write_deepspeed(key: str, seq: int, token: str, handlers: dict) -> dict | No
     digests: dict = {}
     for part in parts:
         digests.update(part)
-    return {"path": url, "sha256": digests, "bytes": sum(n for _, n in digests.values()), "deepspeed": sorted(handlers)}
+    return dict(_commits.folder_meta(url, digests), deepspeed=sorted(handlers))
 
 
 def read_deepspeed(shards: dict, handlers: dict, made_with: int) -> None:

@@ -27,7 +27,6 @@ import tempfile
 
 from ..._common import commits as _commits
 from ..._common import context as _context
-from ..._common import settings
 from ..._common.commits import _filesystem
 
 KEY = "report"  # the reports with a checkpoint
@@ -104,10 +103,9 @@ def report(metrics: dict, checkpoint=None) -> None:
             "fields": fields}
     snapshot = {"metrics": fields}
     if folder is not None:
-        root = settings.COMMIT_DIR.get()
-        if root:
-            url = f"{root.rstrip('/')}/{ctx.run_id}/report-{seq}-{_state['token']}.ckpt"
-            meta["shards"] = _copy(folder, url)
+        where = _commits.run_folder()
+        if where:
+            meta["shards"] = _copy(folder, f"{where}/report-{seq}-{_state['token']}.ckpt")
         else:
             snapshot["files"] = _read(folder)
     _commits.publish(meta, snapshot)
@@ -183,18 +181,13 @@ def _copy(folder: str, url: str) -> dict:
     target_fs.create_dir(target, recursive=True)
     fs.copy_files(os.path.abspath(folder), target, source_filesystem=fs.LocalFileSystem(),
                   destination_filesystem=target_fs)
-    digests = {name: _commits.file_digest(url, name) for name in _names(folder)}
-    return {"path": url, "sha256": digests, "bytes": sum(n for _, n in digests.values())}
+    return _commits.folder_meta(url, {name: _commits.file_digest(url, name) for name in _commits.files_under(folder)})
 
 
 def _read(folder: str) -> dict:
     files = {}
-    for name in _names(folder):
+    for name in _commits.files_under(folder):
         with open(os.path.join(folder, name), "rb") as f:
             files[name] = f.read()
     return files
 
-
-def _names(folder: str) -> list:
-    return sorted(os.path.relpath(os.path.join(root, name), folder)
-                  for root, _, names in os.walk(folder) for name in names)
