@@ -141,6 +141,9 @@ class Commit:
     sha256: str | None = None  # with ``path``: the file's digest, checked before it is loaded
     path: str | None = None  # the snapshot's file in the commit folder (then the blob is empty)
     shards: dict | None = None  # a sharded state's folder of every rank's shard: path, sha256 (file -> [digest, bytes])
+    # made before the rank resumed the state (a commit before hvd.elastic.run): in a restarted attempt it must not
+    # replace an earlier attempt's commit, which the state has yet to load
+    before_resume: bool = False
 
 
 @dataclass(frozen=True)

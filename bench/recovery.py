@@ -560,13 +560,17 @@ def main() -> int:
                         help="only a driver SIGKILLed and a new driver resuming from its storage (np=-2)")
     parser.add_argument("--cluster", action="store_true",
                         help="recovery at np=8 on a 4-host namespace testbed, stage by stage (bench/recovery_cluster.py)")
+    parser.add_argument("--hosts", type=int, default=4,
+                        help="--cluster's hosts, 2 task slots each (default 4; 5 leaves 2 slots free for a relaunch)")
     args = parser.parse_args()
+    if args.hosts < 4:
+        parser.error(f"--hosts {args.hosts} has {args.hosts * 2} task slots, fewer than np=8 needs; use --hosts 4 or more")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     if args.cluster:
         import recovery_cluster
 
-        recovery_cluster.main(1 if args.quick else args.repeats, table)
+        recovery_cluster.main(1 if args.quick else args.repeats, table, args.hosts)
         return 0
     repeats, warmup = (1, False) if args.quick else (args.repeats, True)
     wall = time.perf_counter()

@@ -1,7 +1,7 @@
 """Benchmark (not a test): recovery at np=8 over 4 hosts, stage by stage (``python bench/recovery.py --cluster``).
 
 A Spark standalone cluster of 4 namespace hosts (tests/cluster's testbed: root, iproute2 and Java), 2 task
-slots each, runs tests/cluster/_jobs.py's ``recovery_train`` (``import torch``, ``hvd.init()``, an MLP with
+slots each (``--hosts 5``: a fifth host, whose 2 slots are free when a fault comes), runs tests/cluster/_jobs.py's ``recovery_train`` (``import torch``, ``hvd.init()``, an MLP with
 ``hvd.DistributedOptimizer`` under ``hvd.elastic.run``, a commit every 5 steps) with ``max_restarts=1``. Once
 rank 0's commit of step 10 is on the driver, a fault hits the host of the last rank:
 
@@ -31,7 +31,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NP, HOSTS = 8, 4
+NP, HOSTS = 8, 4  # HOSTS: the default of --hosts
 KINDS = ("rank", "executor", "preempted")
 
 #: (label, from stamp, to stamp): driver stamps, the fault's time ("fault") and rank 0's marks ("r0.*")
@@ -101,7 +101,7 @@ def fresh_once(cluster, scratch: str) -> float:
     return _marks(marks)["r0.step"] - called
 
 
-def run(repeats: int) -> dict:
+def run(repeats: int, hosts: int = HOSTS) -> dict:
     sys.path.insert(0, ROOT)
     from tests.cluster import _faults
     from tests.cluster._cluster import Cluster
@@ -111,12 +111,12 @@ def run(repeats: int) -> dict:
     if reason:
         raise SystemExit(f"bench/recovery.py --cluster needs the namespace testbed: {reason}")
     scratch = tempfile.mkdtemp(prefix="sparkhvd-bench-recovery-")
-    cluster = Cluster(HOSTS, python=sys.executable)
+    cluster = Cluster(hosts, python=sys.executable)
     out = {kind: [] for kind in KINDS}
     out["fresh"] = []
     try:
         cluster.start(timeout=300)
-        print(f"{HOSTS} hosts up in {cluster.start_seconds:.0f} s; warm-up run", file=sys.stderr, flush=True)
+        print(f"{hosts} hosts up in {cluster.start_seconds:.0f} s; warm-up run", file=sys.stderr, flush=True)
         fresh_once(cluster, scratch)
         for rep in range(repeats):
             for kind in KINDS:
@@ -134,9 +134,10 @@ def run(repeats: int) -> dict:
     return out
 
 
-def report(out: dict, repeats: int, table) -> None:
+def report(out: dict, repeats: int, table, hosts: int = HOSTS) -> None:
+    spare = hosts * 2 - NP
     print()
-    print(f"## Recovery at np={NP} over {HOSTS} hosts (2 slots each): seconds, median of {repeats}")
+    print(f"## Recovery at np={NP} over {hosts} hosts (2 slots each, {spare} free): seconds, median of {repeats}")
     print()
     rows = []
     for label, start, end in STAGES:
@@ -156,6 +157,6 @@ def _median_stage(samples: list, start: str, end: str) -> str:
     return f"{statistics.median(spans):.2f}" if spans else "-"
 
 
-def main(repeats: int, table) -> None:
-    out = run(repeats)
-    report(out, repeats, table)
+def main(repeats: int, table, hosts: int = HOSTS) -> None:
+    out = run(repeats, hosts)
+    report(out, repeats, table, hosts)

@@ -84,7 +84,8 @@ class State:
         self._seq += 1
         if _context.current() is None:
             return
-        self._send({"key": self._key, "seq": self._seq, "size": size(), "fields": self._fields()})
+        self._send({"key": self._key, "seq": self._seq, "size": size(), "fields": self._fields(),
+                    "before_resume": not self._resumed})
 
     def _send(self, meta: dict) -> None:
         """Every rank: send this commit off the ranks; rank 0 sends it (a sharded state's ranks write theirs)."""

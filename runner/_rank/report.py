@@ -161,8 +161,7 @@ def _fields(metrics) -> dict:
 
 
 def _next_seq() -> int:
-    # The first report of this process goes on from the run's newest one; and the driver keeps a restarted attempt's
-    # commit of a key only once the attempt has asked for that key's newest (runner/_service/commit_requests.py).
+    # The first report of this process goes on from the run's newest one (in a restarted attempt, or a new driver's).
     for key in (KEY, METRICS_KEY):
         if key not in _state["asked"]:
             found = _commits.fetch(key, data=False)

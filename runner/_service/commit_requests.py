@@ -18,7 +18,7 @@ log = logging.getLogger("sparkhvd.service")
 
 class CommitHandlers:
     """COMMIT and RESTORE, ``announce_growth`` and ``announce_preemption``. Uses ``DriverService``'s ``cv``, ``commits``, ``attempt``,
-    ``hosts_updated``, ``finished``, ``_restored`` and ``_on_restore``."""
+    ``hosts_updated``, ``finished`` and ``_on_restore``."""
 
     def announce_growth(self) -> None:
         """Tell rank 0, in the answer to its next commit, that the run can have more ranks (Horovod's hosts added)."""
@@ -39,9 +39,10 @@ class CommitHandlers:
             if self.finished:  # a frame received as the attempt ended: the next attempt's commits must not meet it
                 return self._refuse(channel, f"commit {commit.seq} of {key} arrived after this attempt had "
                                              "ended, so it was not kept.")
-            # A restarted attempt's commit made before it loaded the previous one (a commit before hvd.elastic.run)
-            # must not replace it: the next RESTORE would resume from the start.
-            stale = key not in self._restored and self.commits.attempt_of(key) not in (None, self.attempt)
+            # A restarted attempt's commit made before rank 0 loaded the previous one (a commit before
+            # hvd.elastic.run) must not replace it: the RESTORE would resume from the start. Rank 0 says so in the
+            # commit, as the frame may arrive after another rank's RESTORE, or after rank 0's own.
+            stale = commit.before_resume and self.commits.attempt_of(key) not in (None, self.attempt)
             update = self.hosts_updated
         if stale:
             return channel.send(Kind.OK, encode(Committed(kept=False)))
@@ -55,8 +56,6 @@ class CommitHandlers:
         channel.send(Kind.OK, encode(Committed(kept=kept, hosts_updated=update or None)))
 
     def _restore(self, channel: AuthenticatedChannel, restore: Restore, blob: bytes, peer: str) -> None:
-        with self.cv:
-            self._restored.add(restore.key)
         commit = self.commits.get(restore.key)
         if restore.data:
             on_restore, self._on_restore = self._on_restore, None

@@ -103,7 +103,6 @@ class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers)
         self.commits = commits if commits is not None else CommitStore(run_id=run_id or "")
         self._on_restore = on_restore  # called once, at rank 0's first RESTORE, with the commit's meta
         self.attempt = attempt  # which launch of the run this service serves (0, then one more per relaunch)
-        self._restored: set[str] = set()  # states whose commit this attempt has asked for
         self.store = RendezvousStore(self.cv, self._over)  # the ranks' c10d rendezvous (_service/store_requests.py)
         self._conns: set[socket.socket] = set()  # authenticated connections, each served by a thread
         self.max_connections = CONNECTIONS_PER_RANK * np + CONNECTIONS_EXTRA
