@@ -7,6 +7,10 @@ rank 0's commit of step 10 is on the driver, a fault hits the host of the last r
 
   rank       SIGKILL of that rank's process
   executor   kill -9 of that host's executor JVM (Spark replaces it)
+  node       the node is lost: that host's Worker is stopped (SIGSTOP), then its executor JVM killed, so that no
+             replacement starts (every host shares this machine's 2 cores: a replacement JVM starting there slows
+             the relaunch on the other hosts, which on a real cluster have cores of their own); the Worker goes on
+             once the run ends
   preempted  SIGPWR to that host's executor JVM: Spark decommissions it (spark.decommission.enabled); every rank
              leaves at a commit and the run goes on from it (stage 1 is then the notice seen, stage 2 every rank
              left at the commit after it, and the total runs from the notice)
@@ -32,7 +36,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NP, HOSTS = 8, 4  # HOSTS: the default of --hosts
-KINDS = ("rank", "executor", "preempted")
+KINDS = ("rank", "executor", "node", "preempted")
 
 #: (label, from stamp, to stamp): driver stamps, the fault's time ("fault") and rank 0's marks ("r0.*")
 STAGES = [
@@ -75,11 +79,20 @@ def fault_once(cluster, faults, kind: str, scratch: str) -> dict:
     ranks = faults.wait_for_ranks(cluster, NP, timeout=30)
     host, pid = ranks[NP - 1]
     fault = time.monotonic()
+    stopped = []
     if kind == "rank":
         os.kill(pid, signal.SIGKILL)
     else:
+        if kind == "node":
+            stopped = [p for p, _ in cluster.processes(host, "org.apache.spark.deploy.worker.Worker")]
+            for worker in stopped:
+                os.kill(worker, signal.SIGSTOP)
         faults.kill_executor(cluster, host, signal.SIGPWR if kind == "preempted" else signal.SIGKILL)
-    outcome = pending.result(300)
+    try:
+        outcome = pending.result(300)
+    finally:
+        for worker in stopped:
+            os.kill(worker, signal.SIGCONT)
     if not outcome.ok or len(outcome.restarts) != 1:
         raise RuntimeError(f"the {kind} fault's run did not end in one restart: {outcome.error or outcome.restarts}")
     event = outcome.restarts[0]
@@ -112,14 +125,16 @@ def run(repeats: int, hosts: int = HOSTS) -> dict:
         raise SystemExit(f"bench/recovery.py --cluster needs the namespace testbed: {reason}")
     scratch = tempfile.mkdtemp(prefix="sparkhvd-bench-recovery-")
     cluster = Cluster(hosts, python=sys.executable)
-    out = {kind: [] for kind in KINDS}
+    # a lost node's ranks relaunch only on free slots: without them the run would wait for the Worker it stopped
+    kinds = [k for k in KINDS if k != "node" or hosts * 2 - NP >= 2]
+    out = {kind: [] for kind in kinds}
     out["fresh"] = []
     try:
         cluster.start(timeout=300)
         print(f"{hosts} hosts up in {cluster.start_seconds:.0f} s; warm-up run", file=sys.stderr, flush=True)
         fresh_once(cluster, scratch)
         for rep in range(repeats):
-            for kind in KINDS:
+            for kind in kinds:
                 sample = fault_once(cluster, _faults, kind, scratch)
                 out[kind].append(sample)
                 out["fresh"].append(fresh_once(cluster, scratch))
@@ -139,16 +154,18 @@ def report(out: dict, repeats: int, table, hosts: int = HOSTS) -> None:
     print()
     print(f"## Recovery at np={NP} over {hosts} hosts (2 slots each, {spare} free): seconds, median of {repeats}")
     print()
+    kinds = [k for k in KINDS if k in out]
     rows = []
     for label, start, end in STAGES:
-        rows.append([label] + [_median_stage(out[k], start, end) for k in KINDS])
+        rows.append([label] + [_median_stage(out[k], start, end) for k in kinds])
     rows.append(["total: the restart line (failure seen -> rank 0 asks for the commit)"]
-                + [f"{statistics.median(s['seconds'] for s in out[k]):.2f}" for k in KINDS])
+                + [f"{statistics.median(s['seconds'] for s in out[k]):.2f}" for k in kinds])
     fresh = statistics.median(out["fresh"])
     rows.append(["failure seen -> first step done; peer: a fresh run, call -> first step done"]
                 + [f"{statistics.median(s['to_step'] for s in out[k]):.2f} / {fresh:.2f} = "
-                   f"{statistics.median(s['to_step'] for s in out[k]) / fresh:.2f}" for k in KINDS])
-    print(table(["stage", *(k if k == "preempted" else f"{k} killed" for k in KINDS)], rows))
+                   f"{statistics.median(s['to_step'] for s in out[k]) / fresh:.2f}" for k in kinds])
+    print(table(["stage", *(k if k == "preempted" else "node lost" if k == "node" else f"{k} killed" for k in kinds)],
+                rows))
 
 
 def _median_stage(samples: list, start: str, end: str) -> str:
