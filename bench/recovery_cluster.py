@@ -124,6 +124,10 @@ def run(repeats: int, hosts: int = HOSTS) -> dict:
     if reason:
         raise SystemExit(f"bench/recovery.py --cluster needs the namespace testbed: {reason}")
     scratch = tempfile.mkdtemp(prefix="sparkhvd-bench-recovery-")
+    # The driver's temp dir, and the JVMs' java.io.tmpdir (its executors take the driver's, tests/cluster/_driver.py):
+    # Spark extracts liblz4-java there, which would otherwise be left in /tmp.
+    os.environ["TMPDIR"] = tempfile.tempdir = scratch
+    os.environ["PYSPARK_SUBMIT_ARGS"] = f"--driver-java-options -Djava.io.tmpdir={scratch} pyspark-shell"
     cluster = Cluster(hosts, python=sys.executable)
     # a lost node's ranks relaunch only on free slots: without them the run would wait for the Worker it stopped
     kinds = [k for k in KINDS if k != "node" or hosts * 2 - NP >= 2]
