@@ -47,7 +47,9 @@ class CommitHandlers:
         if stale:
             return channel.send(Kind.OK, encode(Committed(kept=False)))
         try:
-            kept = self.commits.put(encode(commit), blob, attempt=self.attempt)
+            meta = encode(commit)
+            del meta["before_resume"]  # how the commit came, not what it is: not kept, listed or written
+            kept = self.commits.put(meta, blob, attempt=self.attempt)
         except OSError as exc:
             log.warning("sparkhvd driver service: could not keep commit %s of %s: %s", commit.seq, key, exc)
             return self._refuse(channel, f"the driver could not keep commit {commit.seq} of {key} "
