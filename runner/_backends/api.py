@@ -38,6 +38,11 @@ class Launcher(abc.ABC):
         """Why these ranks (``(rank, Registration)``) may have vanished, if known."""
         return None
 
+    def lost_ranks(self, unfinished: list) -> set:
+        """Which of these ranks (``(rank, Registration)``) ran where the cluster says it lost them: no exit will
+        come from them."""
+        return set()
+
     def preempted(self, unfinished: list) -> str | None:
         """Whether the cluster is taking back (decommissioning) an executor where these ranks (``(rank,
         Registration)``) run: a clause naming the executors, their hosts and their ranks, or None."""

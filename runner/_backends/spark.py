@@ -381,14 +381,27 @@ class SparkLauncher(JobLauncher):
         another executor on the same host, is not this attempt's cause.
         """
         try:
-            removed = {executor_id: reason for executor_id, _, reason in self.status.removed_executors()
-                       if executor_id not in self.replaced}
-            ran = self._ranks_on(unfinished, removed) if removed else {}
+            removed, ran = self._removed(unfinished)
         except Exception:  # noqa: BLE001 - a Spark without this private API, or one stopping: no executor detail
             return None
         found = [f"{_ranks_clause(ranks)} ran on executor {executor_id} on host {reg.host} ({reg.peer}), which Spark "
                  f"lost: {removed[executor_id]}" for executor_id, (reg, ranks) in ran.items()]
         return "; ".join(found) or None
+
+    def lost_ranks(self, unfinished: list) -> set:
+        """The ranks of ``lost``'s executors: a stopped or cut-off host's agents may keep their connections open."""
+        try:
+            _, ran = self._removed(unfinished)
+        except Exception:  # noqa: BLE001 - as in lost()
+            return set()
+        return {rank for _, ranks in ran.values() for rank in ranks}
+
+    def _removed(self, unfinished: list) -> tuple[dict, dict]:
+        """``(executor id -> why Spark removed it, executor id -> (a registration there, its ranks))`` for the
+        executors Spark removed (not those the run asked it to replace) and the ranks of ``unfinished`` on them."""
+        removed = {executor_id: reason for executor_id, _, reason in self.status.removed_executors()
+                   if executor_id not in self.replaced}
+        return removed, (self._ranks_on(unfinished, removed) if removed else {})
 
     def preempted(self, unfinished: list) -> str | None:
         """The executors of these ranks that Spark is decommissioning (``spark.decommission.enabled``: SIGPWR to

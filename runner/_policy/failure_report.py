@@ -38,7 +38,8 @@ def failure_error(service, logs, failures: list[Failure], dead: dict, launch_fai
     causes = [f for f in failures if not is_collateral(f)]
     collateral = [f for f in failures if is_collateral(f)]
     lines = _root_causes(status, logs, causes, dead, lost, launch_failure, launcher)
-    silent = [] if lines else status.silent_ranks(also_done={f.rank for f in failures} | set(dead))
+    silent = [] if lines else sorted(set(status.silent_ranks(also_done={f.rank for f in failures} | set(dead)))
+                                     | set(status.vanished()))
     if silent:
         where = _where(status)(silent[0]) if len(silent) == 1 else ""
         lines.append(f"rank{'s' if len(silent) > 1 else ''} {_ranks(silent)}{where} stopped without a word: no error, "

@@ -76,8 +76,9 @@ class Service(Protocol):
     def abort(self, reason: str) -> None:
         """Tell every rank to stop."""
 
-    def wait_for_exits(self, timeout: float) -> None:
-        """Wait until every started rank's process has exited, at most ``timeout`` seconds."""
+    def wait_for_exits(self, timeout: float, lost: Callable[[], set] | None = None) -> None:
+        """Wait until every started rank's process has exited, or is one of ``lost()``, at most ``timeout``
+        seconds."""
 
     def close(self) -> None:
         """Stop serving."""

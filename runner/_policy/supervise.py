@@ -160,7 +160,10 @@ class Watch:
             self.first_problem_at = now
         if not explained(failures, dead, launch_failure, self.lost):
             self._ask_lost(status, now)
-        known = explained(failures, dead, launch_failure, self.lost)
+        # A rank whose agent vanished explains the others' errors too: Spark's word on its executor, which standalone
+        # gives only spark.standalone.executorRemoveDelayOnDisconnection (5 s) later where the Worker says nothing
+        # (its host lost), is taken if it has come by the end of the grace.
+        known = explained(failures, dead, launch_failure, self.lost) or bool(status.vanished())
         waited = now - self.first_problem_at
         everyone = status.failed | set(exits) | set(status.results)  # every rank has had its say
         if not (waited >= (FAILURE_GRACE_S if known else UNEXPLAINED_GRACE_S) or len(exits) == self.np
@@ -220,7 +223,8 @@ def stop(service, launcher, reason: str, stamps: dict | None = None) -> None:
     stamps = {} if stamps is None else stamps
     try:
         service.abort(reason)
-        service.wait_for_exits(ABORT_GRACE_S)  # gracefully first: the ranks leave on ABORT
+        # Gracefully first: the ranks leave on ABORT. Those on an executor Spark lost may never say so.
+        service.wait_for_exits(ABORT_GRACE_S, lost=lambda: launcher.lost_ranks(service.status().unfinished()))
         stamps["exited"] = time.monotonic()
         launcher.stop()  # then by force: cancel the Spark job group, kill local processes
         launcher.join(STOP_WAIT_S)

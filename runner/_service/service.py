@@ -57,6 +57,7 @@ __all__ = ["CONNECTIONS_EXTRA", "CONNECTIONS_PER_RANK", "FIRST_FRAME_TIMEOUT_S",
 log = logging.getLogger("sparkhvd.service")
 
 LogSink = Callable[[int, str, list, "str | None"], None]  # (rank, stream, lines, progress): runner/_service/logs.py
+LOST_POLL_S = 0.5  # how often wait_for_exits asks which ranks the cluster lost
 FIRST_FRAME_TIMEOUT_S = 30.0  # a connection's first frame header must be authenticated this long after it connects
 # Authenticated connections at once: each rank holds about five (its task agent with the log pumps,
 # the worker, the abort watch, the rendezvous store, the heartbeat); the rest is headroom for
@@ -144,22 +145,31 @@ class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers)
                 placements=None if self.placements is None else tuple(self.placements), placed_at=self.placed_at,
                 results=MappingProxyType(dict(self.results)), failures=tuple(self.failures),
                 exits=MappingProxyType(dict(self.exits)), progress=MappingProxyType(dict(self.progress)),
-                hosts_updated=None if self.hosts_updated is None else tuple(self.hosts_updated))
+                hosts_updated=None if self.hosts_updated is None else tuple(self.hosts_updated),
+                agents_gone=frozenset(self.agents_gone))
 
-    def wait_for_exits(self, timeout: float) -> None:
+    def wait_for_exits(self, timeout: float, lost: Callable[[], set] | None = None) -> None:
         """Wait until every started rank's agent has reported its process's exit, or is gone.
 
         An agent reports only after reaping its rank process, so afterwards none is left running. An agent whose
-        connection closed first (its executor was lost) reports nothing: it is not waited for. Ranks start only
-        once all have registered: before that there is nothing to wait for.
+        connection closed first (its executor was lost) reports nothing: it is not waited for. Nor is a rank in
+        ``lost()`` (asked every ``LOST_POLL_S``, outside the lock): the ranks whose executor the cluster says it
+        lost, whose agents may keep their connections open (a host cut off, or stopped). Ranks start only once all
+        have registered: before that there is nothing to wait for.
         """
-        deadline = time.monotonic() + timeout
-        with self.cv:
-            while self.placements is not None and len(self.exits) < self.np and not self._exits_or_gone():
+        asked = time.monotonic()
+        deadline = asked + timeout
+        gone: frozenset = frozenset(lost()) if lost is not None else frozenset()
+        while True:
+            with self.cv:
+                if self.placements is None or len(self.exits) >= self.np or self._exits_or_gone(gone):
+                    return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return
-                self.cv.wait(remaining)
+                self.cv.wait(remaining if lost is None else min(remaining, LOST_POLL_S))
+            if lost is not None and time.monotonic() - asked >= LOST_POLL_S:
+                gone, asked = frozenset(lost()), time.monotonic()
 
     def close(self) -> None:
         """Stop serving: close the listening socket and every connection."""
@@ -180,9 +190,10 @@ class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers)
     def _over(self) -> bool:
         return self.aborted is not None or self.finished
 
-    def _exits_or_gone(self) -> bool:
-        """Every rank has reported its exit or its agent is gone (cv held; ranks placed)."""
-        return all(p.rank in self.exits or task in self.agents_gone for task, p in enumerate(self.placements))
+    def _exits_or_gone(self, lost: frozenset) -> bool:
+        """Every rank has reported its exit, or its agent is gone, or it is in ``lost`` (cv held; ranks placed)."""
+        return all(p.rank in self.exits or p.rank in lost or task in self.agents_gone
+                   for task, p in enumerate(self.placements))
 
     # ---- connections ---------------------------------------------------------------------
 

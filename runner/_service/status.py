@@ -30,6 +30,7 @@ class RunStatus:
     exits: Mapping = field(default_factory=lambda: _EMPTY)  # rank -> its process's exit code
     progress: Mapping = field(default_factory=lambda: _EMPTY)  # rank -> (its latest heartbeat's meta, when it arrived)
     hosts_updated: tuple | None = None  # set once the driver told rank 0 the run can grow
+    agents_gone: frozenset = frozenset()  # tasks whose agent's connection closed (its executor or worker died)
 
     @property
     def registered(self) -> frozenset:
@@ -71,6 +72,14 @@ class RunStatus:
         heard = {rank: (self.at - at, float(meta.get("interval") or 5)) for rank, (meta, at) in self.progress.items()}
         alive = {rank for rank, (ago, interval) in heard.items() if ago <= 2 * interval + 1}
         return [r for r in range(self.np) if r not in done and r not in alive]
+
+    def vanished(self) -> list:
+        """Ranks that have neither returned, failed nor exited, whose task agent's connection closed: their
+        executor, its Python worker or their host is gone, and no word will come from them."""
+        if self.placements is None:
+            return []
+        done = set(self.results) | set(self.exits) | self.failed
+        return sorted(p.rank for task, p in enumerate(self.placements) if task in self.agents_gone and p.rank not in done)
 
     def by_rank(self) -> dict:
         """``rank -> Registration`` once ranks are assigned."""

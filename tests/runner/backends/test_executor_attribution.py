@@ -103,6 +103,20 @@ def test_ranks_without_a_spark_task_or_unknown_to_the_store_are_not_attributed()
                                            "Command exited with code 137")
 
 
+def test_the_ranks_of_a_lost_executor_are_the_ones_a_stop_does_not_wait_for():
+    # ranks 2,3 ran on executor 1, which Spark removed; executor 3 (replaced by the run) is no loss
+    status = FakeStatus({10: "4", 11: "4", 12: "1", 13: "1"},
+                        [("1", "10.0.0.4", "Command exited with code 137"), ("4", "10.0.0.1", "replaced")])
+    assert launcher(status, replaced={"4"}).lost_ranks(FOUR) == {2, 3}
+    assert launcher(FakeStatus({10: "4", 11: "4", 12: "1", 13: "1"})).lost_ranks(FOUR) == set()
+
+    class Broken(FakeStatus):
+        def removed_executors(self):
+            raise RuntimeError("py4j: the SparkContext was stopped")
+
+    assert launcher(Broken({})).lost_ranks(FOUR) == set()
+
+
 def test_each_task_is_looked_up_once_and_a_failing_store_says_nothing():
     status = FakeStatus({10: "4", 11: "4", 12: "1", 13: "1"}, [("9", "10.0.0.9", "gone")])
     spark = launcher(status)

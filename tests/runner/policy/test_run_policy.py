@@ -7,10 +7,14 @@ test_stall_reports.py, test_host_identity.py) prove the same policy with real ra
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from types import MappingProxyType
 
 import pytest
 
+from sparkhvd._common.client import ServiceClient
+from sparkhvd._common.driver_messages import Exit, Register
 from sparkhvd._common.topology import assign_ranks
 from sparkhvd.runner._backends.api import Launcher
 from sparkhvd.runner._policy import supervise as _supervise
@@ -51,6 +55,7 @@ class FakeService:
         self.registrations, self.placements, self.placed_at = {}, None, None
         self.results, self.failures, self.exits, self.progress = {}, [], {}, {}
         self.hosts_updated = None
+        self.agents_gone: set = set()  # tasks whose agent's connection closed
         self.aborted, self.closed, self.waited_for_exits = None, 0, []
         self.on_growth = None  # the script's reaction when the driver announces growth
         self.on_preemption = None  # and a preemption
@@ -70,7 +75,7 @@ class FakeService:
                          placements=self.placements, placed_at=self.placed_at,
                          results=MappingProxyType(dict(self.results)), failures=tuple(self.failures),
                          exits=MappingProxyType(dict(self.exits)), progress=MappingProxyType(dict(self.progress)),
-                         hosts_updated=self.hosts_updated)
+                         hosts_updated=self.hosts_updated, agents_gone=frozenset(self.agents_gone))
 
     def announce_growth(self) -> None:
         self.hosts_updated = (0.0, 2)
@@ -87,7 +92,7 @@ class FakeService:
     def abort(self, reason: str) -> None:
         self.aborted = reason
 
-    def wait_for_exits(self, timeout: float) -> None:
+    def wait_for_exits(self, timeout: float, lost=None) -> None:
         self.waited_for_exits.append(timeout)
 
     def close(self) -> None:
@@ -351,6 +356,26 @@ def test_spark_losing_an_executor_explains_the_collateral_errors(run):
     asked = cluster.launchers[0].asked_lost[0]
     assert [(rank, reg.task) for rank, reg in asked] == [(0, 0), (1, 1)]  # every rank without a value, the failed too
     assert cluster.clock.now - error.failed_at < _supervise.UNEXPLAINED_GRACE_S
+
+
+def test_a_rank_whose_agent_vanished_explains_the_collateral_errors_after_the_short_grace(run):
+    """A lost node on standalone: its agent's connection closed, and Spark says nothing of its executor until
+    spark.standalone.executorRemoveDelayOnDisconnection (5 s) later. The short grace, not the 10 s one; Spark's
+    word is taken where it comes within it."""
+    def agent_gone(s: FakeService):
+        s.agents_gone.add(1)
+
+    attempt = {"script": lambda n: [(0.1, register()), (0.5, agent_gone), (0.5, fails(0, "MeshError", "rank 1 closed its link"))]}
+    policy, cluster, error = run([attempt])
+    assert _supervise.FAILURE_GRACE_S <= cluster.clock.now - error.failed_at < _supervise.UNEXPLAINED_GRACE_S / 2
+    assert str(error).startswith("HorovodRunner run r1 failed: rank 1 stopped without a word: no error, no exit code "
+                                 "and no result reached the driver")
+    assert error.retryable and error.silent_ranks == [1]
+
+    lost = "rank 1 ran on executor 3 on host b (10.0.0.2), which Spark lost: Command exited with code 137"
+    attempt = {**attempt, "launcher": {"lost": lost, "lost_at": 0.9}}
+    policy, cluster, error = run([attempt])
+    assert str(error).startswith(f"HorovodRunner run r1 failed: {lost}\nthen, as a consequence, rank 0: MeshError")
 
 
 def test_a_stall_past_its_shutdown_time_fails_the_run(run):
@@ -650,17 +675,13 @@ def test_dead_unfinished_and_silent_ranks_are_read_from_the_snapshot():
 
 
 
-def test_stopping_an_attempt_does_not_wait_for_the_exit_of_ranks_whose_agent_is_gone():
-    """An executor killed with its task agent: no exit will come from its ranks, so the graceful part of a stop
-    (ABORT_GRACE_S, 5 s) does not wait for them; the ranks that still have an agent are waited for."""
-    import threading
-
-    from sparkhvd._common.client import ServiceClient
-    from sparkhvd._common.driver_messages import Exit, Register
-
+@contextlib.contextmanager
+def placed(np: int):
+    """A real driver service whose ``np`` task agents (clients) have registered: ``(service, agents, ranks)``, each
+    task's rank in ``ranks``."""
     secret = b"k" * 32
-    service = DriverService(np=3, secret=secret, payload=b"")
-    agents = [ServiceClient(service.address, secret) for _ in range(3)]
+    service = DriverService(np=np, secret=secret, payload=b"")
+    agents = [ServiceClient(service.address, secret) for _ in range(np)]
     try:
         registering = [threading.Thread(target=agent.ask, args=(Register(task=t, host="h", host_id="h", pid=t, gpus=[],
                                                                           devices=[]),))
@@ -669,7 +690,17 @@ def test_stopping_an_attempt_does_not_wait_for_the_exit_of_ranks_whose_agent_is_
             thread.start()
         for thread in registering:
             thread.join(60)
-        ranks = [p.rank for p in service.placements]
+        yield service, agents, [p.rank for p in service.placements]
+    finally:
+        for agent in agents:
+            agent.close()
+        service.close()
+
+
+def test_stopping_an_attempt_does_not_wait_for_the_exit_of_ranks_whose_agent_is_gone():
+    """An executor killed with its task agent: no exit will come from its ranks, so the graceful part of a stop
+    (ABORT_GRACE_S, 5 s) does not wait for them; the ranks that still have an agent are waited for."""
+    with placed(3) as (service, agents, ranks):
         agents[0].ask(Exit(rank=ranks[0], code=0))
         agents[1].close()  # its executor was lost, with the agent in it
         waiting = threading.Thread(target=service.wait_for_exits, args=(600,), daemon=True)
@@ -680,10 +711,23 @@ def test_stopping_an_attempt_does_not_wait_for_the_exit_of_ranks_whose_agent_is_
         agents[2].close()
         waiting.join(60)  # not the 600 s: nothing more can come
         assert not waiting.is_alive() and service.agents_gone == {1, 2} and set(service.exits) == {ranks[0]}
-    finally:
-        for agent in agents:
-            agent.close()
-        service.close()
+
+
+def test_stopping_an_attempt_does_not_wait_for_ranks_on_an_executor_spark_lost_whose_agent_is_still_connected():
+    """A stopped (or cut-off) host: Spark removed its executor, but its agent's connection stays open and no exit
+    will come. ``lost()`` names its rank, asked again while the wait goes on, and the wait ends without the 600 s."""
+    spark_lost: set = set()
+    asked = []
+    with placed(2) as (service, agents, ranks):
+        agents[0].ask(Exit(rank=ranks[0], code=0))
+        waiting = threading.Thread(target=service.wait_for_exits, args=(600,),
+                                   kwargs={"lost": lambda: asked.append(1) or set(spark_lost)}, daemon=True)
+        waiting.start()
+        waiting.join(1.5)
+        assert waiting.is_alive() and len(asked) >= 2  # Spark has not removed it yet: asked again, still waiting
+        spark_lost.add(ranks[1])
+        waiting.join(60)
+        assert not waiting.is_alive() and service.agents_gone == set() and set(service.exits) == {ranks[0]}
 
 
 # ---- retry_on: a user's exception of its classes, with a budget of its own ------------------------------------
