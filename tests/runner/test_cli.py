@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,8 +30,8 @@ def _script(tmp_path, body, name="train.py"):
     return path
 
 
-def _run(args, tmp_path, timeout=120, **kw):
-    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
+def _run(args, tmp_path, timeout=120, env=None, **kw):
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable, **(env or {}))
     return subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=timeout, **kw)
 
 
@@ -151,14 +152,19 @@ def test_spark_run_with_master_and_conf(tmp_path):
         assert f'ARGV {rank} ["--lr", "0.1"]' in out.stdout
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_np_above_the_clusters_slots_exits_1_with_the_fix(tmp_path):
+def test_a_session_that_cannot_start_exits_1_with_the_fix(tmp_path):
+    """What stops a Spark session before any rank (here no usable Java; np above the cluster's slots is the other
+    case, refused in tests/runner/backends/test_ranks_in_a_spark_barrier_stage.py) is one line and exit status 1."""
     _script(tmp_path, "pass\n")
-    out = _run([SPARKHVD, "run", "--np", "3", "--master", "local[2]", "train.py"], tmp_path)
-    assert out.returncode == 1
-    assert "sparkhvd run: RuntimeError: np=3 needs 3 task slots but the cluster has 2 (local[2]); use np<=2" in \
-        out.stderr
+    java = tmp_path / "jdk" / "bin" / "java"
+    java.parent.mkdir(parents=True)
+    java.write_text("#!/bin/sh\necho 'openjdk version \"11.0.2\" 2019-01-15' >&2\n")
+    java.chmod(0o755)
+    out = _run([SPARKHVD, "run", "--np", "2", "--master", "local[2]", "train.py"], tmp_path,
+               env={"JAVA_HOME": str(tmp_path / "jdk")})
+    assert out.returncode == 1, out.stderr
+    assert re.fullmatch(r"sparkhvd run: JavaNotFoundError: Spark needs Java 17\+ but .*/jdk/bin/java \(from JAVA_HOME=.*\) "
+                        r"is Java 11; install Java 17 or newer.*\n", out.stderr, re.S), out.stderr
 
 
 SLEEP = """
