@@ -1,6 +1,8 @@
-"""Driver for tests/runner/test_faults.py: a fault during a run on a local-cluster; prints RESULT <json>.
+"""Driver for tests/runner/test_faults.py: faults during runs on one local-cluster application; prints RESULT <json>
+for each.
 
-``executor``: kill -9 the executor JVM of one rank. ``stop``: spark.stop() from another thread.
+``executor``: kill -9 the executor JVM of one rank (then a run that works, and np above the slots). ``stop``:
+spark.stop() from another thread, last, as it ends the application.
 """
 
 import json
@@ -44,14 +46,14 @@ def rank_processes():
     return found
 
 
-def main(fault):
-    master = "local-cluster[2,1,1024]" if fault == "executor" else "local[2]"  # an executor JVM to kill
-    spark = (SparkSession.builder.master(master).config("spark.ui.enabled", "false")
+def main(faults):
+    spark = (SparkSession.builder.master("local-cluster[2,1,1024]").config("spark.ui.enabled", "false")
              .config("spark.ui.showConsoleProgress", "false").getOrCreate())
     spark.sparkContext.setLogLevel("OFF")
     app_id = spark.sparkContext.applicationId
     try:
-        _faulted_run(spark, fault)
+        for fault in faults:
+            _faulted_run(spark, fault)
     finally:
         remove_app_work_dir(app_id)
 
@@ -91,12 +93,11 @@ def _faulted_run(spark, fault):
     time.sleep(0.5)
     left = [p.pid for p in rank_processes()]
     nxt = HorovodRunner(np=2).run(lambda: 7) if fault == "executor" else None
-    print("RESULT " + json.dumps({"error": error, "seconds": seconds, "left": left, "next": nxt, "refused": refused}), flush=True)
-    if fault == "executor":
-        spark.stop()
+    print("RESULT " + json.dumps({"fault": fault, "error": error, "seconds": seconds, "left": left, "next": nxt,
+                                  "refused": refused}), flush=True)
 
 
 if __name__ == "__main__":
     from _spark_work import remove_app_work_dir
 
-    main(sys.argv[1])
+    main(sys.argv[1:])
