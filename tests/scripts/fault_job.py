@@ -14,6 +14,7 @@ import psutil
 from pyspark.sql import SparkSession
 
 from sparkhvd import HorovodRunError, HorovodRunner
+from sparkhvd.runner._backends.spark import task_slots
 from sparkhvd.runner._warm.protocol import WORKER_MODULE
 
 
@@ -92,7 +93,14 @@ def _faulted_run(spark, fault):
     seconds = time.monotonic() - faulted[0] if faulted else -1
     time.sleep(0.5)
     left = [p.pid for p in rank_processes()]
-    nxt = HorovodRunner(np=2).run(lambda: 7) if fault == "executor" else None
+    nxt = None
+    if fault == "executor":
+        # the replacement executor JVM can take longer than the slot check's own wait to start on a loaded machine:
+        # this run shows that one works after the fault, not how fast Spark replaces an executor
+        deadline = time.monotonic() + 120
+        while task_slots(spark.sparkContext) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        nxt = HorovodRunner(np=2).run(lambda: 7)
     print("RESULT " + json.dumps({"fault": fault, "error": error, "seconds": seconds, "left": left, "next": nxt,
                                   "refused": refused}), flush=True)
 
