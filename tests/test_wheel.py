@@ -165,22 +165,30 @@ def _env(built) -> dict:
 
 
 TRAIN = """
+    import json
+    import sys
+
     import torch
     import sparkhvd
     import sparkhvd.collective.torch as hvd
     hvd.init()
     total = hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum)
     print("WHEEL", hvd.rank(), hvd.size(), total.item(), sparkhvd.__file__, flush=True)
+    print("ARGV", hvd.rank(), json.dumps(sys.argv[1:]), flush=True)
 """
 
 
 def test_the_console_script_runs_a_spark_job_from_the_wheel(built):
+    """``sparkhvd run --master --conf`` (the CLI's one Spark run in the suite: tests/runner/test_cli.py runs its
+    others on local ranks or under spark-submit): the session it starts, and the script's own arguments."""
     with open(os.path.join(built["run_dir"], "train.py"), "w") as f:
         f.write(textwrap.dedent(TRAIN))
     sparkhvd = os.path.join(built["venv"], "bin", "sparkhvd")  # the console script pip wrote
-    out = _run([sparkhvd, "run", "--np", "2", "--master", "local[2]", "--conf", "spark.ui.enabled=false", "train.py"],
-               cwd=built["run_dir"], env=_env(built))
+    out = _run([sparkhvd, "run", "--np", "2", "--master", "local[2]", "--conf", "spark.ui.enabled=false", "train.py",
+                "--lr", "0.1"], cwd=built["run_dir"], env=_env(built))
     assert "on a Spark barrier stage on local[2]" in out.stdout
+    for rank in (0, 1):
+        assert f'[{rank}] ARGV {rank} ["--lr", "0.1"]' in out.stdout, out.stdout[-3000:]
     rows = sorted(line.split() for line in out.stdout.splitlines() if " WHEEL " in line)  # "[0] WHEEL 0 2 3.0 ..."
     assert [r[:5] for r in rows] == [["[0]", "WHEEL", "0", "2", "3.0"], ["[1]", "WHEEL", "1", "2", "3.0"]], \
         out.stdout[-3000:]

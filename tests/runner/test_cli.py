@@ -140,18 +140,6 @@ def test_bad_usage_exits_2_with_the_reason(tmp_path, monkeypatch, capsys, argv, 
     assert f"sparkhvd{' run' if argv else ''}: error: {message}" in err, err
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_spark_run_with_master_and_conf(tmp_path):
-    _script(tmp_path, ECHO)
-    out = _run([SPARKHVD, "run", "--np", "2", "--master", "local[2]", "--conf", "spark.ui.enabled=false",
-                "train.py", "--lr", "0.1"], tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "on a Spark barrier stage on local[2]" in out.stdout
-    for rank in (0, 1):
-        assert f'ARGV {rank} ["--lr", "0.1"]' in out.stdout
-
-
 def test_a_session_that_cannot_start_exits_1_with_the_fix(tmp_path):
     """What stops a Spark session before any rank (here no usable Java; np above the cluster's slots is the other
     case, refused in tests/runner/backends/test_ranks_in_a_spark_barrier_stage.py) is one line and exit status 1."""
@@ -235,19 +223,3 @@ def test_spark_submit_runs_the_cli_on_spark_submits_master(tmp_path):
     assert "on a Spark barrier stage on local[3]" in out.stdout  # spark-submit's master, not an embedded one
     for rank in (0, 1):
         assert f'ARGV {rank} ["--epochs", "3"]' in out.stdout
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_spark_submit_of_a_failing_script_exits_1_with_the_error(tmp_path):
-    import pyspark
-
-    _script(tmp_path, "raise FileNotFoundError('no such table: events')\n")
-    submit = os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-submit")
-    cli = os.path.join(os.path.dirname(os.path.abspath(main.__code__.co_filename)), "_cli.py")
-    out = _run([submit, "--master", "local[2]", "--conf", "spark.ui.enabled=false", cli, "run", "--np", "2",
-                "train.py"], tmp_path, timeout=150)
-    assert out.returncode == 1
-    # spark-submit hands the Python driver's stderr to its own stdout
-    assert "FileNotFoundError: no such table: events" in out.stdout + out.stderr
-    assert "HorovodRunner run " in out.stdout + out.stderr
