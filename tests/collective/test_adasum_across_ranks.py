@@ -9,6 +9,7 @@ import pytest
 import torch
 from _adasum_oracle import assert_adasum, horovod_close, np_pair, np_tree, tolerance
 from _cases import add_to, named, run_cases, values
+from _tf_ranks import tf_ranks
 
 from sparkhvd import HorovodRunner
 
@@ -544,41 +545,40 @@ def _tf_adasum():
 
 
 @pytest.fixture(scope="module")
-def tf_ranks():
-    pytest.importorskip("tensorflow")
-    return HorovodRunner(np=-2).run_all(_tf_adasum).values
+def tf_adasum(tmp_path_factory):
+    return tf_ranks("adasum", tmp_path_factory)[0]  # _tf_adasum, in the ranks the TF modules share
 
 
 @pytest.mark.parametrize("key, name", [("eager", "random_float64"), ("in_tf_function", "random_float32")])
-def test_tensorflow_allreduce(tf_ranks, key, name):
+def test_tensorflow_allreduce(tf_adasum, key, name):
     inputs = _every_input(2)
-    for got in values(tf_ranks, key):
+    for got in values(tf_adasum, key):
         assert_adasum(got, [i[name] for i in inputs])
 
 
-def test_tensorflow_grouped_allreduce(tf_ranks):
+def test_tensorflow_grouped_allreduce(tf_adasum):
     inputs = _every_input(2)
-    for v in values(tf_ranks, "grouped_tensors"):
+    for v in values(tf_adasum, "grouped_tensors"):
         for k, got in enumerate(v):
             assert_adasum(got, [i["group"][k] for i in inputs])
 
 
-def test_tensorflow_tape_combines_each_gradient_by_adasum(tf_ranks):
-    tapes = values(tf_ranks, "tape")
+def test_tensorflow_tape_combines_each_gradient_by_adasum(tf_adasum):
+    tapes = values(tf_adasum, "tape")
     for v in tapes:
         for k, got in enumerate(v["tape"]):  # the tape combines each gradient by Adasum, as Horovod's
             assert_adasum(got, [w["local"][k] for w in tapes])
 
 
-def test_keras_optimizer_combines_by_adasum_then_steps(tf_ranks):
-    local = [w["local"] for w in values(tf_ranks, "tape")]
+def test_keras_optimizer_combines_by_adasum_then_steps(tf_adasum):
+    local = [w["local"] for w in values(tf_adasum, "tape")]
     start = [np.ones((3, 2), np.float32), np.zeros(2, np.float32)]
-    for v in values(tf_ranks, "keras_fit"):
+    for v in values(tf_adasum, "keras_fit"):
         for k, got in enumerate(v):  # Keras's optimizer: the same, then its SGD step
             np.testing.assert_allclose(got, start[k] - 0.1 * np_tree([w[k] for w in local]).reshape(start[k].shape),
                                        rtol=0, atol=1e-6)
 
 
-def test_keras_optimizer_refuses_max(tf_ranks):
-    assert values(tf_ranks, "keras_op_max") == [
+def test_keras_optimizer_refuses_max(tf_adasum):
+    assert values(tf_adasum, "keras_op_max") == [
         "DistributedOptimizer reduces gradients with op=hvd.Average, hvd.Sum or hvd.Adasum, got Max."] * 2

@@ -4,17 +4,13 @@ Horovod's callbacks, checkpoint and load_model work. One case per behaviour (tes
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 import numpy as np
 import pytest
 
 pytest.importorskip("tensorflow")
 
 from _cases import add_to, message_of, run_cases, values
-
-from sparkhvd import HorovodRunner
+from _tf_ranks import tf_ranks
 
 
 def _data(rank, rows=32):
@@ -116,8 +112,8 @@ def _fit():
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return HorovodRunner(np=-2).run_all(_fit).values
+def ranks(tmp_path_factory):
+    return tf_ranks("keras_fit", tmp_path_factory)[0]  # _fit, in the ranks the TF modules share
 
 
 def _whole_batches():
@@ -247,11 +243,8 @@ def _callbacks(folder):
 
 @pytest.fixture(scope="module")
 def callbacks(tmp_path_factory):
-    """Each rank's cases, and the lines the ranks printed."""
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        ranks = HorovodRunner(np=-2).run_all(_callbacks, folder=str(tmp_path_factory.mktemp("keras"))).values
-    return ranks, printed.getvalue().splitlines()
+    """Each rank's cases, and the lines the ranks printed (_callbacks, in the ranks the TF modules share)."""
+    return tf_ranks("keras_callbacks", tmp_path_factory)
 
 
 def test_learning_rate_warmup_as_horovod_said_by_rank_0_alone(callbacks):

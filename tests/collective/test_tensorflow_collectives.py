@@ -11,8 +11,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from _cases import add_to, error_of, named, rows_to_each, run_cases, values  # noqa: E402
-
-from sparkhvd import HorovodRunner  # noqa: E402
+from _tf_ranks import tf_ranks  # noqa: E402
 
 OPS: dict = {}
 op = add_to(OPS)
@@ -372,8 +371,8 @@ def _ops():
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return HorovodRunner(np=-2).run_all(_ops).values
+def ranks(tmp_path_factory):
+    return tf_ranks("collectives", tmp_path_factory)[0]  # _ops, in the ranks the TF modules share
 
 
 def test_topology(ranks):

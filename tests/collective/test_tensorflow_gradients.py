@@ -11,8 +11,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from _cases import add_to, error_of, message_of, named, rows_to_each, run_cases, values  # noqa: E402
-
-from sparkhvd import HorovodRunner  # noqa: E402
+from _tf_ranks import tf_ranks  # noqa: E402
 
 GRADS: dict = {}
 grad = add_to(GRADS)
@@ -285,8 +284,8 @@ def _gradients():
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return HorovodRunner(np=-2).run_all(_gradients).values
+def ranks(tmp_path_factory):
+    return tf_ranks("gradients", tmp_path_factory)[0]  # _gradients, in the ranks the TF modules share
 
 
 # Horovod 0.28's convention (kept on purpose): allgather and broadcast average the ranks' gradients, reducescatter's

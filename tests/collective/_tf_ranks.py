@@ -1,0 +1,72 @@
+"""The TensorFlow collective tests' ranks: one ``HorovodRunner(np=-2)`` run for every module that asks, not one each.
+
+A TensorFlow rank process spends about 8 CPU-seconds importing TensorFlow (the warm process never preloads it:
+TensorFlow starts threads as it loads, so a fork of it is not safe). Six modules' fixtures each ran two such
+ranks for a table of cases; now the first of them to ask runs every module's rank function, one after another
+in the same two ranks, and keeps what each returned (and what the ranks printed) in a file that every pytest-xdist
+worker of the session reads. Each rank function calls ``hvd.init()`` itself, as it did alone, and records its
+cases' errors (tests/_cases.py), so a broken part fails its own tests only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import os
+import sys
+
+import cloudpickle
+import pytest
+from filelock import FileLock
+
+from sparkhvd import HorovodRunner
+
+# name: (module, rank function); the function takes no argument but a folder of its own where it asks for one
+PARTS = {
+    "collectives": ("test_tensorflow_collectives", "_ops"),
+    "gradients": ("test_tensorflow_gradients", "_gradients"),
+    "keras_fit": ("test_keras_training", "_fit"),
+    "keras_callbacks": ("test_keras_training", "_callbacks"),
+    "elastic": ("test_elastic", "_tensorflow_state"),
+    "adasum": ("test_adasum_across_ranks", "_tf_adasum"),
+}
+_WITH_FOLDER = ("keras_callbacks",)
+
+
+def _every_part(parts, folder):
+    """On a rank: each part's rank function in turn; ``{name: value}``."""
+    return {name: (fn(folder=os.path.join(folder, name)) if name in _WITH_FOLDER else fn()) for name, fn in parts}
+
+
+def tf_ranks(part: str, tmp_path_factory) -> tuple:
+    """``(values, printed)`` of the part ``part``: each rank's value, and every line the run printed."""
+    pytest.importorskip("tensorflow")
+    # under pytest-xdist each worker has basetemp <session's>/popen-gwN: the parent is the session's, shared
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    result = shared / "tf-ranks.pickle"
+    with FileLock(str(shared / "tf-ranks.lock")):
+        if not result.exists():
+            result.write_bytes(cloudpickle.dumps(_run(shared / "tf-ranks")))
+    values, printed = cloudpickle.loads(result.read_bytes())
+    return [rank[part] for rank in values], printed
+
+
+def _run(folder) -> tuple:
+    folder.mkdir(exist_ok=True)
+    for name in _WITH_FOLDER:
+        (folder / name).mkdir(exist_ok=True)
+    modules = {module: importlib.import_module(module) for module, _ in PARTS.values()}
+    parts = [(name, getattr(modules[module], fn)) for name, (module, fn) in PARTS.items()]
+    for module in modules.values():  # the ranks cannot import tests/: the parts go by value, as a main function's
+        cloudpickle.register_pickle_by_value(module)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            values = HorovodRunner(np=-2).run_all(_every_part, parts=parts, folder=str(folder)).values
+    finally:
+        for module in modules.values():
+            cloudpickle.unregister_pickle_by_value(module)
+    sys.stdout.write(printed.getvalue())
+    return values, printed.getvalue().splitlines()
