@@ -25,7 +25,8 @@ from ._netns import DRIVER_ADDRESS, Host, Network, TestbedError, TestbedLock, al
 __all__ = ["Cluster", "Driver", "Outcome", "PendingRun"]
 
 MASTER_PORT = 7077
-_JVM_OPTS = "-XX:+UseSerialGC -XX:TieredStopAtLevel=1 -Xss1m"  # quick to start, light on 2 cores
+# quick to start, light on 2 cores (tests/conftest.py's options)
+_JVM_OPTS = "-XX:+UseSerialGC -XX:TieredStopAtLevel=1 -Xss1m -XX:+UnlockDiagnosticVMOptions -XX:-BytecodeVerificationRemote"
 _DIR_PREFIX = "sparkhvd-cluster-"  # then the pid of the process that made it
 
 

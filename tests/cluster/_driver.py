@@ -40,6 +40,8 @@ def session(config: dict):
                .config("spark.task.resource.gpu.amount", "1")
                # java.io.tmpdir: the session's temp dir (TMPDIR, removed at its end), where Spark extracts liblz4-java
                .config("spark.executor.extraJavaOptions", "-XX:+UseSerialGC -XX:TieredStopAtLevel=1 "
+                                                          "-XX:+UnlockDiagnosticVMOptions "
+                                                          "-XX:-BytecodeVerificationRemote "
                                                           f"-Djava.io.tmpdir={tempfile.gettempdir()}")
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")
