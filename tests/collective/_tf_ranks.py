@@ -11,6 +11,7 @@ cases' errors (tests/_cases.py), so a broken part fails its own tests only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import io
 import os
@@ -22,7 +23,7 @@ from filelock import FileLock
 
 from sparkhvd import HorovodRunner
 
-# name: (module, rank function); the function takes no argument but a folder of its own where it asks for one
+# name: (module, rank function); each takes no argument but those in _WITH_FOLDER, given a folder of its own
 PARTS = {
     "collectives": ("test_tensorflow_collectives", "_ops"),
     "gradients": ("test_tensorflow_gradients", "_gradients"),
@@ -34,9 +35,9 @@ PARTS = {
 _WITH_FOLDER = ("keras_callbacks",)
 
 
-def _every_part(parts, folder):
+def _every_part(parts):
     """On a rank: each part's rank function in turn; ``{name: value}``."""
-    return {name: (fn(folder=os.path.join(folder, name)) if name in _WITH_FOLDER else fn()) for name, fn in parts}
+    return {name: fn() for name, fn in parts}
 
 
 def tf_ranks(part: str, tmp_path_factory) -> tuple:
@@ -54,17 +55,20 @@ def tf_ranks(part: str, tmp_path_factory) -> tuple:
 
 
 def _run(folder) -> tuple:
-    folder.mkdir(exist_ok=True)
-    for name in _WITH_FOLDER:
-        (folder / name).mkdir(exist_ok=True)
     modules = {module: importlib.import_module(module) for module, _ in PARTS.values()}
-    parts = [(name, getattr(modules[module], fn)) for name, (module, fn) in PARTS.items()]
+    parts = []
+    for name, (module, fn) in PARTS.items():
+        fn = getattr(modules[module], fn)
+        if name in _WITH_FOLDER:
+            (folder / name).mkdir(parents=True, exist_ok=True)
+            fn = functools.partial(fn, folder=str(folder / name))
+        parts.append((name, fn))
     for module in modules.values():  # the ranks cannot import tests/: the parts go by value, as a main function's
         cloudpickle.register_pickle_by_value(module)
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
-            values = HorovodRunner(np=-2).run_all(_every_part, parts=parts, folder=str(folder)).values
+            values = HorovodRunner(np=-2).run_all(_every_part, parts=parts).values
     finally:
         for module in modules.values():
             cloudpickle.unregister_pickle_by_value(module)
