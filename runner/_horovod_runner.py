@@ -17,6 +17,7 @@ from .._common.protocol import new_secret
 from ._agent.agent import TaskSpec
 from ._backends.api import Backend
 from ._backends.registry import backend_for
+from ._payload.frameworks import warm_imports
 from ._payload.function import pickle_function, size
 from ._payload.mlflow import shared_run
 from ._payload.script import as_payload
@@ -135,6 +136,7 @@ class HorovodRunner:
         np = abs(cfg.np)
         started = time.monotonic()
         payload = pickle_function(main, kwargs)
+        preload = warm_imports(main, kwargs)
         run_id = cfg.run_id or secrets.token_hex(4)
         backend = backend_for(cfg)
         bind_host = backend.prepare(np, run_id=run_id, verbose=cfg.driver_log_verbosity == "all", gpus=cfg.use_gpu)
@@ -156,7 +158,7 @@ class HorovodRunner:
             if commits.inherited and cfg.driver_log_verbosity == "all":
                 print(_inherited_line(run_id, storage, commits.inherited), flush=True)
             cluster = _Cluster(backend, cfg, run_id=run_id, payload=payload, logs=logs, commits=commits,
-                               every_value=every_value, env=env, bind_host=bind_host)
+                               every_value=every_value, env=env, bind_host=bind_host, preload=preload)
             policy = RunPolicy(cluster, logs, np=np, start_timeout=cfg.start_timeout, run_id=run_id,
                                max_restarts=cfg.max_restarts, min_np=cfg.min_np, max_np=cfg.max_np,
                                retry_on=cfg.retry_names(), max_retries=cfg.max_retries,
@@ -178,7 +180,8 @@ class _Cluster:
     ``backend`` (runner/_backends/). ``bind_host``: where the driver service listens, an address the ranks reach."""
 
     def __init__(self, backend: Backend, cfg: RunnerConfig, *, run_id: str, payload: bytes, logs: LogRouter,
-                 commits: CommitStore, every_value: bool, env: dict | None, bind_host: str = "127.0.0.1"):
+                 commits: CommitStore, every_value: bool, env: dict | None, bind_host: str = "127.0.0.1",
+                 preload: tuple = ()):
         self.backend, self.cfg, self.run_id, self.payload = backend, cfg, run_id, payload
         self.logs, self.commits, self.every_value = logs, commits, every_value
         hidden = {} if cfg.use_gpu else {settings.CUDA_VISIBLE_DEVICES.name: ""}  # as TorchDistributor(use_gpu=False)
@@ -186,6 +189,7 @@ class _Cluster:
         self.verbose = cfg.driver_log_verbosity == "all"
         self.secret = new_secret()  # one per run: every attempt's service and ranks share it
         self.bind_host = bind_host
+        self.preload = preload  # what the ranks' warm process imports besides torch
 
     def start(self, n: int, attempt: int, on_restore):
         """A driver service for ``n`` ranks, and a launcher that has started them."""
@@ -202,7 +206,7 @@ class _Cluster:
                                     stall_tasks=cfg.stall_tasks, network_interface=cfg.network_interface,
                                     every_value=self.every_value, attempt=attempt, commit_dir=self.commits.commit_dir,
                                     layout=cfg.layout, max_restarts=cfg.max_restarts, use_gpu=cfg.use_gpu,
-                                    env=self.env))
+                                    env=self.env, warm_preload=self.preload))
         except BaseException:
             launcher.stop()  # whatever it started before the exception (Ctrl-C in the middle of the launch)
             service.close()

@@ -109,7 +109,7 @@ def _endpoint(spec: TaskSpec) -> tuple[list | None, list]:
 def _run_rank(client: ServiceClient, spec: TaskSpec, rank: int, env: dict,
               on_spawn: Callable[[subprocess.Popen], None] | None) -> int:
     """Start the rank's process, hand it the secret, forward its output until it exits; its exit code."""
-    proc = start_rank(spec.python, env, rank)
+    proc = start_rank(spec.python, env, rank, preload=spec.warm_preload)
     if on_spawn is not None:
         on_spawn(proc)
     proc.stdin.write(spec.secret)

@@ -17,14 +17,15 @@ from .._warm import client as _warm_client
 from .._warm.protocol import WORKER_ARGV
 
 
-def start_rank(python: str | None, env: dict, rank: int):
+def start_rank(python: str | None, env: dict, rank: int, preload: tuple = ()):
     """Start the rank's process: forked from this executor's warm process (runner/_warm/client.py) when
     there is one, else a fresh ``python -m sparkhvd.runner._rank.worker rank=<rank>`` (the argument only
-    names the rank in ps: /proc/<pid>/environ of a forked rank is the warm process's)."""
+    names the rank in ps: /proc/<pid>/environ of a forked rank is the warm process's). ``preload``: what the
+    warm process must have imported besides torch (runner/_payload/frameworks.py)."""
     argv = (*WORKER_ARGV, f"rank={rank}")
     if _warm_client.enabled(python):
         try:
-            return _warm_client.spawn(env, argv=argv)
+            return _warm_client.spawn(env, argv=argv, preload=preload)
         except Exception as exc:  # noqa: BLE001 - any failure of the warm path: a fresh process
             if settings.WARM_DEBUG.get():
                 sys.stderr.write(f"sparkhvd: the warm zygote did not start this rank ({type(exc).__name__}: {exc}); "

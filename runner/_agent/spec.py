@@ -26,3 +26,4 @@ class TaskSpec:
     max_restarts: int = 0  # the run's, which ranks see as TORCHELASTIC_MAX_RESTARTS
     use_gpu: bool = True  # False: the task asks for no GPU and its rank sees none, whatever Spark gives it
     env: tuple = field(default=(), repr=False)  # (name, value) pairs added to the rank's environment (MLflow)
+    warm_preload: tuple = ()  # ("tensorflow",): fork the ranks from a warm process that imported it too

@@ -26,10 +26,11 @@ _PR_SET_PDEATHSIG = 1
 
 
 def become_rank(zygote: int, fds: list, env: dict, cwd: str, argv: list, start_dir: str | None,
-                ready: int | None = None) -> None:
+                ready: int | None = None, notices: bytes = b"") -> None:
     """In the forked rank (``zygote``: its parent's pid; ``start_dir``: the warm process's working directory
     when it started; ``ready``: a pipe's write end, closed once this process leads its own session and process
-    group, which the zygote waits for before it tells the agent the pid): become ``python <argv>`` with these
+    group, which the zygote waits for before it tells the agent the pid; ``notices``: what the zygote's preloaded
+    modules printed to stderr, which a fresh rank's imports would have): become ``python <argv>`` with these
     pipes, directory and environment; never returns."""
     code = 70
     try:
@@ -44,6 +45,9 @@ def become_rank(zygote: int, fds: list, env: dict, cwd: str, argv: list, start_d
         for fd in fds:
             if fd > 2:
                 os.close(fd)
+        view = memoryview(notices)
+        while view:
+            view = view[os.write(2, view):]
         os.chdir(cwd)
         if start_dir is not None and sys.path and sys.path[0] == start_dir and not sys.flags.safe_path:
             sys.path[0] = cwd  # as python -m in the rank's own working directory puts it

@@ -67,15 +67,15 @@ def request(sock: socket.socket, message: dict, fds: list = ()) -> dict:
 _starts: dict = {}  # key -> when this process last started a zygote for it
 
 
-def start_server(key: str, env: dict | None = None) -> None:
+def start_server(key: str, env: dict | None = None, preload: tuple = ()) -> None:
     """Start a zygote for ``key`` in the background (detached; it outlives this process), at most once per
-    ``RESTART_AFTER_S`` per key from one process."""
+    ``RESTART_AFTER_S`` per key from one process; ``preload``: what it imports besides torch."""
     now = time.monotonic()
     if now - _starts.get(key, -1e9) < RESTART_AFTER_S:
         return
     _starts[key] = now
     out = None if settings.WARM_DEBUG.get() else subprocess.DEVNULL
-    proc = subprocess.Popen([sys.executable, "-m", SERVER_MODULE, key], stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", SERVER_MODULE, key, *preload], stdin=subprocess.DEVNULL,
                             stdout=out, stderr=out, close_fds=True, start_new_session=True,
                             env=dict(os.environ if env is None else env))
     # The zygote forks itself away at once (init adopts it); reap the short-lived first process.
@@ -134,18 +134,19 @@ class ForkedProcess:
             return self.returncode
 
 
-def spawn(env: dict, key: str | None = None, argv=WORKER_ARGV) -> ForkedProcess:
+def spawn(env: dict, key: str | None = None, argv=WORKER_ARGV, preload: tuple = ()) -> ForkedProcess:
     """Fork a rank process (``python -m sparkhvd.runner._rank.worker``, or ``python <argv>``) from this
-    key's zygote, with ``env`` as its whole environment.
+    key's zygote, with ``env`` as its whole environment. ``preload`` (``("tensorflow",)``): from the zygote
+    that imported it too, a key of its own.
 
     Raises OSError or WarmUnavailable when no zygote serves (then one is started for the next run
     when none answered) or when it refused; the caller starts a fresh process instead.
     """
-    key = key or zygote_key()
+    key = key or zygote_key(preload=preload)
     try:
         sock = connect(key)
     except (ConnectionRefusedError, FileNotFoundError):
-        start_server(key)
+        start_server(key, preload=preload)
         raise
     pipes = []
     try:

@@ -21,8 +21,11 @@ _KEY_ENV = ("PYTHONPATH", "PYTHONHOME", "LD_LIBRARY_PATH", "LD_PRELOAD", "VIRTUA
 # Read once when a library loads (libgomp, OpenBLAS, MKL, torch and the torch._dynamo it preloads: TORCH_LOGS,
 # TORCHDYNAMO_*, TORCHINDUCTOR_*, PYTORCH_*) or when Python starts: a rank forked from the zygote has the
 # zygote's, so they are part of the key. OMP_NUM_THREADS is not: the fork applies it.
-_KEY_ENV_PREFIXES = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_", "TORCH", "PYTORCH_")
-_KEY_ENV_SKIP = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS")
+# TensorFlow's and Keras's (TF_CPP_MIN_LOG_LEVEL, KERAS_BACKEND) for the zygotes that preload them; not TF_CONFIG,
+# which a MultiWorkerMirroredStrategy reads when it is made.
+_KEY_ENV_PREFIXES = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_", "TORCH", "PYTORCH_", "TF_",
+                     "KERAS_")
+_KEY_ENV_SKIP = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS", "TF_CONFIG")
 # CPython's own variables are PYTHON<NAME> (PYTHONPATH, PYTHONHASHSEED, ...) and these PYTHON_<NAME>s. Other
 # PYTHON_ names are other programs': Spark gives its Python workers PYTHON_WORKER_FACTORY_SECRET (and, by
 # its settings, PYTHON_WORKER_FACTORY_PORT, PYTHON_FAULTHANDLER_DIR, ...), new for every application, so
@@ -34,7 +37,8 @@ _CPYTHON_UNDERSCORED = ("PYTHON_CPU_COUNT", "PYTHON_FROZEN_MODULES", "PYTHON_GIL
 _SKIP_DIRS = ("tests", "bench", "notebooks")
 
 
-def zygote_key(package_dir: str | None = None, torch_files: list | None = None, env: dict | None = None) -> str:
+def zygote_key(package_dir: str | None = None, torch_files: list | None = None, env: dict | None = None,
+               preload: tuple = ()) -> str:
     """A short hash of what decides the zygote's preloaded modules: the interpreter, the environment
     Python and the native libraries read when they start (``_keyed``; not what Spark sets per
     application, so one zygote serves every application on an executor), the user, and (name,
@@ -45,6 +49,8 @@ def zygote_key(package_dir: str | None = None, torch_files: list | None = None, 
 
     Not this process's ``sys.path``: a rank's, forked or fresh, comes from its own interpreter's
     start-up with this environment and directory, whatever the agent (a notebook) appended to its own.
+
+    ``preload``: what the zygote imports besides torch (``("tensorflow",)``), a zygote of its own.
     """
     env = os.environ if env is None else env
     if package_dir is None:
@@ -52,7 +58,7 @@ def zygote_key(package_dir: str | None = None, torch_files: list | None = None, 
     if torch_files is None:
         torch_files = _torch_files()
     h = hashlib.sha256()
-    for part in (sys.executable, sys.version, str(os.getuid())):
+    for part in (sys.executable, sys.version, str(os.getuid()), *preload):
         h.update(part.encode("utf-8", "surrogateescape") + b"\0")
     for name in sorted(env):
         if _keyed(name):

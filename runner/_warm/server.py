@@ -1,9 +1,10 @@
 """The warm process (the zygote): one per executor (per interpreter and installed code), forking rank processes.
 
-``python -m sparkhvd.runner._warm.server <key>`` imports what a rank needs (cloudpickle, the worker,
-torch and ``sparkhvd.collective.torch`` when torch is installed; never TensorFlow) once, then forks
-each rank process from that state, so that a rank starts without paying for ``import torch`` every
-run. It claims the abstract socket named by ``key`` (``runner/_warm/protocol.py``), serves agents'
+``python -m sparkhvd.runner._warm.server <key> [tensorflow]`` imports what a rank needs (cloudpickle, the
+worker, torch and ``sparkhvd.collective.torch`` when torch is installed; with ``tensorflow``, for the runs
+whose function names it (``runner/_payload/frameworks.py``), TensorFlow, Keras and their sparkhvd modules
+too) once, then forks each rank process from that state, so that a rank starts without paying for
+``import torch`` (or TensorFlow's 4 CPU-seconds) every run. It claims the abstract socket named by ``key`` (``runner/_warm/protocol.py``), serves agents'
 requests there, and exits after ``SPARKHVD_WARM_IDLE_S`` seconds with no rank running. The forked child
 becomes the rank in ``runner/_warm/child.py``.
 """
@@ -29,12 +30,19 @@ _PRELOAD = ("torch", "sparkhvd.collective.torch")  # what every rank imports fir
 # What a rank's first torch.optim optimizer imports (torch._dynamo: about 830 modules, a second of CPU each rank,
 # four seconds of a restart at np=8 on 2 cores): where torch has it. Starts no thread (_unsafe_to_fork checks).
 _PRELOAD_AFTER = ("torch._dynamo",)
+# With "tensorflow": in this order, each where it imports. TensorFlow imports pandas, and so pyarrow, whose
+# jemalloc starts one native thread ("jemalloc_bg_thd"): jemalloc's fork handlers make that fork-safe, and
+# the child starts its own when it needs one. What TensorFlow prints while it loads (absl's and the CPU
+# features notices) is kept and written to each rank's stderr, where a fresh rank's import would print it.
+_PRELOAD_TENSORFLOW = ("tensorflow", "sparkhvd.collective.tensorflow", "keras", "sparkhvd.collective.keras")
+_FORK_SAFE_THREADS = ("jemalloc_bg_thd",)
 _REQUEST_TIMEOUT_S = 5.0  # a client that connects and says nothing does not hold the zygote up
 _POLL_EXITS_S = 0.05  # where pidfd_open is missing, how often exited ranks are looked for
 
 
-def _preload() -> str | None:
-    """Import what ranks need; returns why this process cannot fork ranks safely, or None."""
+def _preload(extra: tuple = ()) -> str | None:
+    """Import what ranks need (``extra``: ``("tensorflow",)`` or nothing); returns why this process cannot fork
+    ranks safely, or None."""
     # OpenBLAS (numpy's) starts its threads when it loads unless told one: a forked rank gets its
     # count back in runner/_warm/child.py.
     blas = settings.OPENBLAS_NUM_THREADS
@@ -50,33 +58,81 @@ def _preload() -> str | None:
                 pass
     except ImportError:  # no torch here: ranks import what they need themselves
         pass
+    try:
+        if "tensorflow" in extra:
+            global _notices
+            _notices = _keeping_stderr(_import_tensorflow)
     finally:
         if saved is None:
             os.environ.pop(blas.name, None)
         else:
             os.environ[blas.name] = saved
-    return _unsafe_to_fork()
+    return _unsafe_to_fork(tensorflow="tensorflow" in extra)
 
 
-def _unsafe_to_fork() -> str | None:
+_notices = b""  # what the preloaded TensorFlow printed to stderr
+
+
+def _import_tensorflow() -> None:
+    for name in _PRELOAD_TENSORFLOW:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - not installed, or Keras without a backend: ranks import it themselves
+            break
+
+
+def _keeping_stderr(fn) -> bytes:
+    """Run ``fn`` with file descriptor 2 going to memory; returns what was written there."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    kept = os.memfd_create("sparkhvd-zygote-stderr")
+    try:
+        os.dup2(kept, 2)
+        try:
+            fn()
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+        os.lseek(kept, 0, os.SEEK_SET)
+        chunks = []
+        while chunk := os.read(kept, 1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(kept)
+        os.close(saved)
+
+
+def _native_threads() -> list:
+    """The names of this process's threads but the main one."""
+    names = []
+    try:
+        for task in os.listdir("/proc/self/task"):
+            if int(task) != os.getpid():
+                with open(f"/proc/self/task/{task}/comm") as f:
+                    names.append(f.read().strip())
+    except OSError:
+        pass
+    return names
+
+
+def _unsafe_to_fork(tensorflow: bool = False) -> str | None:
     """Why a fork of this process would not be a working rank, or None."""
     threads = threading.active_count()
-    try:
-        tasks = len(os.listdir("/proc/self/task"))
-    except OSError:
-        tasks = 1
-    if threads != 1 or tasks != 1:
-        return f"the preloaded modules started threads ({threads} Python, {tasks} in all); forking is not safe"
-    if "tensorflow" in sys.modules:
-        return "TensorFlow was imported; the zygote never preloads it"
+    others = [name for name in _native_threads() if not (tensorflow and name in _FORK_SAFE_THREADS)]
+    if threads != 1 or others:
+        return (f"the preloaded modules started threads ({threads} Python; others: {', '.join(others) or 'none'}); "
+                "forking is not safe")
+    if "tensorflow" in sys.modules and not tensorflow:
+        return "TensorFlow was imported by a zygote that does not preload it"
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA was initialized while preloading; a forked rank could not use its GPU"
     return None
 
 
-def serve(key: str) -> int:
-    """Claim the key's socket, preload, then fork ranks on request until idle or told to stop."""
+def serve(key: str, extra: tuple = ()) -> int:
+    """Claim the key's socket, preload (``extra`` too), then fork ranks on request until idle or told to stop."""
     start_dir = os.getcwd()  # sys.path[0] of this python -m
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
@@ -84,7 +140,7 @@ def serve(key: str) -> int:
     except OSError:
         return 0
     idle_s = settings.WARM_IDLE_S.get()
-    why = _preload()
+    why = _preload(extra)
     if why is not None:
         # Keep the name, refusing connections, so agents stop starting zygotes that cannot serve.
         sys.stderr.write(f"sparkhvd zygote {key}: {why}; ranks start as fresh processes.\n")
@@ -232,7 +288,7 @@ class _Server:
                     os.close(fd)
             except BaseException:  # noqa: BLE001
                 os._exit(70)
-            become_rank(self.me, fds, env, cwd, argv, self.start_dir, ready_w)  # never returns
+            become_rank(self.me, fds, env, cwd, argv, self.start_dir, ready_w, _notices)  # never returns
         os.close(ready_w)
         for fd in fds:
             os.close(fd)
@@ -290,12 +346,12 @@ def _rank_request(message: dict, fds: list, start_dir: str) -> tuple:
 
 
 def main(argv: list) -> int:
-    if len(argv) != 1:
-        sys.stderr.write(f"usage: python -m {SERVER_MODULE} <key>; task agents start it, not people.\n")
+    if not argv or any(extra != "tensorflow" for extra in argv[1:]):
+        sys.stderr.write(f"usage: python -m {SERVER_MODULE} <key> [tensorflow]; task agents start it, not people.\n")
         return 2
     if os.fork() > 0:  # detach: init adopts the zygote, its starter only reaps this first process
         os._exit(0)
-    return serve(argv[0])
+    return serve(argv[0], tuple(argv[1:]))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The TensorFlow collective tests' ranks: one ``HorovodRunner(np=-2)`` run for every module that asks, not one each.
 
-A TensorFlow rank process spends about 8 CPU-seconds importing TensorFlow (the warm process never preloads it:
-TensorFlow starts threads as it loads, so a fork of it is not safe). Six fixtures in five modules each ran two such
-ranks for a table of cases; now the first of them to ask runs every module's rank function, one after another
+A fresh TensorFlow rank process spends about 8 CPU-seconds importing TensorFlow (ranks forked from the warm process
+that preloads it, runner/_warm/server.py, do not, but the first run of a session starts that process). Six fixtures
+in five modules each ran two such ranks for a table of cases; now the first of them to ask runs every module's rank function, one after another
 in the same two ranks, and keeps what each returned (and what the ranks printed) in a file that every pytest-xdist
 worker of the session reads. Each rank function calls ``hvd.init()`` itself, as it did alone, and records its
 cases' errors (tests/_cases.py), so a broken part fails its own tests only.

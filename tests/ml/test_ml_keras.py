@@ -139,8 +139,10 @@ def test_a_second_fit_with_the_run_id_trains_only_the_epochs_not_done(fitted, re
 
 
 def _killer(flag: str, epoch: int, step: int):
-    """A callback: the first rank to finish ``step`` (1-based) of ``epoch`` (once, across restarts: the flag) is
-    killed there. Every step it sees is written to ``<flag>.steps`` as ``pid epoch batch steps``."""
+    """A callback: rank 0, once it has finished ``step`` (1-based) of ``epoch`` and its commits have reached the
+    driver, is killed there (once, across restarts: the flag). A commit still on its way at a kill leaves the one
+    before it in force (docs/elastic.md), so without the wait, a loaded machine restarted from an earlier commit.
+    Every step a rank sees is written to ``<flag>.steps`` as ``pid epoch batch steps``."""
     import keras
 
     class KillOnce(keras.callbacks.Callback):
@@ -150,8 +152,12 @@ def _killer(flag: str, epoch: int, step: int):
         def on_train_batch_end(self, batch, logs=None):
             with open(flag + ".steps", "a") as f:
                 f.write(f"{os.getpid()} {self.epoch} {batch} {self.params['steps']}\n")
-            if self.epoch != epoch or batch + 1 != step:
+            import sparkhvd.collective.keras as hvd
+            from sparkhvd._common import commits
+
+            if self.epoch != epoch or batch + 1 != step or hvd.rank() != 0:
                 return
+            commits.flush(60)
             try:
                 os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
             except FileExistsError:

@@ -92,7 +92,8 @@ def _parent_and_env():
     return {"ppid": os.getppid(), "pid": os.getpid(), "rank": hvd.rank(), "size": hvd.size(),
             "placement": json.loads(os.environ["SPARKHVD_PLACEMENT"])["rank"],
             "var": os.environ.get("SPARKHVD_TEST_ZYGOTE_VAR"), "warm": os.environ.get("SPARKHVD_WARM"),
-            "torch_preloaded": "torch" in sys.modules, "dynamo_preloaded": "torch._dynamo" in sys.modules}
+            "torch_preloaded": "torch" in sys.modules, "dynamo_preloaded": "torch._dynamo" in sys.modules,
+            "tensorflow": "tensorflow" in sys.modules}
 
 
 def test_second_run_forks_ranks_from_the_zygote_with_their_own_env(monkeypatch):
@@ -112,6 +113,29 @@ def test_second_run_forks_ranks_from_the_zygote_with_their_own_env(monkeypatch):
     for v in values:
         assert v["ppid"] != os.getpid()
         assert _warm_protocol.SERVER_MODULE in _cmdline(v["ppid"])
+        assert not v["tensorflow"]  # a torch function's ranks: from the zygote that never imports TensorFlow
+
+
+def _tensorflow_parent():
+    preloaded = "tensorflow" in sys.modules  # before this function's import
+    import tensorflow as tf
+
+    return {"ppid": os.getppid(), "preloaded": preloaded, "sum": float(tf.reduce_sum(tf.ones(3)))}
+
+
+def test_a_tensorflow_functions_ranks_fork_from_a_warm_process_that_imported_tensorflow(monkeypatch):
+    """Told from the function's code (runner/_payload/frameworks.py): about 10 CPU-seconds less per rank and
+    restart; TensorFlow's start-up notices still reach each rank's log."""
+    pytest.importorskip("tensorflow")
+    monkeypatch.delenv("SPARKHVD_WARM", raising=False)
+    HorovodRunner(np=-2).run_all(_tensorflow_parent)  # starts this key's zygote, if none serves
+    _wait_ready(_warm_key.zygote_key(preload=("tensorflow",)))
+    result = HorovodRunner(np=-2).run_all(_tensorflow_parent)
+    for rank, v in enumerate(result.values):
+        assert v["preloaded"] and v["sum"] == 3.0, v
+        assert _cmdline(v["ppid"]).split()[-2:] == [_warm_key.zygote_key(preload=("tensorflow",)), "tensorflow"]
+        with open(result.log_paths[rank]) as f:
+            assert "All log messages before absl::InitializeLog() is called" in f.read()
 
 
 WARM_REPORT = """
@@ -296,6 +320,10 @@ def test_key_changes_when_sparkhvd_or_the_environment_changes(tmp_path):
     assert key(PYTHON_GIL="0") != before  # CPython's own PYTHON_ names count too
     for name in ("TORCH_LOGS", "TORCHDYNAMO_VERBOSE", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_CUDA_ALLOC_CONF"):
         assert key(**{name: "x"}) != before, name  # read when torch and the torch._dynamo it preloads load
+    for name in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS", "KERAS_BACKEND"):
+        assert key(**{name: "1"}) != before, name  # read when the TensorFlow zygote's imports load
+    assert key(TF_CONFIG='{"task": {"type": "worker", "index": 0}}') == before  # read by a strategy, per rank
+    assert _warm_key.zygote_key(str(package), torch_files, env, preload=("tensorflow",)) != before  # its own zygote
     spark_per_application = {  # what one Spark application's Python workers see and the next one's do not
         "PYTHON_WORKER_FACTORY_SECRET": "1436191ff3fbe5ff", "PYTHON_WORKER_FACTORY_PORT": "40123",
         "PYTHON_WORKER_FACTORY_SOCK_DIR": "/tmp/spark-1/sock", "PYTHON_FAULTHANDLER_DIR": "/tmp/spark-1/fault",
