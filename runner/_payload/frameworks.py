@@ -1,7 +1,7 @@
 """Which frameworks a run's ranks will import, told from the training function before it is sent.
 
 The warm process (``runner/_warm/server.py``) preloads torch for every rank; a rank that imports TensorFlow
-pays about 4 CPU-seconds for it, every rank and every restart. When the function (or the script) names
+pays about 8 CPU-seconds for it, every rank and every restart. When the function (or the script) names
 TensorFlow or Keras, its ranks are forked from a warm process that has imported them too. Told from the code,
 never by running it: the names a function's code uses (``import tensorflow``, ``keras.Sequential``, a module
 bound to ``tf`` in its globals), those of the functions it calls through its globals and closure, a few levels

@@ -4,8 +4,8 @@
 worker, torch and ``sparkhvd.collective.torch`` when torch is installed; with ``tensorflow``, for the runs
 whose function names it (``runner/_payload/frameworks.py``), TensorFlow, Keras and their sparkhvd modules
 too) once, then forks each rank process from that state, so that a rank starts without paying for
-``import torch`` (or TensorFlow's 4 CPU-seconds) every run. It claims the abstract socket named by ``key`` (``runner/_warm/protocol.py``), serves agents'
-requests there, and exits after ``SPARKHVD_WARM_IDLE_S`` seconds with no rank running. The forked child
+``import torch`` (or TensorFlow's 8 CPU-seconds) every run. It claims the abstract socket named by ``key``
+(``runner/_warm/protocol.py``), serves agents' requests there, and exits after ``SPARKHVD_WARM_IDLE_S`` seconds with no rank running. The forked child
 becomes the rank in ``runner/_warm/child.py``.
 """
 
