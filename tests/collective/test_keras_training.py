@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-pytest.importorskip("tensorflow")
-
 from _cases import add_to, message_of, run_cases, values
+from _installed import needs
 from _tf_ranks import tf_ranks
+
+pytestmark = needs("tensorflow")
 
 
 def _data(rank, rows=32):

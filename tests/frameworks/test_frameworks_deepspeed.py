@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _installed import needs
 
 from sparkhvd import HorovodRunner
 
-pytest.importorskip("deepspeed")
+pytestmark = needs("deepspeed")
 
 STEPS, BATCH = 3, 4
 

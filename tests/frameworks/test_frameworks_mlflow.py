@@ -3,13 +3,11 @@ not one per rank (runner/_payload/mlflow.py gives every rank ``MLFLOW_RUN_ID`` a
 
 from __future__ import annotations
 
-import pytest
+from _installed import needs
 
 from sparkhvd import HorovodRunner
 
-mlflow = pytest.importorskip("mlflow", reason="the mlflow extra: pip install 'sparkhvd[mlflow]'")
-pytest.importorskip("transformers")
-pytest.importorskip("lightning")
+pytestmark = [needs("mlflow", reason="the mlflow extra: pip install 'sparkhvd[mlflow]'"), needs("transformers", "lightning")]
 
 
 def _hugging_face_then_lightning(root: str):
@@ -66,6 +64,8 @@ def _hugging_face_then_lightning(root: str):
 
 
 def test_hugging_face_and_lightning_log_into_the_drivers_run(tmp_path, monkeypatch):
+    import mlflow
+
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3 keeps the file store behind this switch
     mlflow.set_tracking_uri(f"file://{tmp_path}/mlruns")
     try:
