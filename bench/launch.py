@@ -13,7 +13,9 @@ interpreter) runs, in the same process:
 ``fn`` is, with ``--fn init`` (the default), what a training function starts with: ours
 imports ``sparkhvd.collective.torch`` and calls ``hvd.init()``; the peer imports
 ``torch.distributed`` and calls ``init_process_group("gloo")`` (and destroys it). With ``--fn
-trivial`` both run ``return 1`` and import nothing. Ours forks its ranks from the warm zygote
+trivial`` both run ``return 1`` and import nothing. With ``--fn keras``, a Keras function's start: ours
+imports keras and ``sparkhvd.collective.keras`` and calls ``hvd.init()`` (its ranks fork from the warm process
+that preloads TensorFlow); the peer imports keras and tensorflow and runs one op. Ours forks its ranks from the warm zygote
 (runner/_warm/server.py, docs/performance.md) from the second run on; run with ``SPARKHVD_WARM=0`` in
 the environment for fresh rank processes, the baseline.
 
@@ -79,7 +81,25 @@ def peer_init():
     return 1 if size == NP else size
 
 
-FNS = {"init": (ours_init, peer_init), "trivial": (trivial, trivial)}
+def ours_keras():
+    import keras  # noqa: F401 - what a Keras function imports first
+
+    import sparkhvd.collective.keras as hvd
+
+    hvd.init()
+    return 1 if hvd.size() == NP else hvd.size()
+
+
+def peer_keras():
+    import keras  # noqa: F401
+    import tensorflow as tf
+
+    return 1 if tf.constant(1).numpy() == 1 else 0
+
+
+# keras: a Keras function's launch (ours from the warm process that preloads TensorFlow, runner/_warm/server.py);
+# TorchDistributor runs the same imports as its peer
+FNS = {"init": (ours_init, peer_init), "trivial": (trivial, trivial), "keras": (ours_keras, peer_keras)}
 FN = "init"  # set from --fn
 
 
