@@ -29,6 +29,7 @@ def warm_imports(main, kwargs: dict) -> tuple:
     return (TENSORFLOW,) if _uses(main, kwargs) else ()
 
 
+@functools.lru_cache(maxsize=256)
 def _users(module_name: str) -> bool:
     """Whether functions of the module ``module_name`` are the user's own code (a notebook's, a script's)."""
     from .function import _is_user_module

@@ -43,24 +43,24 @@ _POLL_EXITS_S = 0.05  # where pidfd_open is missing, how often exited ranks are 
 def _preload(extra: tuple = ()) -> str | None:
     """Import what ranks need (``extra``: ``("tensorflow",)`` or nothing); returns why this process cannot fork
     ranks safely, or None."""
+    global _notices
     # OpenBLAS (numpy's) starts its threads when it loads unless told one: a forked rank gets its
     # count back in runner/_warm/child.py.
     blas = settings.OPENBLAS_NUM_THREADS
     saved = blas.raw()
     os.environ[blas.name] = "1"
-    try:  # the worker and cloudpickle came with this module (runner/_warm/child.py imports the worker)
-        for name in _PRELOAD:  # by name: the runner does not depend on the collectives, it warms what ranks load
-            importlib.import_module(name)
-        for name in _PRELOAD_AFTER:
-            try:
-                importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - a torch without it, or one that refuses it here: ranks import it
-                pass
-    except ImportError:  # no torch here: ranks import what they need themselves
-        pass
     try:
+        try:  # the worker and cloudpickle came with this module (runner/_warm/child.py imports the worker)
+            for name in _PRELOAD:  # by name: the runner does not depend on the collectives, it warms what ranks load
+                importlib.import_module(name)
+            for name in _PRELOAD_AFTER:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - a torch without it, or one that refuses it here: ranks import it
+                    pass
+        except ImportError:  # no torch here: ranks import what they need themselves
+            pass
         if "tensorflow" in extra:
-            global _notices
             _notices = _keeping_stderr(_import_tensorflow)
     finally:
         if saved is None:
