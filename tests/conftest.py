@@ -7,6 +7,7 @@ import shutil
 import sys
 import tempfile
 
+import _jvm
 import pytest
 
 from sparkhvd.runner._warm.protocol import WORKER_MODULE
@@ -20,12 +21,13 @@ _SESSION_TMP = tempfile.mkdtemp(prefix="sparkhvd-tests-")
 os.environ["TMPDIR"] = tempfile.tempdir = _SESSION_TMP
 # The JVMs read java.io.tmpdir, not TMPDIR (Spark extracts liblz4-java-*.so there): every pyspark
 # driver the suite starts, here or in a subprocess (a notebook's kernel, spark-submit), and its executors, get the
-# same folder. They also compile with C1 only and collect with one thread (as tests/cluster's JVMs): short-lived JVMs
-# that start quickly and leave the 2 cores to the ranks; tests/ml/test_ml_torch.py and the estimators' notebook took
-# 63 s instead of 76 s with -n 2. And they do not verify the bytecode of Spark's own jars: a session's JVM with a
-# SQL job, a Python job and a Parquet file took 16.6 CPU-s instead of 19.4 (means of 4 runs, each pair alternated).
-_JVM_OPTS = (f"-Djava.io.tmpdir={_SESSION_TMP} -XX:TieredStopAtLevel=1 -XX:+UseSerialGC "
-             "-XX:+UnlockDiagnosticVMOptions -XX:-BytecodeVerificationRemote")
+# same folder, and tests/_jvm.py's options: C1 only, one collector thread, no verification of Spark's jars (a session's
+# JVM with a SQL job, a Python job and a Parquet file took 16.6 CPU-s instead of 19.4, means of 4 runs), and the
+# archive of Spark's classes that the pytest-xdist controller builds (pytest_configure): a driver's JVM took 5.2
+# CPU-s instead of 7.9 with it (3 runs each, alternated).
+if "PYTEST_XDIST_WORKER" not in os.environ and _jvm.ARCHIVE_ENV not in os.environ:
+    os.environ[_jvm.ARCHIVE_ENV] = os.path.join(_SESSION_TMP, "spark-classes.jsa")  # the workers inherit it
+_JVM_OPTS = f"-Djava.io.tmpdir={_SESSION_TMP} {_jvm.opts()}"
 os.environ.setdefault("PYSPARK_SUBMIT_ARGS", f"--driver-java-options '{_JVM_OPTS}' --conf "
                                              f"'spark.executor.extraJavaOptions={_JVM_OPTS}' pyspark-shell")
 os.environ.setdefault("SPARK_SUBMIT_OPTS", _JVM_OPTS)  # spark-submit's own driver JVM (the CLI's tests)
@@ -36,7 +38,30 @@ _SESSION_MARK = f"SPARKHVD_TEST_SESSION={os.getpid()}-{os.urandom(4).hex()}"
 os.environ["SPARKHVD_TEST_SESSION"] = _SESSION_MARK.split("=", 1)[1]
 
 
+_archive_builder = None  # the process building the JVMs' class archive (tests/_jvm.py), in the xdist controller
+
+
+def pytest_configure(config):
+    """In the pytest-xdist controller (make test), start building the JVMs' class archive beside the workers' start;
+    a JVM started before it is written runs without it."""
+    global _archive_builder
+    if getattr(config, "workerinput", None) is None and getattr(config.option, "numprocesses", None):
+        import subprocess
+
+        _archive_builder = subprocess.Popen([sys.executable, _jvm.__file__, os.environ[_jvm.ARCHIVE_ENV]],
+                                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
 def pytest_unconfigure(config):
+    if _archive_builder is not None:  # a short run ends before it does: it and its JVM end here
+        import signal
+
+        try:
+            os.killpg(_archive_builder.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        _archive_builder.wait()
     stop_session_zygotes()
     shutil.rmtree(_SESSION_TMP, ignore_errors=True)
 
