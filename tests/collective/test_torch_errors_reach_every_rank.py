@@ -127,6 +127,8 @@ def join_after_a_process_sets_ops(hvd, r):
     pair = hvd.add_process_set([1, 2])
     if r in (1, 2):
         hvd.allreduce(torch.ones(1), process_set=pair)
+    if r == 2:  # answered once ranks 0 and 1 are inside join(), with "m" of name_reused_on_rank_0 (which rank 0's
+        hvd.allreduce(torch.ones(1), name="last")  # join makes ready): rank 2 then joins last, alone, under any load
     return hvd.join()  # process-set exchanges do not confuse join's bookkeeping
 
 
