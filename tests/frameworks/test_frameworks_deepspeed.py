@@ -1,6 +1,6 @@
 """DeepSpeed's engine trains under HorovodRunner on CPU, from the torchrun environment every rank gets: the same
-weights on every rank. In hvd.elastic.TorchState, a ZeRO-2 engine's commits hold every rank's partition, and a
-rank killed mid-run resumes from them bit for bit."""
+weights on every rank. In hvd.elastic.TorchState, a ZeRO-2 and a ZeRO-3 engine's commits hold every rank's
+partition, and a rank killed mid-run resumes from them bit for bit."""
 
 from __future__ import annotations
 
@@ -53,12 +53,12 @@ def test_deepspeed_trains_alike_on_every_rank():
     assert not all(torch.equal(a, b.detach()) for a, b in zip(values[0][1], start))  # it trained
 
 
-# ---- a DeepSpeed engine in hvd.elastic.TorchState: its ZeRO partitions in every commit -------------------------
+# ---- DeepSpeed engines in hvd.elastic.TorchState: their ZeRO partitions in every commit ------------------------
 
 ELASTIC_STEPS, KILL_AT = 5, 3
 
 
-def _engine():
+def _engine(stage: int):
     import deepspeed
     import torch
 
@@ -66,7 +66,7 @@ def _engine():
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
-              "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
@@ -79,7 +79,16 @@ def _step(engine, step: int) -> None:
     engine.step()
 
 
-def _zero2_elastic(marks: str):
+def _weights(engine) -> list:
+    """The engine's whole parameters (ZeRO-3 holds a partition of each on every rank: gathered for the copy)."""
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().clone() for p in params]
+
+
+def _zero_elastic(marks: str):
     import os
     import signal
 
@@ -94,53 +103,66 @@ def _zero2_elastic(marks: str):
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     hvd.init()
-    engine = _engine()
-    refused = []
-    for bad in (lambda: hvd.elastic.TorchState(model=engine, optimizer=engine.optimizer),
-                lambda: _sharded.read_deepspeed({"path": "/x"}, {}, made_with=3)):
-        try:
-            bad()
-        except (TypeError, ValueError) as exc:
-            refused.append(str(exc))
-    state = hvd.elastic.TorchState(model=engine, step=0)
+    refused, resumed, reference = [], [], []
+    for stage in (2, 3):  # one state each, one after the other: rank 1 is killed in each at step 3, once
+        engine = _engine(stage)
+        if stage == 2:
+            for bad in (lambda: hvd.elastic.TorchState(model=engine, optimizer=engine.optimizer),
+                        lambda: _sharded.read_deepspeed({"path": "/x"}, {}, made_with=3)):
+                try:
+                    bad()
+                except (TypeError, ValueError) as exc:
+                    refused.append(str(exc))
+        state = hvd.elastic.TorchState(model=engine, step=0)
+        killed = os.path.join(marks, f"killed-zero{stage}")
 
-    @hvd.elastic.run
-    def loop(state):
-        while state.step < ELASTIC_STEPS:
-            if state.step == KILL_AT:
-                commits.flush(60)
-                hvd.barrier()
-                if hvd.rank() == 1 and not os.path.exists(os.path.join(marks, "killed")):
-                    open(os.path.join(marks, "killed"), "w").close()
-                    os.kill(os.getpid(), signal.SIGKILL)
-            _step(state.model, state.step)
-            state.step += 1
-            state.commit()
-        return [p.detach().clone() for p in state.model.module.parameters()]
+        @hvd.elastic.run
+        def loop(state):
+            while state.step < ELASTIC_STEPS:
+                if state.step == KILL_AT:
+                    commits.flush(60)
+                    hvd.barrier()
+                    if hvd.rank() == 1 and not os.path.exists(killed):
+                        open(killed, "w").close()
+                        os.kill(os.getpid(), signal.SIGKILL)
+                _step(state.model, state.step)
+                state.step += 1
+                state.commit()
+            return _weights(state.model)
 
-    resumed = loop(state)
-    reference = _engine()  # the same steps in the same process, never interrupted
-    for step in range(ELASTIC_STEPS):
-        _step(reference, step)
-    return resumed, [p.detach().clone() for p in reference.module.parameters()], refused
+        resumed.append(loop(state))
+        uninterrupted = _engine(stage)  # the same steps in the same process, never interrupted
+        for step in range(ELASTIC_STEPS):
+            _step(uninterrupted, step)
+        reference.append(_weights(uninterrupted))
+    return resumed, reference, refused
 
 
 @pytest.mark.timeout(300)
-def test_a_zero2_engine_in_an_elastic_state_resumes_from_every_ranks_partition_bit_for_bit(tmp_path):
+def test_zero2_and_zero3_engines_in_elastic_states_resume_from_every_ranks_partition_bit_for_bit(tmp_path):
     import os
 
     storage = str(tmp_path / "storage")
-    runner = HorovodRunner(np=-2, max_restarts=1, run_id="ds", storage=storage, keep_commits=1)
-    (resumed, reference, refused), _ = runner.run_all(_zero2_elastic, marks=str(tmp_path)).values
-    assert (tmp_path / "killed").exists() and len(runner.last_result.restarts) == 1
-    assert all(torch.equal(a, b) for a, b in zip(resumed, reference))  # ZeRO-2's momentum partitions resumed too
-    [kept] = runner.last_result.commits
-    shards = kept["shards"]
-    assert shards["deepspeed"] == ["model"] and shards["path"].endswith(".ds")
-    assert sorted(n for n in shards["sha256"] if n.endswith(".pt")) == [  # rank 0's model, each rank's partition
-        "model/mp_rank_00_model_states.pt", "model/zero_pp_rank_0_mp_rank_00_optim_states.pt",
-        "model/zero_pp_rank_1_mp_rank_00_optim_states.pt"]
-    assert all(os.path.exists(os.path.join(shards["path"], name)) for name in shards["sha256"])
+    runner = HorovodRunner(np=-2, max_restarts=2, run_id="ds", storage=storage, keep_commits=1)
+    (resumed, reference, refused), _ = runner.run_all(_zero_elastic, marks=str(tmp_path)).values
+    assert (tmp_path / "killed-zero2").exists() and (tmp_path / "killed-zero3").exists()
+    assert len(runner.last_result.restarts) == 2
+    for stage, ours, uninterrupted in zip((2, 3), resumed, reference):  # the momentum partitions resumed too
+        assert all(torch.equal(a, b) for a, b in zip(ours, uninterrupted)), f"ZeRO-{stage}"
+    kept = runner.last_result.commits
+    assert len(kept) == 2
+    for meta in kept:
+        shards = meta["shards"]
+        assert shards["deepspeed"] == ["model"] and shards["path"].endswith(".ds")
+        assert all(os.path.exists(os.path.join(shards["path"], name)) for name in shards["sha256"])
+    written = sorted((sorted(n for n in meta["shards"]["sha256"] if n.endswith(".pt")) for meta in kept), key=len)
+    assert written == [
+        # ZeRO-2: rank 0's model, each rank's partition of the optimizer
+        ["model/mp_rank_00_model_states.pt", "model/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+         "model/zero_pp_rank_1_mp_rank_00_optim_states.pt"],
+        # ZeRO-3: each rank's partition of the model too
+        ["model/zero_pp_rank_0_mp_rank_00_model_states.pt", "model/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+         "model/zero_pp_rank_1_mp_rank_00_model_states.pt", "model/zero_pp_rank_1_mp_rank_00_optim_states.pt"]]
     assert refused == [
         "hvd.elastic.TorchState: optimizer= is DeepSpeed's DeepSpeedZeroOptimizer, which its engine's checkpoint "
         "holds; pass the engine alone, as TorchState(model=engine), and leave optimizer= out.",
