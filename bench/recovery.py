@@ -562,6 +562,9 @@ def main() -> int:
                         help="recovery at np=8 on a 4-host namespace testbed, stage by stage (bench/recovery_cluster.py)")
     parser.add_argument("--hosts", type=int, default=4,
                         help="--cluster's hosts, 2 task slots each (default 4; 5 leaves 2 slots free for a relaunch)")
+    parser.add_argument("--faults", default="",
+                        help="--cluster's faults, comma-separated (default: every one the --hosts allow): "
+                             "rank, executor, own_cores, node, preempted, min_np")
     args = parser.parse_args()
     if args.hosts < 4:
         parser.error(f"--hosts {args.hosts} has {args.hosts * 2} task slots, fewer than np=8 needs; use --hosts 4 or more")
@@ -570,7 +573,12 @@ def main() -> int:
     if args.cluster:
         import recovery_cluster
 
-        recovery_cluster.main(1 if args.quick else args.repeats, table, args.hosts)
+        only = [f for f in args.faults.split(",") if f]
+        allowed = recovery_cluster.kinds_for(args.hosts)
+        if any(f not in allowed for f in only):
+            parser.error(f"--faults {args.faults}: --hosts {args.hosts} allows {', '.join(allowed)} (a lost node and "
+                         "own_cores need --hosts 5, min_np --hosts 4)")
+        recovery_cluster.main(1 if args.quick else args.repeats, table, args.hosts, only)
         return 0
     repeats, warmup = (1, False) if args.quick else (args.repeats, True)
     wall = time.perf_counter()

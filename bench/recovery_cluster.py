@@ -14,6 +14,12 @@ rank 0's commit of step 10 is on the driver, a fault hits the host of the last r
   preempted  SIGPWR to that host's executor JVM: Spark decommissions it (spark.decommission.enabled); every rank
              leaves at a commit and the run goes on from it (stage 1 is then the notice seen, stage 2 every rank
              left at the commit after it, and the total runs from the notice)
+  own_cores  (with free slots only) ``executor``, where that host's Worker and every process it starts run at nice 19:
+             the replacement JVM it starts then barely takes the cores the relaunch on the other hosts needs, as on
+             a real cluster, where each host has cores of its own; nice 0 again once Spark has the executor back
+  min_np     (without free slots only) ``executor`` under ``min_np=6``: the run goes on at once with the 6
+             survivors, and grows back to np=8 at a commit once Spark has replaced the executor (the growth's own
+             time is reported under the table)
 
 Each stage of the restart, from one clock (every host is this machine): the driver's
 ``RunResult.restarts[0].stamps`` and rank 0's own marks (``entered``, ``init``, ``step``). The total is what
@@ -36,7 +42,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NP, HOSTS = 8, 4  # HOSTS: the default of --hosts
-KINDS = ("rank", "executor", "node", "preempted")
+KINDS = ("rank", "executor", "own_cores", "node", "preempted", "min_np")
+LABELS = {"rank": "rank killed", "executor": "executor killed", "own_cores": "executor killed, own cores",
+          "node": "node lost", "preempted": "preempted", "min_np": "executor killed, min_np=6"}
+MIN_NP = NP - 2
 
 #: (label, from stamp, to stamp): driver stamps, the fault's time ("fault") and rank 0's marks ("r0.*")
 STAGES = [
@@ -72,12 +81,26 @@ def _wait_executors(cluster, timeout: float = 120) -> None:
         time.sleep(0.5)
 
 
+def _renice(cluster, host, contains: str, value: int) -> None:
+    """Every thread of ``host``'s processes whose command line has ``contains`` at nice ``value`` (Linux keeps a
+    nice per thread, and a process started by a thread takes that thread's)."""
+    for pid, _ in cluster.processes(host, contains):
+        for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else ():
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(tid), value)
+            except OSError:  # the thread ended meanwhile
+                pass
+
+
 def fault_once(cluster, faults, kind: str, scratch: str) -> dict:
     marks = tempfile.mkdtemp(dir=scratch)
-    pending = cluster.driver.submit("recovery_train", NP, runner={"max_restarts": 1}, marks=marks)
+    runner = {"max_restarts": 1, **({"min_np": MIN_NP} if kind == "min_np" else {})}
+    pending = cluster.driver.submit("recovery_train", NP, runner=runner, marks=marks)
     pending.wait_for_output("[0] commit of step 10 is on the driver", timeout=240)
     ranks = faults.wait_for_ranks(cluster, NP, timeout=30)
     host, pid = ranks[NP - 1]
+    if kind == "own_cores":
+        _renice(cluster, host, "org.apache.spark.deploy.worker.Worker", 19)
     fault = time.monotonic()
     stopped = []
     if kind == "rank":
@@ -93,16 +116,22 @@ def fault_once(cluster, faults, kind: str, scratch: str) -> dict:
     finally:
         for worker in stopped:
             os.kill(worker, signal.SIGCONT)
-    if not outcome.ok or len(outcome.restarts) != 1:
+    failures = [e for e in outcome.restarts or [] if e["lost"] is not None]
+    if not outcome.ok or len(failures) != 1:
         raise RuntimeError(f"the {kind} fault's run did not end in one restart: {outcome.error or outcome.restarts}")
-    event = outcome.restarts[0]
+    event = failures[0]
+    if kind == "min_np" and event["np_after"] != MIN_NP:
+        raise RuntimeError(f"the min_np fault's run went on with np={event['np_after']}, not the {MIN_NP} survivors")
     stamps = {"fault": fault, **event["stamps"], **_marks(marks)}
     line = next(line for line in outcome.output.splitlines()
                 if "restart 1 of 1 after" in line or "preempted: relaunch 1" in line)
+    grown = [e for e in outcome.restarts if e["lost"] is None]
     if kind != "rank":
         _wait_executors(cluster)
+    if kind == "own_cores":
+        _renice(cluster, host, "", 0)
     return {"stamps": stamps, "seconds": event["seconds"], "to_step": stamps["r0.step"] - stamps["failed"],
-            "line": line}
+            "line": line, "grown": grown[0]["seconds"] if grown else None}
 
 
 def fresh_once(cluster, scratch: str) -> float:
@@ -114,7 +143,14 @@ def fresh_once(cluster, scratch: str) -> float:
     return _marks(marks)["r0.step"] - called
 
 
-def run(repeats: int, hosts: int = HOSTS) -> dict:
+def kinds_for(hosts: int) -> list:
+    """The faults a testbed of ``hosts`` can show: a lost node and own cores need free slots (the relaunch goes
+    there), min_np needs none (with free slots the relaunch takes all 8)."""
+    spare = hosts * 2 - NP >= 2
+    return [k for k in KINDS if (k not in ("node", "own_cores") or spare) and (k != "min_np" or not spare)]
+
+
+def run(repeats: int, hosts: int = HOSTS, only: list | None = None) -> dict:
     sys.path.insert(0, ROOT)
     from tests.cluster import _faults
     from tests.cluster._cluster import Cluster
@@ -129,8 +165,7 @@ def run(repeats: int, hosts: int = HOSTS) -> dict:
     os.environ["TMPDIR"] = tempfile.tempdir = scratch
     os.environ["PYSPARK_SUBMIT_ARGS"] = f"--driver-java-options -Djava.io.tmpdir={scratch} pyspark-shell"
     cluster = Cluster(hosts, python=sys.executable)
-    # a lost node's ranks relaunch only on free slots: without them the run would wait for the Worker it stopped
-    kinds = [k for k in KINDS if k != "node" or hosts * 2 - NP >= 2]
+    kinds = [k for k in kinds_for(hosts) if not only or k in only]
     out = {kind: [] for kind in kinds}
     out["fresh"] = []
     try:
@@ -168,8 +203,13 @@ def report(out: dict, repeats: int, table, hosts: int = HOSTS) -> None:
     rows.append(["failure seen -> first step done; peer: a fresh run, call -> first step done"]
                 + [f"{statistics.median(s['to_step'] for s in out[k]):.2f} / {fresh:.2f} = "
                    f"{statistics.median(s['to_step'] for s in out[k]) / fresh:.2f}" for k in kinds])
-    print(table(["stage", *(k if k == "preempted" else "node lost" if k == "node" else f"{k} killed" for k in kinds)],
-                rows))
+    print(table(["stage", *(LABELS[k] for k in kinds)], rows))
+    for k in kinds:
+        grown = [s["grown"] for s in out[k] if s.get("grown") is not None]
+        if grown:
+            print(f"\n{LABELS[k]}: grew back to np={NP} at a commit once Spark had the slots again, "
+                  f"{statistics.median(grown):.2f} s from every rank leaving to rank 0 asking for the commit (median of "
+                  f"{len(grown)}).")
 
 
 def _median_stage(samples: list, start: str, end: str) -> str:
@@ -178,6 +218,6 @@ def _median_stage(samples: list, start: str, end: str) -> str:
     return f"{statistics.median(spans):.2f}" if spans else "-"
 
 
-def main(repeats: int, table, hosts: int = HOSTS) -> None:
-    out = run(repeats, hosts)
+def main(repeats: int, table, hosts: int = HOSTS, only: list | None = None) -> None:
+    out = run(repeats, hosts, only)
     report(out, repeats, table, hosts)
