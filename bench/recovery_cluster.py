@@ -85,11 +85,11 @@ def _renice(cluster, host, contains: str, value: int) -> None:
     """Every thread of ``host``'s processes whose command line has ``contains`` at nice ``value`` (Linux keeps a
     nice per thread, and a process started by a thread takes that thread's)."""
     for pid, _ in cluster.processes(host, contains):
-        for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else ():
-            try:
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
                 os.setpriority(os.PRIO_PROCESS, int(tid), value)
-            except OSError:  # the thread ended meanwhile
-                pass
+        except OSError:  # the process or a thread of it ended meanwhile
+            continue
 
 
 def fault_once(cluster, faults, kind: str, scratch: str) -> dict:
