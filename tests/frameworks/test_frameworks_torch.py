@@ -92,18 +92,29 @@ def _saved(folder) -> list:
     return [torch.load(folder / f"rank-{r}.pt") for r in range(2)]
 
 
-def _torchrun(script, out, timeout=120):
-    """``torchrun --standalone --nnodes=1 --nproc_per_node=2 script out``, as from a plain shell."""
+#: What a torchrun worker prints when torch 2.13 aborts it at exit: a joinable std::thread destroyed, after the
+#: script has saved its result. Seen in CI (2026-12-07, the DDP script's rank 0, SIGABRT) and in 1 of 40 plain
+#: torchrun runs of DDP_SCRIPT here beside 2 CPU hogs: the peer's own flake, not the code under test, so the
+#: baseline is launched again.
+TORCH_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _torchrun(script, out, timeout=120, attempts=3):
+    """``torchrun --standalone --nnodes=1 --nproc_per_node=2 script out``, as from a plain shell; launched again
+    (up to ``attempts`` in all) only where a worker died of torch's abort at exit (``TORCH_EXIT_ABORT``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKHVD_")}
-    torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-                                 "--nproc_per_node=2", str(script), str(out)], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = torchrun.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(torchrun.pid, signal.SIGKILL)  # torchrun and its workers: its own process group
-        output, _ = torchrun.communicate()
-        pytest.fail(f"torchrun did not finish within {timeout} s:\n{output}")
+    for attempt in range(1, attempts + 1):
+        torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+                                     "--nproc_per_node=2", str(script), str(out)], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            output, _ = torchrun.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(torchrun.pid, signal.SIGKILL)  # torchrun and its workers: its own process group
+            output, _ = torchrun.communicate()
+            pytest.fail(f"torchrun did not finish within {timeout} s:\n{output}")
+        if torchrun.returncode == 0 or TORCH_EXIT_ABORT not in output or attempt == attempts:
+            break
     assert torchrun.returncode == 0, output
 
 
