@@ -64,15 +64,16 @@ STAGES = [
 ]
 
 
-def _marks(folder: str) -> dict:
-    """Rank 0's marks of its last process (the restarted one)."""
+def _marks(folder: str, after: float = float("-inf")) -> dict:
+    """Rank 0's marks of its first process that entered the function after ``after`` (the failure: the restarted
+    process, not the one of a later growth back to np=8)."""
     found = []
     for name in os.listdir(folder):
         if name.startswith("rank0-"):
             with open(os.path.join(folder, name)) as f:
                 found.append(json.load(f))
-    last = max(found, key=lambda m: m["entered"])
-    return {f"r0.{k}": v for k, v in last.items()}
+    first = min((m for m in found if m["entered"] > after), key=lambda m: m["entered"])
+    return {f"r0.{k}": v for k, v in first.items()}
 
 
 def _wait_executors(cluster, timeout: float = 120) -> None:
@@ -122,7 +123,8 @@ def fault_once(cluster, faults, kind: str, scratch: str) -> dict:
     event = failures[0]
     if kind == "min_np" and event["np_after"] != MIN_NP:
         raise RuntimeError(f"the min_np fault's run went on with np={event['np_after']}, not the {MIN_NP} survivors")
-    stamps = {"fault": fault, **event["stamps"], **_marks(marks)}
+    stamps = {"fault": fault, **event["stamps"]}
+    stamps.update(_marks(marks, after=stamps["failed"]))
     line = next(line for line in outcome.output.splitlines()
                 if "restart 1 of 1 after" in line or "preempted: relaunch 1" in line)
     grown = [e for e in outcome.restarts if e["lost"] is None]
