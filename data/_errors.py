@@ -11,8 +11,8 @@ class EmptyShardError(ValueError):
     """A shard would receive no rows: more shards than rows, or a filter that matches nothing."""
 
 
-class SchemaError(ValueError):
-    """A requested column or a filter does not match the dataset's columns."""
+class SchemaError(ValueError, RuntimeError):
+    """A requested column or a filter does not match the dataset's columns (a RuntimeError too, as Petastorm's is)."""
 
 
 class DatasetNotFoundError(FileNotFoundError):

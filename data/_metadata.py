@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
@@ -20,6 +21,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ._errors import DatasetNotFoundError, ReadError, SchemaError
+from ._partitions import Partitions, discover
 from ._plan import Piece
 
 
@@ -33,6 +35,14 @@ class Dataset:
     schema: pa.Schema  # the columns to read, in the order they are yielded
     pieces: tuple[Piece, ...]
     filter: ds.Expression | None
+    partitions: Partitions | None = None  # the key=value folders' columns, None where the files are in none
+    full_schema: pa.Schema | None = None  # the files' columns, then the partition columns
+
+    @property
+    def file_columns(self) -> list[str]:
+        """The columns to read that the files hold (the others come from partition folders)."""
+        in_folders = set(self.partitions.names) if self.partitions is not None else set()
+        return [c for c in self.schema.names if c not in in_folders]
 
     @property
     def num_rows(self) -> int:
@@ -90,12 +100,19 @@ def _hidden(relative: str) -> bool:
 
 def list_files(url_or_urls) -> tuple[pafs.FileSystem, list[str]]:
     """The filesystem and sorted Parquet files of a path, a URL, or a list of them (files or directories)."""
+    filesystem, found = find_files(url_or_urls)
+    return filesystem, [path for path, _ in found]
+
+
+def find_files(url_or_urls) -> tuple[pafs.FileSystem, list[tuple[str, str | None]]]:
+    """The filesystem and the Parquet files of a path, a URL, or a list of them, sorted, each with the directory it
+    was found in (None for a file listed as such): partition folders are read from the path below it."""
     urls = list(url_or_urls) if isinstance(url_or_urls, (list, tuple)) else [url_or_urls]
     if not urls:
         raise ValueError("dataset_url_or_urls is an empty list; pass a directory, a file, or a non-empty list of them.")
     resolved = [resolve_url(u) for u in urls]
     filesystem = resolved[0][0]
-    files: list[str] = []
+    files: list[tuple[str, str | None]] = []
     for url, (fs, path) in zip(urls, resolved):
         if fs.type_name != filesystem.type_name:
             raise ValueError(
@@ -106,7 +123,7 @@ def list_files(url_or_urls) -> tuple[pafs.FileSystem, list[str]]:
         if info.type == pafs.FileType.NotFound:
             raise DatasetNotFoundError(f"The dataset path {str(url)!r} does not exist ({path}); check the path, and on a cluster make sure every worker can see it (a shared filesystem or a remote URL).")
         if info.type == pafs.FileType.File:
-            files.append(path)
+            files.append((path, None))
             continue
         found = [
             entry.path
@@ -118,9 +135,9 @@ def list_files(url_or_urls) -> tuple[pafs.FileSystem, list[str]]:
                 f"No Parquet files found under {str(url)!r} ({path}); files whose names start with '_' or '.' are "
                 "skipped. Point dataset_url_or_urls at the directory that holds the part files."
             )
-        files.extend(found)
+        files.extend((found_path, path) for found_path in found)
     seen: set[str] = set()
-    for path in files:
+    for path, _ in files:
         if path in seen:
             raise ValueError(f"The file {path!r} is listed more than once in {_describe(url_or_urls)} (directly or inside a listed directory); list each file once, or its rows are read twice.")
         seen.add(path)
@@ -147,44 +164,87 @@ def to_expression(filters) -> ds.Expression | None:
     raise TypeError(f"filters must be a pyarrow.dataset.Expression or a DNF list such as [('label', '=', 3)], got {type(filters).__name__}: {filters!r}.")
 
 
-def _count_matching(fs: pafs.FileSystem, path: str, num_row_groups: int, expr: ds.Expression, columns: list[str]) -> list[int]:
+def _count_matching(fs: pafs.FileSystem, path: str, num_row_groups: int, expr: ds.Expression, columns: list[str],
+                    schema: pa.Schema | None = None, partition: ds.Expression | None = None) -> list[int]:
+    """The rows of each row group of a file that pass ``expr``; ``schema`` and ``partition``: the dataset's schema
+    with its partition columns, and what the file's folders say of them."""
     fmt = ds.ParquetFileFormat()
     try:
-        return [fmt.make_fragment(path, filesystem=fs, row_groups=[i]).count_rows(filter=expr) for i in range(num_row_groups)]
+        if partition is None:
+            return [fmt.make_fragment(path, filesystem=fs, row_groups=[i]).count_rows(filter=expr) for i in range(num_row_groups)]
+        return [fmt.make_fragment(path, filesystem=fs, partition_expression=partition, row_groups=[i])
+                .scanner(schema=schema, filter=expr).count_rows() for i in range(num_row_groups)]
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
         detail = " ".join(str(exc).split())
         raise SchemaError(f"filters {expr} could not be applied to {path!r}: {detail}. Filters may only name columns of the dataset, which are {columns}.") from exc
 
 
+_REGEX_CHARS = frozenset(".^$*+?{}[]\\|()")
+
+
+def select_columns(schema_fields, available: list[str]) -> list[str]:
+    """The columns ``schema_fields`` names, in order: each entry a column's name, or else a regular expression that
+    matches whole names (Petastorm's rule), which stands for every column it matches, in the dataset's order."""
+    if schema_fields is None:
+        return list(available)
+    if isinstance(schema_fields, str) or not all(isinstance(f, str) for f in schema_fields):
+        raise TypeError(f"schema_fields must be a list of column names or patterns, got {schema_fields!r}; e.g. schema_fields=['features', 'label'] or ['id', 'float.*'].")
+    wanted = list(schema_fields)
+    if not wanted:
+        raise ValueError(f"schema_fields is empty; name at least one of the columns {available}, or pass None to read them all.")
+    if len(set(wanted)) != len(wanted):
+        raise ValueError(f"schema_fields {wanted} names a column more than once; name each column once.")
+    out: list[str] = []
+    for entry in wanted:
+        if entry in available or not _REGEX_CHARS.intersection(entry):  # a name (the caller reports missing ones)
+            matched = [entry]
+        else:
+            try:
+                pattern = re.compile(entry)
+            except re.error as exc:
+                raise SchemaError(f"schema_fields entry {entry!r} is neither a column nor a valid regular expression "
+                                  f"({exc}); the available columns are {available}.") from None
+            matched = [c for c in available if pattern.fullmatch(c)]
+            if not matched:
+                raise SchemaError(f"schema_fields pattern {entry!r} matches no column; a pattern must match a whole "
+                                  f"column name, and the available columns are {available}.")
+        out.extend(c for c in matched if c not in out)
+    return out
+
+
 def open_dataset(url_or_urls, *, schema_fields: Sequence[str] | None, filters, workers: int = 8) -> Dataset:
     """List, check and measure a dataset: its files, the columns to read, and one piece per row group."""
     expr = to_expression(filters)
-    fs, files = list_files(url_or_urls)
+    fs, found = find_files(url_or_urls)
+    files = [path for path, _ in found]
+    partitions = discover(found, _describe(url_or_urls))
     with ThreadPoolExecutor(max(1, min(workers, len(files))), thread_name_prefix="sparkhvd-data-footer") as pool:
         footers = list(pool.map(lambda p: _footer(fs, p), files))
     first = footers[0].schema.to_arrow_schema()
-    available = first.names
-    if schema_fields is None:
-        wanted = list(available)
-    else:
-        if isinstance(schema_fields, str) or not all(isinstance(f, str) for f in schema_fields):
-            raise TypeError(f"schema_fields must be a list of column names, got {schema_fields!r}; e.g. schema_fields=['features', 'label'].")
-        wanted = list(schema_fields)
-        if not wanted:
-            raise ValueError(f"schema_fields is empty; name at least one of the columns {available}, or pass None to read them all.")
-        if len(set(wanted)) != len(wanted):
-            raise ValueError(f"schema_fields {wanted} names a column more than once; name each column once.")
+    in_folders = partitions.names if partitions is not None else []
+    clash = [c for c in in_folders if c in first.names]
+    if clash:
+        raise SchemaError(f"The column(s) {clash} of {_describe(url_or_urls)} are both in its Parquet files and partition "
+                          f"folder names ({clash[0]}=...); rename the files' column(s) or the folders, so that each "
+                          "column comes from one place.")
+    available = first.names + in_folders
+    wanted = select_columns(schema_fields, available)
     for path, footer in zip(files, footers):
-        names = footer.schema.to_arrow_schema().names
+        names = footer.schema.to_arrow_schema().names + in_folders
         missing = [c for c in wanted if c not in names]
         if missing:
-            where = str(url_or_urls) if path == files[0] else f"file {path!r}"
+            where = _describe(url_or_urls) if path == files[0] else f"file {path!r}"
             raise SchemaError(f"Column(s) {missing} in schema_fields do not exist in {where}; the available columns are {names}. Fix the names in schema_fields, or leave it None to read every column.")
-    schema = pa.schema([first.field(c) for c in wanted])
+    full = pa.schema(list(first) + list(partitions.fields if partitions is not None else ()))
+    schema = pa.schema([full.field(c) for c in wanted])
     if expr is None:
         counts = [[footer.row_group(i).num_rows for i in range(footer.num_row_groups)] for footer in footers]
     else:
+        def count(pf):
+            partition = None if partitions is None else partitions.expression(pf[0])
+            return _count_matching(fs, pf[0], pf[1].num_row_groups, expr, available, full, partition)
+
         with ThreadPoolExecutor(max(1, min(workers, len(files))), thread_name_prefix="sparkhvd-data-filter") as pool:
-            counts = list(pool.map(lambda pf: _count_matching(fs, pf[0], pf[1].num_row_groups, expr, available), zip(files, footers)))
+            counts = list(pool.map(count, zip(files, footers)))
     pieces = tuple(Piece(path, i, n) for path, per_file in zip(files, counts) for i, n in enumerate(per_file) if n > 0)
-    return Dataset(_describe(url_or_urls), fs, tuple(files), schema, pieces, expr)
+    return Dataset(_describe(url_or_urls), fs, tuple(files), schema, pieces, expr, partitions, full)

@@ -63,14 +63,24 @@ class _Shard:
         """One row-group slice of the plan, read (and row-shuffled) in a prefetch thread, less its first ``drop`` rows."""
         epoch, position, piece_slice, drop = task
         piece = self.dataset.pieces[piece_slice.piece]
-        columns = self.dataset.schema.names
+        columns, partitions = self.dataset.schema.names, self.dataset.partitions
         try:
             if self.dataset.filter is None:
                 with self.dataset.filesystem.open_input_file(piece.path) as f:
-                    table = pq.ParquetFile(f).read_row_group(piece.row_group, columns=columns)
-            else:
+                    table = pq.ParquetFile(f).read_row_group(piece.row_group, columns=self.dataset.file_columns)
+                if partitions is not None:  # the folders' values, one per row
+                    in_folders = [c for c in columns if c in partitions.names]
+                    for name, values in zip(in_folders, partitions.columns(piece.path, in_folders, table.num_rows)):
+                        table = table.append_column(name, values)
+            elif partitions is None:
                 fragment = ds.ParquetFileFormat().make_fragment(piece.path, filesystem=self.dataset.filesystem, row_groups=[piece.row_group])
                 table = fragment.to_table(columns=columns, filter=self.dataset.filter, batch_size=1 << 30)
+            else:  # the scan fills the partition columns from what the folders say
+                fragment = ds.ParquetFileFormat().make_fragment(
+                    piece.path, filesystem=self.dataset.filesystem, partition_expression=partitions.expression(piece.path),
+                    row_groups=[piece.row_group])
+                table = fragment.to_table(schema=self.dataset.full_schema, columns=columns, filter=self.dataset.filter,
+                                          batch_size=1 << 30)
         except Exception as exc:
             raise ReadError(
                 f"Reading row group {piece.row_group} of {piece.path!r} failed in a prefetch thread (shard {self.cur_shard} of "

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.unit
         (dict(batch_size=0), ValueError, r"batch_size must be at least 1, got 0"),
         (dict(workers_count=0), ValueError, r"workers_count must be at least 1, got 0"),
         (dict(seed=-1), ValueError, r"seed must be a non-negative int or None, got -1"),
-        (dict(schema_fields="id"), TypeError, r"schema_fields must be a list of column names, got 'id'"),
+        (dict(schema_fields="id"), TypeError, r"schema_fields must be a list of column names or patterns, got 'id'"),
         (dict(schema_fields=[]), ValueError, r"schema_fields is empty; name at least one of the columns \['id', 'label', 'vec'\]"),
         (dict(schema_fields=["id", "id"]), ValueError, r"schema_fields \['id', 'id'\] names a column more than once"),
         (dict(filters="label = 3"), TypeError, r"filters must be a pyarrow.dataset.Expression or a DNF list .* got str: 'label = 3'"),
