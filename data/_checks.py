@@ -6,6 +6,8 @@ import operator
 import sys
 from typing import Sequence
 
+from ._errors import ArgumentTypeError
+
 
 def _default_shard() -> tuple[int, int]:
     """``(rank, size)`` of the initialized ``sparkhvd.collective.torch`` communicator, else ``(0, 1)``.
@@ -21,11 +23,11 @@ def _default_shard() -> tuple[int, int]:
 
 def _as_int(name: str, value, fix: str) -> int:
     if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got the bool {value!r}; {fix}")
+        raise ArgumentTypeError(f"{name} must be an int, got the bool {value!r}; {fix}")
     try:
         return operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}; {fix}") from None
+        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}; {fix}") from None
 
 
 def _check_shard(cur_shard, shard_count) -> tuple[int, int]:
@@ -64,7 +66,7 @@ def _check_resume(resume_from, unit: str = "batch") -> tuple[int, int] | None:
     fix = (f"pass the (epoch, {unit}) that the interrupted run had reached, e.g. resume_from=(2, 37), or None to start at "
            "the beginning.")
     if isinstance(resume_from, (str, bytes)) or not isinstance(resume_from, Sequence) or len(resume_from) != 2:
-        raise TypeError(f"resume_from must be a pair (epoch, {unit}) of ints, got {type(resume_from).__name__} {resume_from!r}; {fix}")
+        raise ArgumentTypeError(f"resume_from must be a pair (epoch, {unit}) of ints, got {type(resume_from).__name__} {resume_from!r}; {fix}")
     epoch, position = (_as_int(f"resume_from's {name}", value, fix) for name, value in zip(("epoch", unit), resume_from))
     if epoch < 0 or position < 0:
         raise ValueError(f"resume_from=({epoch}, {position}) has a negative {'epoch' if epoch < 0 else unit}; epochs and "

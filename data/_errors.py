@@ -21,3 +21,8 @@ class DatasetNotFoundError(FileNotFoundError):
 
 class ReadError(RuntimeError):
     """A file could not be read: a bad footer at planning time, or a row group at read time."""
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type (``num_epochs='abc'``, ``make_reader(None)``): a TypeError, and a ValueError as
+    Petastorm raises for it."""

@@ -20,7 +20,7 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ._errors import DatasetNotFoundError, ReadError, SchemaError
+from ._errors import ArgumentTypeError, DatasetNotFoundError, ReadError, SchemaError
 from ._partitions import Partitions, discover
 from ._plan import Piece
 
@@ -64,7 +64,7 @@ def resolve_url(url: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
     except TypeError:
         text = None
     if not isinstance(text, str):
-        raise TypeError(f"Dataset URLs must be str or os.PathLike, got {type(url).__name__} {url!r}; pass a path such as '/data/train'.")
+        raise ArgumentTypeError(f"Dataset URLs must be str or os.PathLike, got {type(url).__name__} {url!r}; pass a path such as '/data/train'.")
     parsed = urlparse(text)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
@@ -161,7 +161,7 @@ def to_expression(filters) -> ds.Expression | None:
             return pq.filters_to_expression(filters)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"filters={filters!r} is not a valid DNF filter list ({exc}); use e.g. [('label', '=', 3)] or pyarrow.dataset.field('label') == 3.") from exc
-    raise TypeError(f"filters must be a pyarrow.dataset.Expression or a DNF list such as [('label', '=', 3)], got {type(filters).__name__}: {filters!r}.")
+    raise ArgumentTypeError(f"filters must be a pyarrow.dataset.Expression or a DNF list such as [('label', '=', 3)], got {type(filters).__name__}: {filters!r}.")
 
 
 def _count_matching(fs: pafs.FileSystem, path: str, num_row_groups: int, expr: ds.Expression, columns: list[str],
@@ -188,7 +188,7 @@ def select_columns(schema_fields, available: list[str]) -> list[str]:
     if schema_fields is None:
         return list(available)
     if isinstance(schema_fields, str) or not all(isinstance(f, str) for f in schema_fields):
-        raise TypeError(f"schema_fields must be a list of column names or patterns, got {schema_fields!r}; e.g. schema_fields=['features', 'label'] or ['id', 'float.*'].")
+        raise ArgumentTypeError(f"schema_fields must be a list of column names or patterns, got {schema_fields!r}; e.g. schema_fields=['features', 'label'] or ['id', 'float.*'].")
     wanted = list(schema_fields)
     if not wanted:
         raise ValueError(f"schema_fields is empty; name at least one of the columns {available}, or pass None to read them all.")

@@ -189,7 +189,9 @@ class Reader:
         self._prefetcher: Prefetcher | None = None
         self._batches: Iterator[pa.Table] | None = None
         self._stopped = False
+        self._ended = False  # the last epoch was read, or reading failed: next() then raises StopIteration again
         self._lock = threading.Lock()
+        self._next_lock = threading.Lock()  # one next() at a time: threads may share a reader, as in Petastorm
 
     @property
     def schema(self) -> pa.Schema:
@@ -217,7 +219,7 @@ class Reader:
         return self
 
     def __next__(self) -> tuple:
-        table = self._next_table()
+        table = self._next_table(raise_if_stopped=True)
         try:
             return table_to_batch(table, self.batch_type)
         except BaseException:
@@ -233,20 +235,37 @@ class Reader:
                 return
             yield table
 
-    def _next_table(self) -> pa.Table:
-        batches = self._start()
-        if batches is None:
-            raise StopIteration
-        try:
-            return next(batches)
-        except CancelledError:
-            if self._stopped:  # stop() from another thread cancelled the read we waited for
-                raise StopIteration from None
-            self.stop()
-            raise
-        except BaseException:  # StopIteration (the last epoch is read) included: end the threads
-            self.stop()
-            raise
+    def _next_table(self, raise_if_stopped: bool = False) -> pa.Table:
+        with self._next_lock:
+            batches = self._start()
+            if batches is None:
+                if raise_if_stopped:
+                    self._check_not_stopped()
+                raise StopIteration
+            try:
+                return next(batches)
+            except CancelledError:
+                if self._stopped:  # stop() from another thread cancelled the read we waited for
+                    if raise_if_stopped:
+                        self._check_not_stopped()
+                    raise StopIteration from None
+                self._ended = True
+                self.stop()
+                raise
+            except BaseException:  # StopIteration (the last epoch is read) included: end the threads
+                self._ended = True
+                self.stop()
+                raise
+
+    def _check_not_stopped(self) -> None:
+        """Raise Petastorm's RuntimeError where the reader was stopped (``stop()``, or its ``with`` block left)
+        before its last epoch was read."""
+        if self._stopped and not self._ended:
+            raise RuntimeError(
+                "This reader was stopped (stop() was called, or its 'with' block was left) and is read again; a stopped "
+                "reader yields nothing more. Read inside the 'with' block, or build a new reader (resume_from= starts it "
+                "where this one stood)."
+            )
 
     def stop(self) -> None:
         """Stop reading: cancel prefetches not started, wait for running ones; no thread is left running."""
@@ -383,7 +402,9 @@ def make_batch_reader(
     Use it as an iterator, preferably in ``with``: ``with make_batch_reader(url) as reader:
     for batch in reader: ...``. ``stop()`` ends the prefetch threads; an error in one is
     raised in the consuming thread. A reader is read once; dropping the last reference to it
-    also ends its threads.
+    also ends its threads. After ``stop()`` (or the ``with`` block), ``next()`` raises
+    RuntimeError, as Petastorm's does; a reader read to its end raises StopIteration. Threads
+    may share one reader: each batch goes to one of them.
     """
     return _build(
         dataset_url_or_urls, cur_shard=cur_shard, shard_count=shard_count, num_epochs=num_epochs,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 from ._reader import DEFAULT_WORKERS, Reader, _build
@@ -13,12 +14,15 @@ class RowReader:
     def __init__(self, reader: Reader):
         self.reader = reader
         self._rows = (reader.batch_type(*row) for batch in reader for row in zip(*batch))
+        self._lock = threading.Lock()  # threads may share a reader, as in Petastorm
 
     def __iter__(self) -> RowReader:
         return self
 
     def __next__(self) -> tuple:
-        return next(self._rows)
+        with self._lock:
+            self.reader._check_not_stopped()  # not the rest of a batch read before stop()
+            return next(self._rows)
 
     def stop(self) -> None:
         """Stop the underlying batch reader."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from sparkhvd.data import DatasetNotFoundError, EmptyShardError, ReadError, SchemaError, make_batch_reader
+from sparkhvd.data import DatasetNotFoundError, EmptyShardError, ReadError, SchemaError, make_batch_reader, make_reader
 from sparkhvd.data._arrow import rebatch
 
 pytestmark = pytest.mark.unit
@@ -95,3 +95,14 @@ def test_bad_urls(dataset):
 def test_rebatch_running_short_is_reported():
     with pytest.raises(RuntimeError, match=r"ran out 2 rows short of a batch of 5; this is a bug"):
         list(rebatch([pa.table({"a": [1, 2, 3]})], [5]))
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda d: make_batch_reader(d, num_epochs="abc"), r"num_epochs must be an int, got str 'abc'"),
+    (lambda d: make_batch_reader(d, cur_shard="0", shard_count=2), r"cur_shard must be an int, got str '0'"),
+    (lambda d: make_reader(None), r"Dataset URLs must be str or os.PathLike, got NoneType None"),
+])
+def test_a_wrong_type_is_a_value_error_as_in_petastorm_and_a_type_error(dataset, call, match):
+    with pytest.raises(ValueError, match=match) as info:
+        call(dataset)
+    assert isinstance(info.value, TypeError)

@@ -131,3 +131,48 @@ def test_schema_fields_take_petastorms_whole_name_patterns(tmp_path):
         make_batch_reader(root, schema_fields=["float["])
     with pytest.raises(RuntimeError, match=r"Column\(s\) \['float'\] in schema_fields do not exist"):  # Petastorm's type
         make_batch_reader(root, schema_fields=["float"])
+
+
+# ---- Petastorm's reader behaviour: shared across threads, and read after stop() -------------------------------
+
+
+@pytest.mark.parametrize("make", [make_reader, make_batch_reader])
+def test_ten_threads_share_one_reader_and_read_every_row_once(dataset, make):
+    import threading
+
+    seen, errors = [], []
+
+    def drain(reader):
+        try:
+            for item in reader:
+                seen.extend(np.atleast_1d(item.id).tolist())
+        except Exception as exc:  # noqa: BLE001 - what Petastorm users saw: "generator already executing"
+            errors.append(exc)
+
+    with make(dataset, num_epochs=2, equal_steps=False, workers_count=2) as reader:
+        threads = [threading.Thread(target=drain, args=(reader,)) for _ in range(10)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    assert errors == []
+    assert Counter(seen) == {i: 2 for i in range(100)}
+
+
+@pytest.mark.parametrize("make", [make_reader, make_batch_reader])
+def test_next_after_stop_or_the_with_block_raises_petastorms_runtime_error(dataset, make):
+    with make(dataset, equal_steps=False) as reader:
+        next(reader)
+    with pytest.raises(RuntimeError, match=r"^This reader was stopped \(stop\(\) was called, or its 'with' block was "
+                                           r"left\) and is read again; a stopped reader yields nothing more"):
+        next(reader)
+    stopped = make(dataset)
+    stopped.stop()
+    with pytest.raises(RuntimeError, match="This reader was stopped"):
+        next(stopped)
+    with make(dataset, num_epochs=1) as finished:
+        assert len(list(finished)) >= 1
+        with pytest.raises(StopIteration):  # read to its end: an iterator that is done, not an error
+            next(finished)
+    with pytest.raises(StopIteration):
+        next(finished)

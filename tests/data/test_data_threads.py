@@ -30,7 +30,8 @@ def test_stop_mid_epoch_leaves_no_thread(dataset, no_leaked_threads):
     reader.stop()
     reader.join()
     assert not reader_threads()
-    assert list(reader) == []  # a stopped reader yields nothing more
+    with pytest.raises(RuntimeError, match="This reader was stopped"):  # Petastorm's error, not an empty reader
+        list(reader)
 
 
 @pytest.fixture
@@ -106,14 +107,15 @@ def test_exhausted_reader_leaves_no_thread(dataset, no_leaked_threads):
     assert not reader_threads()
 
 
-def test_stop_from_another_thread_ends_iteration(dataset, no_leaked_threads):
+def test_stop_from_another_thread_ends_iteration_with_petastorms_error(dataset, no_leaked_threads):
     reader = make_batch_reader(dataset, num_epochs=None, batch_size=1, workers_count=2, equal_steps=False)
     count = 0
     stopper = threading.Thread(target=reader.stop)
-    for _ in reader:  # ends (no error) once the concurrent stop() lands
-        count += 1
-        if count == 10:
-            stopper.start()
+    with pytest.raises(RuntimeError, match="This reader was stopped"):  # a read waiting when it lands, or the next
+        for _ in reader:
+            count += 1
+            if count == 10:
+                stopper.start()
     stopper.join()
     assert count >= 10
 
