@@ -57,8 +57,12 @@ def _describe(url_or_urls) -> str:
     return repr(str(url_or_urls))
 
 
-def resolve_url(url: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
-    """The filesystem and path of a local path, a ``file://`` URL, or any URL pyarrow.fs or fsspec knows."""
+def resolve_url(url: str | os.PathLike, storage_options: dict | None = None, filesystem=None) -> tuple[pafs.FileSystem, str]:
+    """The filesystem and path of a local path, a ``file://`` URL, or any URL pyarrow.fs or fsspec knows.
+
+    ``filesystem`` (Petastorm's argument): a pyarrow or fsspec filesystem that the URL's path is on; ``storage_options``:
+    fsspec's options, with which the URL goes through fsspec.
+    """
     try:
         text = os.fspath(url)
     except TypeError:
@@ -66,6 +70,11 @@ def resolve_url(url: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
     if not isinstance(text, str):
         raise ArgumentTypeError(f"Dataset URLs must be str or os.PathLike, got {type(url).__name__} {url!r}; pass a path such as '/data/train'.")
     parsed = urlparse(text)
+    if filesystem is not None:
+        path = unquote(parsed.netloc + parsed.path) if len(parsed.scheme) > 1 else text
+        return _as_pyarrow(filesystem), path
+    if storage_options is not None:
+        return _fsspec(text, parsed.scheme or "file", storage_options)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise ValueError(f"The file URL {text!r} names host {parsed.netloc!r}; file URLs must be local, e.g. 'file:///data/train'.")
@@ -80,12 +89,29 @@ def resolve_url(url: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
     return pafs.LocalFileSystem(), os.path.abspath(text)
 
 
-def _fsspec(url: str, scheme: str) -> tuple[pafs.FileSystem, str]:
-    """A URL pyarrow has no filesystem for, through fsspec (which torch installs), wrapped for pyarrow."""
+def _as_pyarrow(filesystem) -> pafs.FileSystem:
+    """A pyarrow filesystem as is, an fsspec one wrapped for pyarrow."""
+    if isinstance(filesystem, pafs.FileSystem):
+        return filesystem
+    import fsspec
+
+    if isinstance(filesystem, fsspec.AbstractFileSystem):
+        return pafs.PyFileSystem(pafs.FSSpecHandler(filesystem))
+    raise ArgumentTypeError(f"filesystem must be a pyarrow.fs.FileSystem or an fsspec filesystem, got "
+                            f"{type(filesystem).__name__} {filesystem!r}; e.g. filesystem=pyarrow.fs.S3FileSystem(...), "
+                            "or leave it out and pass a URL.")
+
+
+def _fsspec(url: str, scheme: str, storage_options: dict | None = None) -> tuple[pafs.FileSystem, str]:
+    """A URL pyarrow has no filesystem for (or one with fsspec options), through fsspec (which torch installs),
+    wrapped for pyarrow."""
     import fsspec
 
     try:
-        fs, path = fsspec.core.url_to_fs(url)
+        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except TypeError as exc:  # an option the scheme's filesystem does not take
+        raise ValueError(f"fsspec could not open {url!r} with storage_options {sorted(storage_options or {})}: {exc}; "
+                         f"pass only options that fsspec's {scheme}:// filesystem takes.") from exc
     except (ImportError, ValueError) as exc:
         raise ValueError(f"Neither pyarrow nor fsspec has a filesystem for {scheme}:// in {url!r} ({exc}); install "
                          "the fsspec package for that scheme (s3fs, gcsfs, adlfs, ...), or use a path every worker "
@@ -98,19 +124,20 @@ def _hidden(relative: str) -> bool:
     return any(part.startswith(("_", ".")) for part in relative.split("/"))
 
 
-def list_files(url_or_urls) -> tuple[pafs.FileSystem, list[str]]:
-    """The filesystem and sorted Parquet files of a path, a URL, or a list of them (files or directories)."""
-    filesystem, found = find_files(url_or_urls)
+def list_files(url_or_urls, **where) -> tuple[pafs.FileSystem, list[str]]:
+    """The filesystem and sorted Parquet files of a path, a URL, or a list of them (files or directories);
+    ``where``: resolve_url's ``storage_options`` and ``filesystem``."""
+    filesystem, found = find_files(url_or_urls, **where)
     return filesystem, [path for path, _ in found]
 
 
-def find_files(url_or_urls) -> tuple[pafs.FileSystem, list[tuple[str, str | None]]]:
+def find_files(url_or_urls, **where) -> tuple[pafs.FileSystem, list[tuple[str, str | None]]]:
     """The filesystem and the Parquet files of a path, a URL, or a list of them, sorted, each with the directory it
     was found in (None for a file listed as such): partition folders are read from the path below it."""
     urls = list(url_or_urls) if isinstance(url_or_urls, (list, tuple)) else [url_or_urls]
     if not urls:
         raise ValueError("dataset_url_or_urls is an empty list; pass a directory, a file, or a non-empty list of them.")
-    resolved = [resolve_url(u) for u in urls]
+    resolved = [resolve_url(u, **where) for u in urls]
     filesystem = resolved[0][0]
     files: list[tuple[str, str | None]] = []
     for url, (fs, path) in zip(urls, resolved):
@@ -212,10 +239,11 @@ def select_columns(schema_fields, available: list[str]) -> list[str]:
     return out
 
 
-def open_dataset(url_or_urls, *, schema_fields: Sequence[str] | None, filters, workers: int = 8) -> Dataset:
+def open_dataset(url_or_urls, *, schema_fields: Sequence[str] | None, filters, workers: int = 8,
+                 storage_options: dict | None = None, filesystem=None) -> Dataset:
     """List, check and measure a dataset: its files, the columns to read, and one piece per row group."""
     expr = to_expression(filters)
-    fs, found = find_files(url_or_urls)
+    fs, found = find_files(url_or_urls, storage_options=storage_options, filesystem=filesystem)
     files = [path for path, _ in found]
     partitions = discover(found, _describe(url_or_urls))
     with ThreadPoolExecutor(max(1, min(workers, len(files))), thread_name_prefix="sparkhvd-data-footer") as pool:

@@ -19,6 +19,7 @@ from ._arrow import batch_type, rebatch, table_to_batch
 from ._checks import _check_positive, _check_resume, _check_seed, _check_shard
 from ._errors import EmptyShardError, ReadError
 from ._metadata import Dataset, open_dataset
+from ._petastorm_args import Options, take
 from ._plan import EpochPlan, Slice, iter_epochs, plan_epoch, resolve_seed
 from ._prefetch import Prefetcher
 
@@ -290,7 +291,7 @@ class Reader:
 def _build(
     dataset_url_or_urls, *, cur_shard, shard_count, num_epochs, shuffle_row_groups, shuffle_rows, seed,
     schema_fields, filters, batch_size, equal_steps, workers_count, step_rows=None, resume_from=None,
-    resume_unit="batch",
+    resume_unit="batch", petastorm: Options = Options(),
 ) -> Reader:
     cur_shard, shard_count = _check_shard(cur_shard, shard_count)
     num_epochs = _check_positive("num_epochs", num_epochs, True, "pass None to read forever, or a positive number of epochs.")
@@ -298,7 +299,10 @@ def _build(
     workers_count = _check_positive("workers_count", workers_count, False, f"pass a positive number of threads (default {DEFAULT_WORKERS}).")
     seed = _check_seed(seed)
     resume_from = _check_resume(resume_from, resume_unit)
-    dataset = open_dataset(dataset_url_or_urls, schema_fields=schema_fields, filters=filters, workers=workers_count)
+    if petastorm.single_thread:  # reader_pool_type='dummy'
+        workers_count = 1
+    dataset = open_dataset(dataset_url_or_urls, schema_fields=schema_fields, filters=filters, workers=workers_count,
+                           storage_options=petastorm.storage_options, filesystem=petastorm.filesystem)
     total = dataset.num_rows
     if total < shard_count:
         after = f" after filters {dataset.filter}" if dataset.filter is not None else ""
@@ -333,6 +337,7 @@ def make_batch_reader(
     equal_steps: bool = True,
     workers_count: int = DEFAULT_WORKERS,
     resume_from: tuple[int, int] | None = None,
+    **petastorm_args,
 ) -> Reader:
     """A reader of one shard of a Parquet dataset, yielding namedtuples of NumPy arrays (one per column).
 
@@ -405,10 +410,18 @@ def make_batch_reader(
     also ends its threads. After ``stop()`` (or the ``with`` block), ``next()`` raises
     RuntimeError, as Petastorm's does; a reader read to its end raises StopIteration. Threads
     may share one reader: each batch goes to one of them.
+
+    ``petastorm_args``: Petastorm's other arguments. ``storage_options`` (fsspec's options for the
+    URL) and ``filesystem`` (a pyarrow or fsspec filesystem the paths are on) are used;
+    ``reader_pool_type='dummy'`` reads in one thread; ``'thread'``/``'process'``,
+    ``shard_seed``, ``hdfs_driver``, ``zmq_copy_buffers`` and the cache settings of
+    ``cache_type='null'`` are accepted (noted once where they would ask for something);
+    ``predicate``, ``rowgroup_selector``, ``transform_spec``, ``shuffle_row_drop_partitions > 1``
+    and ``cache_type='local-disk'`` are refused with ValueError. docs/data.md lists each one.
     """
     return _build(
         dataset_url_or_urls, cur_shard=cur_shard, shard_count=shard_count, num_epochs=num_epochs,
         shuffle_row_groups=shuffle_row_groups, shuffle_rows=shuffle_rows, seed=seed, schema_fields=schema_fields,
         filters=filters, batch_size=batch_size, equal_steps=equal_steps, workers_count=workers_count,
-        resume_from=resume_from,
+        resume_from=resume_from, petastorm=take("make_batch_reader", petastorm_args),
     )
