@@ -7,9 +7,11 @@ torch or TensorFlow, for the loaders) only when called. The cache rule is in ``_
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import posixpath
+import sys
 import uuid
 from typing import Any
 
@@ -57,11 +59,13 @@ def _check_dtype(dtype: str | None) -> None:
 
 
 def _float_casts(df, dtype: str | None):
-    """Cast double columns (and arrays of double, and ML vectors) to ``dtype``, as Petastorm does."""
+    """Cast float columns (and arrays of them, and ML vectors) to ``dtype``, as Petastorm does: double to float32, or
+    float32 to double; None keeps them."""
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
     _check_dtype(dtype)
+    source, target = (T.DoubleType, T.FloatType) if dtype == "float32" else (T.FloatType, T.DoubleType)
     columns = []
     for field in df.schema.fields:
         col, kind = F.col(f"`{field.name}`"), field.dataType
@@ -69,10 +73,10 @@ def _float_casts(df, dtype: str | None):
             from pyspark.ml.functions import vector_to_array
 
             col, kind = vector_to_array(col, "float32" if dtype == "float32" else "float64"), None
-        elif dtype == "float32" and isinstance(kind, T.DoubleType):
-            col = col.cast(T.FloatType())
-        elif dtype == "float32" and isinstance(kind, T.ArrayType) and isinstance(kind.elementType, T.DoubleType):
-            col = col.cast(T.ArrayType(T.FloatType()))
+        elif dtype is not None and isinstance(kind, source):
+            col = col.cast(target())
+        elif dtype is not None and isinstance(kind, T.ArrayType) and isinstance(kind.elementType, source):
+            col = col.cast(T.ArrayType(target()))
         columns.append(col.alias(field.name))
     return df.select(*columns)
 
@@ -119,8 +123,13 @@ class SparkDatasetConverter:
     one length, and that length; the tf.data adapter gives them static shapes.
     """
 
-    def __init__(self, cache_dir_url: str, dataset_size: int, list_lengths: dict[str, int] | None = None):
+    #: Petastorm's name of the Spark conf that holds the parent cache directory
+    PARENT_CACHE_DIR_URL_CONF = PETASTORM_PARENT_CACHE_DIR_CONF
+
+    def __init__(self, cache_dir_url: str, dataset_size: int, list_lengths: dict[str, int] | None = None, *,
+                 written: bool = True):
         self.cache_dir_url = cache_dir_url
+        self.written = written  # False: a saved dataset the user gave, which delete() leaves alone
         self.dataset_size = dataset_size
         self.list_lengths = dict(list_lengths or {})
         scheme = cache_dir_url.split("://", 1)[0]
@@ -157,15 +166,35 @@ class SparkDatasetConverter:
     def delete(self) -> None:
         """Delete the cached Parquet files; later converters of the same plan write them again.
 
-        Converters returned for the same plan share the directory, so it is gone for them too.
+        Converters returned for the same plan share the directory, so it is gone for them too. A converter over a
+        saved dataset (``make_spark_converter(path)``) deletes nothing: the files are the user's.
         """
+        if not self.written:
+            return
         fs, path = pafs.FileSystem.from_uri(self.cache_dir_url)
         with contextlib.ExitStack() as held:
             # Under the slot's lock, so that make_spark_converter never hands out the directory being deleted.
             for slot in _cache.slots_with_url(self.cache_dir_url):
                 held.enter_context(slot.lock)
             _cache.forget(self.cache_dir_url)
+            _written.discard(self.cache_dir_url)
             fs.delete_dir(path)
+
+
+#: The directories this process wrote and has not deleted; removed when it exits, as Petastorm's are
+_written: set[str] = set()
+
+
+@atexit.register
+def _delete_written() -> None:
+    for url in list(_written):
+        try:
+            fs, path = pafs.FileSystem.from_uri(url)
+            fs.delete_dir(path)
+        except (OSError, ValueError) as exc:  # the exit goes on; say what is left
+            print(f"sparkhvd.data: could not delete the converter's cache directory {url} at exit ({exc}); delete it "
+                  "yourself.", file=sys.stderr)
+        _written.discard(url)
 
 
 def _parent_url(df, parent_cache_dir_url: str | None) -> str:
@@ -201,6 +230,7 @@ def _materialize(df, parent: str, row_group_bytes: int, compression_codec: str |
             "files": [posixpath.relpath(path, root) for path in dataset.files],
         }
         _cache.write_marker(url, marker)
+        _written.add(url)
     except BaseException:
         # Leave no partly written directory behind: it would never be reused, only take space.
         try:
@@ -233,7 +263,14 @@ def make_spark_converter(
 
     ``parquet_row_group_size_bytes`` caps the row-group size; smaller data sets get smaller
     row groups, about 64 of them but at least 1 MiB each (see ``choose_row_group_bytes``).
+
+    ``df`` may also be the path or URL of a saved Parquet dataset (Petastorm 0.12's form:
+    ``'file:/dbfs/tmp/saved'``, ``'/dbfs/tmp/saved'``, ``'dbfs:/tmp/saved'``, ``'s3://...'``):
+    the converter then reads it where it is, writing nothing and casting nothing, and its
+    ``delete()`` leaves the files alone.
     """
+    if isinstance(df, (str, os.PathLike)):
+        return _saved(df)
     parent = _parent_url(df, parent_cache_dir_url)
     _check_dtype(dtype)
     if isinstance(parquet_row_group_size_bytes, bool) or not isinstance(parquet_row_group_size_bytes, int) or parquet_row_group_size_bytes < 1:
@@ -250,3 +287,14 @@ def make_spark_converter(
                 raise
             _cache.keep(slot)
         return SparkDatasetConverter(slot.url, marker["rows"], marker["list_lengths"])
+
+
+def _saved(path) -> SparkDatasetConverter:
+    """A converter over a saved Parquet dataset, read in place (its rows counted from the footers)."""
+    url = os.fspath(path)
+    if url.startswith("dbfs:/"):  # Databricks' DBFS, as its FUSE mount shows it on every node
+        url = "file:///dbfs/" + url[len("dbfs:/"):].lstrip("/")
+    elif "://" not in url:  # a local path, or Spark's file:/path
+        url = "file://" + os.path.abspath(url[len("file:"):] if url.startswith("file:") else url)
+    dataset = open_dataset(url, schema_fields=None, filters=None)
+    return SparkDatasetConverter(url.rstrip("/"), dataset.num_rows, written=False)

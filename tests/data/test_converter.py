@@ -293,3 +293,58 @@ def test_slots_of_a_stopped_session_are_dropped(tmp_path):
     result = subprocess.run([sys.executable, "-c", _STOPPED_SESSION_SCRIPT, tmp_path.as_uri()],
                             capture_output=True, text=True, timeout=220)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+# ---- Petastorm's converter behaviour ---------------------------------------------------------------------------
+
+
+def test_petastorms_conf_name_and_dtype_float64_widen_float32_columns(spark, tmp_path):
+    from sparkhvd.data import SparkDatasetConverter, make_spark_converter
+
+    assert SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF == "petastorm.spark.converter.parentCacheDirUrl"
+    df = spark.range(6).selectExpr("id", "cast(id as float) as f", "array(cast(id as float)) as fs", "cast(id as double) as d")
+    wide = make_spark_converter(df, parent_cache_dir_url=tmp_path.as_uri(), dtype="float64")
+    kept = make_spark_converter(df, parent_cache_dir_url=tmp_path.as_uri(), dtype=None)
+    try:
+        types = {f.name: str(f.type) for f in pq.read_schema(wide.file_urls[0][len("file://"):])}
+        assert types == {"id": "int64", "f": "double", "fs": "list<element: double>", "d": "double"}
+        types = {f.name: str(f.type) for f in pq.read_schema(kept.file_urls[0][len("file://"):])}
+        assert types == {"id": "int64", "f": "float", "fs": "list<element: float not null>", "d": "double"}
+    finally:
+        wide.delete()
+        kept.delete()
+
+
+@pytest.mark.parametrize("form", ["file:{}", "{}", "file://{}"])
+def test_a_saved_parquet_path_is_read_in_place_and_never_deleted(spark, tmp_path, form):
+    from sparkhvd.data import make_spark_converter
+
+    saved = tmp_path / "saved"
+    spark.range(0, 41, numPartitions=2).selectExpr("id", "cast(id as double) as x").write.parquet(str(saved))
+    before = sorted(p.name for p in saved.iterdir())
+    converter = make_spark_converter(form.format(saved))
+    assert len(converter) == 41 and converter.cache_dir_url == f"file://{saved}"
+    with converter.make_torch_dataloader(batch_size=8, num_epochs=1) as loader:
+        assert sorted(int(i) for batch in loader for i in batch["id"]) == list(range(41))
+    converter.delete()
+    assert sorted(p.name for p in saved.iterdir()) == before  # the user's files, untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["saved"]  # nothing written beside them
+
+
+def test_written_directories_are_deleted_when_the_process_exits(spark, tmp_path):
+    import subprocess
+    import sys
+
+    from sparkhvd.data import _converter, make_spark_converter
+
+    converter = make_spark_converter(_frame(spark, n=5), parent_cache_dir_url=tmp_path.as_uri())
+    assert converter.cache_dir_url in _converter._written  # what the exit hook deletes
+    converter.delete()
+    assert converter.cache_dir_url not in _converter._written
+    # The hook itself, at a real interpreter exit (no Spark needed to register a directory with it):
+    left = tmp_path / "left"
+    left.mkdir()
+    (left / "part-0.parquet").write_bytes(b"x")
+    code = f"import sparkhvd.data._converter as c; c._written.add({left.as_uri()!r})"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert not left.exists()

@@ -74,3 +74,14 @@ def test_a_loader_over_a_reader_refuses_a_second_iteration(dataset, no_leaked_th
     assert sorted(_pass_ids(loader)) == list(range(100))
     with pytest.raises(RuntimeError, match=r"This TorchLoader wraps a Reader, which can be read once, and is being iterated a second time .*; pass a dataset URL to make_torch_loader so that each iteration builds a fresh reader, or make a new reader with make_batch_reader for each pass\."):
         iter(loader)
+
+
+def test_a_bool_column_is_torch_bool_not_petastorms_uint8(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"flag": [True, False, True]}), tmp_path / "part-0.parquet")
+    with make_torch_loader(tmp_path, batch_size=3, shuffle_row_groups=False) as loader:
+        batch = next(iter(loader))
+    assert batch["flag"].tolist() == [True, False, True]
+    assert batch["flag"].dtype == torch.bool  # docs/data.md: the choice, and .to(torch.uint8) for Petastorm's
