@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import posixpath
 import re
+import warnings
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
@@ -163,12 +165,13 @@ def find_files(url_or_urls, **where) -> tuple[pafs.FileSystem, list[tuple[str, s
                 "skipped. Point dataset_url_or_urls at the directory that holds the part files."
             )
         files.extend((found_path, path) for found_path in found)
-    seen: set[str] = set()
-    for path, _ in files:
-        if path in seen:
-            raise ValueError(f"The file {path!r} is listed more than once in {_describe(url_or_urls)} (directly or inside a listed directory); list each file once, or its rows are read twice.")
-        seen.add(path)
-    return filesystem, sorted(files)
+    counts = Counter(path for path, _ in files)
+    twice = sorted(path for path, n in counts.items() if n > 1)
+    if twice:  # read as often as listed, as Petastorm (pyarrow's dataset) reads them
+        warnings.warn(f"The file {twice[0]!r}{f' and {len(twice) - 1} more' if len(twice) > 1 else ''} is listed more "
+                      f"than once in {_describe(url_or_urls)} (directly or inside a listed directory), so its rows are "
+                      "read as many times each epoch; list each file once to read them once.", stacklevel=4)
+    return filesystem, sorted(files, key=lambda found: found[0])
 
 
 def _footer(fs: pafs.FileSystem, path: str) -> pq.FileMetaData:

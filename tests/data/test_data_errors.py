@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pyarrow as pa
 import pytest
 
@@ -79,8 +81,12 @@ def test_empty_list_and_duplicates_and_mixed_filesystems(dataset):
     with pytest.raises(ValueError, match=r"dataset_url_or_urls is an empty list"):
         make_batch_reader([])
     part = dataset / "part-00000.parquet"
-    with pytest.raises(ValueError, match=r"The file '.*part-00000.parquet' is listed more than once .*; list each file once"):
-        make_batch_reader([dataset, part])
+    with pytest.warns(UserWarning, match=r"The file '.*part-00000.parquet' is listed more than once .*, so its rows are "
+                                         r"read as many times each epoch; list each file once"):
+        reader = make_batch_reader([dataset, part, part])
+    with reader:  # read as often as listed, as in Petastorm: part-00000 holds ids 0 to 34
+        ids = Counter(i for batch in reader for i in batch.id.tolist())
+    assert ids == {**{i: 1 for i in range(100)}, **{i: 3 for i in range(35)}}
     with pytest.raises(ValueError, match=r"All dataset URLs must be on one filesystem, .* is on local and 'mock:///x' is on mock"):
         make_batch_reader([part, "mock:///x"])
 
