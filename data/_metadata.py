@@ -52,11 +52,46 @@ class Dataset:
         return sum(p.num_rows for p in self.pieces)
 
 
+_SECRET_PARAM = re.compile(r"(?i)(key|secret|token|password|credential|signature)")
+
+
+def redact(url) -> str:
+    """A URL as messages show it: the values of its query parameters that hold credentials (pyarrow's
+    ``access_key``, ``secret_key``, ``session_token``, ...) and a password in it as ``***``."""
+    text = str(url)
+    parsed = urlparse(text)
+    if not parsed.scheme or (not parsed.query and "@" not in parsed.netloc):
+        return text
+    query = "&".join(f"{k}=***" if _SECRET_PARAM.search(k) else f"{k}={v}" if sep else k
+                     for k, sep, v in (part.partition("=") for part in parsed.query.split("&") if part))
+    netloc = parsed.netloc
+    if "@" in netloc:
+        user, _, host = netloc.rpartition("@")
+        netloc = f"{user.split(':', 1)[0]}:***@{host}" if ":" in user else f"***@{host}"
+    return parsed._replace(netloc=netloc, query=query).geturl()
+
+
+def _secrets(url) -> list[str]:
+    """The credential values a URL holds (its password, and the values of its credential query parameters)."""
+    parsed = urlparse(str(url))
+    found = [v for k, _, v in (part.partition("=") for part in parsed.query.split("&")) if v and _SECRET_PARAM.search(k)]
+    if parsed.password:
+        found.append(parsed.password)
+    return found
+
+
+def scrub(message: str, url) -> str:
+    """``message`` (a library's error text, which may quote the URL) with ``url``'s credentials as ``***``."""
+    for secret in _secrets(url):
+        message = message.replace(secret, "***")
+    return message
+
+
 def _describe(url_or_urls) -> str:
     if isinstance(url_or_urls, (list, tuple)):
-        shown = ", ".join(repr(str(u)) for u in url_or_urls[:3])
+        shown = ", ".join(repr(redact(u)) for u in url_or_urls[:3])
         return f"[{shown}{', ...' if len(url_or_urls) > 3 else ''}]"
-    return repr(str(url_or_urls))
+    return repr(redact(url_or_urls))
 
 
 def resolve_url(url: str | os.PathLike, storage_options: dict | None = None, filesystem=None) -> tuple[pafs.FileSystem, str]:
@@ -86,7 +121,9 @@ def resolve_url(url: str | os.PathLike, storage_options: dict | None = None, fil
             return pafs.FileSystem.from_uri(text)
         except pa.ArrowInvalid as exc:
             if "Unrecognized filesystem type" not in str(exc):
-                raise
+                raise ValueError(f"pyarrow could not open the URL {redact(text)!r}: {scrub(str(exc), text)}; fix the "
+                                 "URL (see pyarrow.fs.FileSystem.from_uri), or pass filesystem= with the filesystem "
+                                 "and the path on it.") from None
         return _fsspec(text, parsed.scheme)
     return pafs.LocalFileSystem(), os.path.abspath(text)
 
@@ -112,10 +149,10 @@ def _fsspec(url: str, scheme: str, storage_options: dict | None = None) -> tuple
     try:
         fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     except TypeError as exc:  # an option the scheme's filesystem does not take
-        raise ValueError(f"fsspec could not open {url!r} with storage_options {sorted(storage_options or {})}: {exc}; "
+        raise ValueError(f"fsspec could not open {redact(url)!r} with storage_options {sorted(storage_options or {})}: {exc}; "
                          f"pass only options that fsspec's {scheme}:// filesystem takes.") from exc
     except (ImportError, ValueError) as exc:
-        raise ValueError(f"Neither pyarrow nor fsspec has a filesystem for {scheme}:// in {url!r} ({exc}); install "
+        raise ValueError(f"Neither pyarrow nor fsspec has a filesystem for {scheme}:// in {redact(url)!r} ({exc}); install "
                          "the fsspec package for that scheme (s3fs, gcsfs, adlfs, ...), or use a path every worker "
                          "can read.") from exc
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
@@ -145,12 +182,12 @@ def find_files(url_or_urls, **where) -> tuple[pafs.FileSystem, list[tuple[str, s
     for url, (fs, path) in zip(urls, resolved):
         if fs.type_name != filesystem.type_name:
             raise ValueError(
-                f"All dataset URLs must be on one filesystem, but {str(urls[0])!r} is on {filesystem.type_name} "
-                f"and {str(url)!r} is on {fs.type_name}; read them with separate readers."
+                f"All dataset URLs must be on one filesystem, but {redact(urls[0])!r} is on {filesystem.type_name} "
+                f"and {redact(url)!r} is on {fs.type_name}; read them with separate readers."
             )
         info = fs.get_file_info(path)
         if info.type == pafs.FileType.NotFound:
-            raise DatasetNotFoundError(f"The dataset path {str(url)!r} does not exist ({path}); check the path, and on a cluster make sure every worker can see it (a shared filesystem or a remote URL).")
+            raise DatasetNotFoundError(f"The dataset path {redact(url)!r} does not exist ({path}); check the path, and on a cluster make sure every worker can see it (a shared filesystem or a remote URL).")
         if info.type == pafs.FileType.File:
             files.append((path, None))
             continue
@@ -161,7 +198,7 @@ def find_files(url_or_urls, **where) -> tuple[pafs.FileSystem, list[tuple[str, s
         ]
         if not found:
             raise DatasetNotFoundError(
-                f"No Parquet files found under {str(url)!r} ({path}); files whose names start with '_' or '.' are "
+                f"No Parquet files found under {redact(url)!r} ({path}); files whose names start with '_' or '.' are "
                 "skipped. Point dataset_url_or_urls at the directory that holds the part files."
             )
         files.extend((found_path, path) for found_path in found)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, replace
@@ -24,6 +25,8 @@ from ._plan import EpochPlan, Slice, iter_epochs, plan_epoch, resolve_seed
 from ._prefetch import Prefetcher
 
 DEFAULT_WORKERS = 4
+READ_ATTEMPTS = 5  # a row group's read, tried again after a transient I/O error (Shard.read)
+READ_BACKOFF_S = (0.25, 0.5, 1.0, 2.0)  # the waits between the attempts
 
 
 @dataclass(frozen=True)
@@ -61,45 +64,68 @@ class _Shard:
             yield epoch, self.plan(epoch), skipped if epoch == start_epoch else 0
 
     def read(self, task: tuple[int, int, Slice, int]) -> pa.Table:
-        """One row-group slice of the plan, read (and row-shuffled) in a prefetch thread, less its first ``drop`` rows."""
+        """One row-group slice of the plan, read (and row-shuffled) in a prefetch thread, less its first ``drop`` rows.
+
+        A read that fails with an I/O error other than a missing file (an object store's 503, a reset connection, a
+        server restarting) is tried again, ``READ_ATTEMPTS`` times in all over about ``sum(READ_BACKOFF_S)``
+        seconds; then, or at once for a missing file, it raises ReadError with the file, the URL and the cause.
+        """
         epoch, position, piece_slice, drop = task
         piece = self.dataset.pieces[piece_slice.piece]
-        columns, partitions = self.dataset.schema.names, self.dataset.partitions
-        try:
-            if self.dataset.filter is None:
-                with self.dataset.filesystem.open_input_file(piece.path) as f:
-                    table = pq.ParquetFile(f).read_row_group(piece.row_group, columns=self.dataset.file_columns)
-                if partitions is not None:  # the folders' values, one per row
-                    in_folders = [c for c in columns if c in partitions.names]
-                    for name, values in zip(in_folders, partitions.columns(piece.path, in_folders, table.num_rows)):
-                        table = table.append_column(name, values)
-            elif partitions is None:
-                fragment = ds.ParquetFileFormat().make_fragment(piece.path, filesystem=self.dataset.filesystem, row_groups=[piece.row_group])
-                table = fragment.to_table(columns=columns, filter=self.dataset.filter, batch_size=1 << 30)
-            else:  # the scan fills the partition columns from what the folders say
-                fragment = ds.ParquetFileFormat().make_fragment(
-                    piece.path, filesystem=self.dataset.filesystem, partition_expression=partitions.expression(piece.path),
-                    row_groups=[piece.row_group])
-                table = fragment.to_table(schema=self.dataset.full_schema, columns=columns, filter=self.dataset.filter,
-                                          batch_size=1 << 30)
-        except Exception as exc:
-            raise ReadError(
-                f"Reading row group {piece.row_group} of {piece.path!r} failed in a prefetch thread (shard {self.cur_shard} of "
-                f"{self.shard_count}, epoch {epoch}): {type(exc).__name__}: {exc}. The file was readable when the reader was "
-                "created, so it was changed, moved or deleted since; restore it and create a new reader."
-            ) from exc
+        started = time.monotonic()
+        for attempt in range(1, READ_ATTEMPTS + 1):
+            try:
+                table = self._read_piece(piece)
+                break
+            except Exception as exc:
+                transient = isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError)
+                if transient and attempt < READ_ATTEMPTS:
+                    time.sleep(READ_BACKOFF_S[attempt - 1])
+                    continue
+                where = (f"Reading row group {piece.row_group} of {piece.path!r} failed in a prefetch thread (shard "
+                         f"{self.cur_shard} of {self.shard_count}, epoch {epoch})")
+                if transient:
+                    raise ReadError(
+                        f"{where}, {attempt} times over {time.monotonic() - started:.1f} s: {type(exc).__name__}: "
+                        f"{exc}. The store of {self.dataset.url} did not answer; check that it is up and reachable "
+                        "from this host, then create a new reader (resume_from= starts it where this one stood)."
+                    ) from exc
+                raise ReadError(
+                    f"{where}: {type(exc).__name__}: {exc}. The file was readable when the reader was created, so it "
+                    "was changed, moved or deleted since; restore it and create a new reader."
+                ) from exc
         if table.num_rows != piece.num_rows:
             raise ReadError(
                 f"Row group {piece.row_group} of {piece.path!r} now has {table.num_rows} rows (after filters) but had "
                 f"{piece.num_rows} when the reader was created; the file changed under the reader. Do not rewrite a "
                 "dataset while it is read; create a new reader."
             )
-        table = table.select(columns).slice(piece_slice.start, piece_slice.num_rows)
+        table = table.select(self.dataset.schema.names).slice(piece_slice.start, piece_slice.num_rows)
         if self.shuffle_rows:
             rng = np.random.default_rng([self.seed, epoch, self.cur_shard, position])
             table = table.take(rng.permutation(table.num_rows))
         # Dropped after the shuffle, which permutes the whole slice, so a resumed reader yields what an uninterrupted one did.
         return table.slice(drop) if drop else table
+
+    def _read_piece(self, piece) -> pa.Table:
+        """A row group's rows that pass the filters, with its partition columns."""
+        columns, partitions = self.dataset.schema.names, self.dataset.partitions
+        if self.dataset.filter is None:
+            with self.dataset.filesystem.open_input_file(piece.path) as f:
+                table = pq.ParquetFile(f).read_row_group(piece.row_group, columns=self.dataset.file_columns)
+            if partitions is not None:  # the folders' values, one per row
+                in_folders = [c for c in columns if c in partitions.names]
+                for name, values in zip(in_folders, partitions.columns(piece.path, in_folders, table.num_rows)):
+                    table = table.append_column(name, values)
+            return table
+        if partitions is None:
+            fragment = ds.ParquetFileFormat().make_fragment(piece.path, filesystem=self.dataset.filesystem, row_groups=[piece.row_group])
+            return fragment.to_table(columns=columns, filter=self.dataset.filter, batch_size=1 << 30)
+        fragment = ds.ParquetFileFormat().make_fragment(  # the scan fills the partition columns from the folders
+            piece.path, filesystem=self.dataset.filesystem, partition_expression=partitions.expression(piece.path),
+            row_groups=[piece.row_group])
+        return fragment.to_table(schema=self.dataset.full_schema, columns=columns, filter=self.dataset.filter,
+                                 batch_size=1 << 30)
 
     def tasks(self) -> Iterator[tuple[int, int, Slice, int]]:
         """``(epoch, position in the plan, slice, leading rows to drop)``; slices a resumed reader skips are not tasks."""
@@ -344,7 +370,7 @@ def make_batch_reader(
     ``dataset_url_or_urls``: a directory of Parquet files (searched recursively; names starting
     with ``_`` or ``.`` are skipped), a single file, or a list of them; local paths and
     ``file://`` URLs, and other filesystems through ``pyarrow.fs.FileSystem.from_uri``
-    (``s3://``, ``gs://``, ``hdfs://``; untested here).
+    (``s3://`` tested against an S3-protocol server, ``gs://``, ``hdfs://``); see docs/data.md.
 
     Sharding: ``cur_shard``/``shard_count`` default to ``hvd.rank()``/``hvd.size()`` of an
     initialized ``sparkhvd.collective.torch``, else ``(0, 1)``. Each epoch the row groups are
