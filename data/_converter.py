@@ -210,6 +210,36 @@ def _parent_url(df, parent_cache_dir_url: str | None) -> str:
     return parent.rstrip("/")
 
 
+def _check_spark_can_write(df, parent: str) -> None:
+    """Refuse, in a sentence, a cache directory whose scheme Spark's Hadoop has no filesystem for (the pip release of
+    pyspark has none for s3:// or s3a://). Under Spark Connect, where the JVM is out of reach, Spark's write says it."""
+    context = getattr(df.sparkSession, "_sc", None)
+    jvm = getattr(context, "_jvm", None)
+    if jvm is None:
+        return
+    scheme = parent.split("://", 1)[0]
+    try:
+        jvm.org.apache.hadoop.fs.FileSystem.getFileSystemClass(scheme, context._jsc.hadoopConfiguration())
+    except Exception as exc:  # noqa: BLE001 - py4j's error: UnsupportedFileSystemException, ClassNotFoundException
+        java = getattr(exc, "java_exception", None)
+        detail = (str(java.toString()) if java is not None else str(exc).split("\n", 1)[0])[:300]
+        version = jvm.org.apache.hadoop.util.VersionInfo.getVersion()
+        if scheme in ("s3", "s3a", "s3n"):
+            fix = (f"the pip release of pyspark lacks Hadoop's S3 connector: start Spark with "
+                   f"spark.jars.packages=org.apache.hadoop:hadoop-aws:{version} and use an s3a:// URL")
+        elif scheme in ("abfs", "abfss", "wasb", "wasbs"):
+            fix = f"start Spark with spark.jars.packages=org.apache.hadoop:hadoop-azure:{version}"
+        elif scheme == "gs":
+            fix = "put Google's GCS connector for Hadoop (gcs-connector) on Spark's classpath"
+        else:
+            fix = f"put a Hadoop filesystem for {scheme}:// on Spark's classpath"
+        raise ValueError(
+            f"Spark cannot write the converter's cache under parent_cache_dir_url={parent!r}: its Hadoop {version} has "
+            f"no filesystem for {scheme}:// ({detail}). To write there, {fix}; or use a directory every worker "
+            "reaches as a path (a /dbfs or /Volumes mount, a shared disk)."
+        ) from None
+
+
 def _materialize(df, parent: str, row_group_bytes: int, compression_codec: str | None, dtype: str | None) -> tuple[str, dict]:
     """Write ``df`` into a new directory under ``parent``; return its URL and completion marker."""
     url = f"{parent}/sparkhvd-{uuid.uuid4().hex}"
@@ -272,6 +302,7 @@ def make_spark_converter(
     if isinstance(df, (str, os.PathLike)):
         return _saved(df)
     parent = _parent_url(df, parent_cache_dir_url)
+    _check_spark_can_write(df, parent)
     _check_dtype(dtype)
     if isinstance(parquet_row_group_size_bytes, bool) or not isinstance(parquet_row_group_size_bytes, int) or parquet_row_group_size_bytes < 1:
         raise ValueError(f"parquet_row_group_size_bytes must be a positive int, got {parquet_row_group_size_bytes!r}; the default is {DEFAULT_ROW_GROUP_BYTES} (32 MiB).")

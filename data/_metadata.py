@@ -116,6 +116,8 @@ def resolve_url(url: str | os.PathLike, storage_options: dict | None = None, fil
         if parsed.netloc not in ("", "localhost"):
             raise ValueError(f"The file URL {text!r} names host {parsed.netloc!r}; file URLs must be local, e.g. 'file:///data/train'.")
         return pafs.LocalFileSystem(), os.path.abspath(unquote(parsed.path))
+    if parsed.scheme in ("s3a", "s3n"):  # Hadoop's names for S3, as Spark writes them: pyarrow's s3://
+        text, parsed = "s3" + text[len(parsed.scheme):], parsed._replace(scheme="s3")
     if len(parsed.scheme) > 1:  # a one-letter scheme is a Windows drive
         try:
             return pafs.FileSystem.from_uri(text)

@@ -348,3 +348,16 @@ def test_written_directories_are_deleted_when_the_process_exits(spark, tmp_path)
     code = f"import sparkhvd.data._converter as c; c._written.add({left.as_uri()!r})"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     assert not left.exists()
+
+
+@pytest.mark.parametrize("parent", ["s3://sparkhvd-test/cache", "s3a://sparkhvd-test/cache"])
+def test_a_cache_spark_cannot_write_is_refused_with_what_to_install(spark, parent):
+    from sparkhvd.data import make_spark_converter
+
+    scheme = parent.split(":")[0]
+    with pytest.raises(ValueError, match=rf"Spark cannot write the converter's cache under parent_cache_dir_url="
+                                         rf"'{parent}': its Hadoop [\d.]+ has no filesystem for {scheme}:// \(.*"
+                                         rf"{scheme}.*\)\. To write there, the pip release of pyspark lacks Hadoop's "
+                                         r"S3 connector: start Spark with spark.jars.packages=org.apache.hadoop:"
+                                         r"hadoop-aws:[\d.]+ and use an s3a:// URL; or use a directory every worker"):
+        make_spark_converter(spark.range(3), parent_cache_dir_url=parent)

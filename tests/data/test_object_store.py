@@ -103,3 +103,8 @@ def test_a_store_that_goes_away_mid_epoch_is_retried_then_named_with_its_cause(s
             assert isinstance(info.value.__cause__, OSError)
     finally:
         s3.start_again()
+
+
+def test_hadoops_s3a_urls_read_as_s3(s3):
+    _put(s3, "hadoop", files=1)
+    assert _ids(make_batch_reader(s3.url("hadoop").replace("s3://", "s3a://"))) == Counter(range(10))
