@@ -8,6 +8,7 @@ pyspark (``make_spark_converter`` imports pyspark when called).
 """
 
 from ._converter import SparkDatasetConverter, make_spark_converter
+from ._delta_reader import make_delta_reader
 from ._errors import DatasetNotFoundError, EmptyShardError, ReadError, SchemaError
 from ._reader import Reader, make_batch_reader
 from ._rows import RowReader, make_reader
@@ -21,6 +22,7 @@ __all__ = [
     "SchemaError",
     "SparkDatasetConverter",
     "make_batch_reader",
+    "make_delta_reader",
     "make_reader",
     "make_spark_converter",
 ]

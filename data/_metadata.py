@@ -22,6 +22,7 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from ._delta import refuse_delta_directory
 from ._errors import ArgumentTypeError, DatasetNotFoundError, ReadError, SchemaError
 from ._partitions import Partitions, discover
 from ._plan import Piece
@@ -193,6 +194,7 @@ def find_files(url_or_urls, **where) -> tuple[pafs.FileSystem, list[tuple[str, s
         if info.type == pafs.FileType.File:
             files.append((path, None))
             continue
+        refuse_delta_directory(fs, path, repr(redact(url)))
         found = [
             entry.path
             for entry in fs.get_file_info(pafs.FileSelector(path, recursive=True))
@@ -282,19 +284,25 @@ def select_columns(schema_fields, available: list[str]) -> list[str]:
 
 
 def open_dataset(url_or_urls, *, schema_fields: Sequence[str] | None, filters, workers: int = 8,
-                 storage_options: dict | None = None, filesystem=None) -> Dataset:
-    """List, check and measure a dataset: its files, the columns to read, and one piece per row group."""
+                 storage_options: dict | None = None, filesystem=None, partitions: Partitions | None = None,
+                 described_as: str | None = None) -> Dataset:
+    """List, check and measure a dataset: its files, the columns to read, and one piece per row group.
+
+    ``partitions``: the files' partition values where something other than their folders says them (a Delta
+    table's log); ``described_as``: what messages call the dataset (default: its URLs)."""
     expr = to_expression(filters)
     fs, found = find_files(url_or_urls, storage_options=storage_options, filesystem=filesystem)
     files = [path for path, _ in found]
-    partitions = discover(found, _describe(url_or_urls))
+    name = described_as or _describe(url_or_urls)
+    if partitions is None:
+        partitions = discover(found, name)
     with ThreadPoolExecutor(max(1, min(workers, len(files))), thread_name_prefix="sparkhvd-data-footer") as pool:
         footers = list(pool.map(lambda p: _footer(fs, p), files))
     first = footers[0].schema.to_arrow_schema()
     in_folders = partitions.names if partitions is not None else []
     clash = [c for c in in_folders if c in first.names]
     if clash:
-        raise SchemaError(f"The column(s) {clash} of {_describe(url_or_urls)} are both in its Parquet files and partition "
+        raise SchemaError(f"The column(s) {clash} of {name} are both in its Parquet files and partition "
                           f"folder names ({clash[0]}=...); rename the files' column(s) or the folders, so that each "
                           "column comes from one place.")
     available = first.names + in_folders
@@ -303,7 +311,7 @@ def open_dataset(url_or_urls, *, schema_fields: Sequence[str] | None, filters, w
         names = footer.schema.to_arrow_schema().names + in_folders
         missing = [c for c in wanted if c not in names]
         if missing:
-            where = _describe(url_or_urls) if path == files[0] else f"file {path!r}"
+            where = name if path == files[0] else f"file {path!r}"
             raise SchemaError(f"Column(s) {missing} in schema_fields do not exist in {where}; the available columns are {names}. Fix the names in schema_fields, or leave it None to read every column.")
     full = pa.schema(list(first) + list(partitions.fields if partitions is not None else ()))
     schema = pa.schema([full.field(c) for c in wanted])
@@ -317,4 +325,4 @@ def open_dataset(url_or_urls, *, schema_fields: Sequence[str] | None, filters, w
         with ThreadPoolExecutor(max(1, min(workers, len(files))), thread_name_prefix="sparkhvd-data-filter") as pool:
             counts = list(pool.map(count, zip(files, footers)))
     pieces = tuple(Piece(path, i, n) for path, per_file in zip(files, counts) for i, n in enumerate(per_file) if n > 0)
-    return Dataset(_describe(url_or_urls), fs, tuple(files), schema, pieces, expr, partitions, full)
+    return Dataset(name, fs, tuple(files), schema, pieces, expr, partitions, full)

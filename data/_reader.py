@@ -317,7 +317,7 @@ class Reader:
 def _build(
     dataset_url_or_urls, *, cur_shard, shard_count, num_epochs, shuffle_row_groups, shuffle_rows, seed,
     schema_fields, filters, batch_size, equal_steps, workers_count, step_rows=None, resume_from=None,
-    resume_unit="batch", petastorm: Options = Options(),
+    resume_unit="batch", petastorm: Options = Options(), partitions=None, described_as: str | None = None,
 ) -> Reader:
     cur_shard, shard_count = _check_shard(cur_shard, shard_count)
     num_epochs = _check_positive("num_epochs", num_epochs, True, "pass None to read forever, or a positive number of epochs.")
@@ -328,7 +328,8 @@ def _build(
     if petastorm.single_thread:  # reader_pool_type='dummy'
         workers_count = 1
     dataset = open_dataset(dataset_url_or_urls, schema_fields=schema_fields, filters=filters, workers=workers_count,
-                           storage_options=petastorm.storage_options, filesystem=petastorm.filesystem)
+                           storage_options=petastorm.storage_options, filesystem=petastorm.filesystem,
+                           partitions=partitions, described_as=described_as)
     total = dataset.num_rows
     if total < shard_count:
         after = f" after filters {dataset.filter}" if dataset.filter is not None else ""

@@ -1,0 +1,89 @@
+"""make_delta_reader on real Delta tables written by delta-rs (``deltalake.write_deltalake``), against delta-rs's own
+read of the same version (the peer); skipped where deltalake does not install."""
+
+from __future__ import annotations
+
+import datetime
+from collections import Counter
+
+import pyarrow as pa
+import pytest
+
+from sparkhvd.data import make_batch_reader, make_delta_reader
+from sparkhvd.data.torch import make_torch_loader
+
+deltalake = pytest.importorskip("deltalake", reason="deltalake (the delta extra) is not installed")
+
+pytestmark = pytest.mark.unit
+
+
+def _rows(reader) -> list[dict]:
+    with reader:
+        return sorted((dict(zip(b._fields, values)) for b in reader for values in zip(*(c.tolist() for c in b))),
+                      key=lambda row: row["id"])
+
+
+@pytest.fixture
+def table(tmp_path):
+    """A table partitioned by ``part``: version 0 writes ids 0..39, version 1 appends 100..109, version 2 deletes
+    ids below 5 (delta-rs rewrites those files: the old ones stay in the folder, removed in the log)."""
+    path = str(tmp_path / "table")
+    ids = pa.array(range(40), pa.int64())
+    deltalake.write_deltalake(path, pa.table({"id": ids, "part": pa.array([i % 3 for i in range(40)], pa.int32()),
+                                              "x": pa.array([i * 0.5 for i in range(40)])}), partition_by=["part"])
+    deltalake.write_deltalake(path, pa.table({"id": pa.array(range(100, 110), pa.int64()),
+                                              "part": pa.array([7] * 10, pa.int32()), "x": pa.array([1.0] * 10)}),
+                              mode="append", partition_by=["part"])
+    deltalake.DeltaTable(path).delete("id < 5")
+    return path
+
+
+def _delta_rs(path, **version) -> list[dict]:
+    """The peer: delta-rs's own read of the version."""
+    return sorted(deltalake.DeltaTable(path, **version).to_pyarrow_table().to_pylist(), key=lambda row: row["id"])
+
+
+def test_the_newest_version_is_what_delta_rs_reads_with_the_tables_types_and_order(table):
+    rows = _rows(make_delta_reader(table))
+    assert rows == _delta_rs(table)
+    assert [r["id"] for r in rows] == list(range(5, 40)) + list(range(100, 110))  # the deleted rows are not read
+    with make_delta_reader(table) as reader:
+        assert reader.schema == pa.schema(deltalake.DeltaTable(table).schema().to_arrow())  # partition column in place
+
+
+def test_shards_are_exact_and_balanced_and_filters_take_partition_columns(table):
+    shards = [_rows(make_delta_reader(table, cur_shard=k, shard_count=4, seed=3)) for k in range(4)]
+    assert sorted(r["id"] for s in shards for r in s) == list(range(5, 40)) + list(range(100, 110))
+    assert sorted(len(s) for s in shards) == [11, 11, 11, 12]  # 45 rows
+    picked = _rows(make_delta_reader(table, filters=[("part", "in", [1, 7])], schema_fields=["id", "part"]))
+    assert [(r["id"], r["part"]) for r in picked] == [(i, 1) for i in range(7, 40, 3)] + [(i, 7) for i in range(100, 110)]
+    with make_torch_loader(make_delta_reader(table, batch_size=9), batch_size=None) as loader:
+        assert sum(len(batch["id"]) for batch in loader) == 45
+
+
+def test_time_travel_by_version_and_by_timestamp(table):
+    assert _rows(make_delta_reader(table, version=0)) == _delta_rs(table, version=0)
+    assert len(_rows(make_delta_reader(table, version=0))) == 40
+    history = {entry["version"]: entry["timestamp"] for entry in deltalake.DeltaTable(table).history()}
+    at = datetime.datetime.fromtimestamp(history[1] / 1000, tz=datetime.timezone.utc)
+    assert [r["id"] for r in _rows(make_delta_reader(table, timestamp=at))] == list(range(40)) + list(range(100, 110))
+    assert len(_rows(make_delta_reader(table, timestamp=at.isoformat()))) == 50
+    with pytest.raises(ValueError, match=r"make_delta_reader got version=0 and timestamp='2026-01-01'; pass one of them"):
+        make_delta_reader(table, version=0, timestamp="2026-01-01")
+
+
+def test_a_delta_tables_directory_is_refused_by_the_plain_reader(table):
+    counted = Counter(r["id"] for r in _rows(make_delta_reader(table)))
+    assert counted[0] == 0
+    with pytest.raises(ValueError, match=r"is a Delta table \(it has a _delta_log/ folder\): its Parquet files include "
+                                         r"those that deletes, updates and overwrites have removed .* Read it with "
+                                         r"sparkhvd.data.make_delta_reader\(url\)"):
+        make_batch_reader(table)
+
+
+def test_column_mapping_is_refused_in_a_sentence(tmp_path):
+    path = str(tmp_path / "mapped")
+    deltalake.write_deltalake(path, pa.table({"id": [1, 2]}), configuration={"delta.columnMapping.mode": "name"})
+    with pytest.raises(ValueError, match=r"uses column mapping \(delta.columnMapping.mode='name'\), whose Parquet files "
+                                         r"name their columns by ids"):
+        make_delta_reader(path)
