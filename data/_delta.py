@@ -55,6 +55,10 @@ def table_listing(table_uri, *, version: int | None, timestamp, storage_options:
         raise ValueError(f"The Delta table {uri!r} uses column mapping (delta.columnMapping.mode={mapping!r}), whose "
                          "Parquet files name their columns by ids, not by the table's names; sparkhvd's reader does not "
                          "map them. Read it with Spark and make_spark_converter(df) instead.")
+    if not hasattr(table, "deletion_vectors") and "deletionVectors" in (table.protocol().reader_features or []):
+        raise ValueError(f"The Delta table {uri!r} may have deletion vectors, which this deltalake "
+                         f"({getattr(__import__('deltalake'), '__version__', '?')}) cannot list; pip install -U "
+                         "deltalake (1.6 or later lists them), so that sparkhvd can tell whether the version has any.")
     with_vectors = pa.table(table.deletion_vectors().read_all()) if hasattr(table, "deletion_vectors") else None
     if with_vectors is not None and with_vectors.num_rows:
         first = with_vectors.column("filepath")[0].as_py()
