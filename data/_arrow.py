@@ -47,6 +47,8 @@ def array_to_numpy(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
         arr = arr.chunk(0) if arr.num_chunks == 1 else arr.combine_chunks()
     if pa.types.is_dictionary(arr.type):
         arr = arr.dictionary_decode()
+    if isinstance(arr.type, pa.FixedShapeTensorType):  # a decode= column: one (rows, *shape) array
+        return arr.to_numpy_ndarray()
     if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type) or pa.types.is_fixed_size_list(arr.type):
         return _list_to_numpy(arr)
     return arr.to_numpy(zero_copy_only=False)

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from . import _decode
 from ._arrow import batch_type, rebatch, table_to_batch
 from ._checks import _check_positive, _check_resume, _check_seed, _check_shard
 from ._errors import EmptyShardError, ReadError
@@ -49,6 +50,7 @@ class _Shard:
     equal_steps: bool
     step_rows: int | None
     start: tuple[int, int] = (0, 0)  # (first epoch read, rows of it skipped): where a resumed reader starts
+    decode: tuple[tuple[str, object], ...] = ()  # (column, function) pairs of decode=, run in the prefetch threads
 
     def plan(self, epoch: int) -> EpochPlan:
         return plan_epoch(
@@ -105,7 +107,10 @@ class _Shard:
             rng = np.random.default_rng([self.seed, epoch, self.cur_shard, position])
             table = table.take(rng.permutation(table.num_rows))
         # Dropped after the shuffle, which permutes the whole slice, so a resumed reader yields what an uninterrupted one did.
-        return table.slice(drop) if drop else table
+        table = table.slice(drop) if drop else table
+        if self.decode:
+            table = _decode.apply(table, dict(self.decode), f"row group {piece.row_group} of {piece.path!r}")
+        return table
 
     def _read_piece(self, piece) -> pa.Table:
         """A row group's rows that pass the filters, with its partition columns."""
@@ -200,6 +205,7 @@ class Reader:
         step_rows: int | None = None,
         resume_from: tuple[int, int] | None = None,
         resume_unit: str = "batch",
+        decode: dict | None = None,
     ):
         self.dataset = dataset
         self.cur_shard, self.shard_count = cur_shard, shard_count
@@ -213,6 +219,8 @@ class Reader:
                              batch_size, equal_steps, step_rows)
         if resume_from is not None:
             self._shard = replace(self._shard, start=_resume_start(self._shard, resume_from, resume_unit))
+        if decode:
+            self._shard = replace(self._shard, decode=tuple(decode.items()))
         self._prefetcher: Prefetcher | None = None
         self._batches: Iterator[pa.Table] | None = None
         self._stopped = False
@@ -318,6 +326,7 @@ def _build(
     dataset_url_or_urls, *, cur_shard, shard_count, num_epochs, shuffle_row_groups, shuffle_rows, seed,
     schema_fields, filters, batch_size, equal_steps, workers_count, step_rows=None, resume_from=None,
     resume_unit="batch", petastorm: Options = Options(), partitions=None, described_as: str | None = None,
+    decode=None,
 ) -> Reader:
     cur_shard, shard_count = _check_shard(cur_shard, shard_count)
     num_epochs = _check_positive("num_epochs", num_epochs, True, "pass None to read forever, or a positive number of epochs.")
@@ -345,7 +354,7 @@ def _build(
         dataset, cur_shard=cur_shard, shard_count=shard_count, num_epochs=num_epochs,
         shuffle_row_groups=bool(shuffle_row_groups), shuffle_rows=bool(shuffle_rows), seed=resolve_seed(seed),
         batch_size=batch_size, equal_steps=bool(equal_steps), workers_count=workers_count, step_rows=step_rows,
-        resume_from=resume_from, resume_unit=resume_unit,
+        resume_from=resume_from, resume_unit=resume_unit, decode=_decode.check(decode, dataset.schema.names),
     )
 
 
@@ -364,6 +373,7 @@ def make_batch_reader(
     equal_steps: bool = True,
     workers_count: int = DEFAULT_WORKERS,
     resume_from: tuple[int, int] | None = None,
+    decode: dict | None = None,
     **petastorm_args,
 ) -> Reader:
     """A reader of one shard of a Parquet dataset, yielding namedtuples of NumPy arrays (one per column).
@@ -438,6 +448,11 @@ def make_batch_reader(
     RuntimeError, as Petastorm's does; a reader read to its end raises StopIteration. Threads
     may share one reader: each batch goes to one of them.
 
+    ``decode={column: fn}``: ``fn(cell)`` turns each cell of the column (``bytes`` for a binary
+    column) into a NumPy array, in the prefetch threads, ahead of the loop (an image decoder, for
+    example); the cells of a row group must decode to one shape and dtype, and a batch's column
+    is then one ``(rows, *shape)`` array (docs/data.md). Binary columns without it are ``bytes``.
+
     ``petastorm_args``: Petastorm's other arguments. ``storage_options`` (fsspec's options for the
     URL) and ``filesystem`` (a pyarrow or fsspec filesystem the paths are on) are used;
     ``reader_pool_type='dummy'`` reads in one thread; ``'thread'``/``'process'``,
@@ -450,5 +465,5 @@ def make_batch_reader(
         dataset_url_or_urls, cur_shard=cur_shard, shard_count=shard_count, num_epochs=num_epochs,
         shuffle_row_groups=shuffle_row_groups, shuffle_rows=shuffle_rows, seed=seed, schema_fields=schema_fields,
         filters=filters, batch_size=batch_size, equal_steps=equal_steps, workers_count=workers_count,
-        resume_from=resume_from, petastorm=take("make_batch_reader", petastorm_args),
+        resume_from=resume_from, petastorm=take("make_batch_reader", petastorm_args), decode=decode,
     )

@@ -54,6 +54,7 @@ def make_reader(
     equal_steps: bool = True,
     workers_count: int = DEFAULT_WORKERS,
     resume_from: tuple[int, int] | None = None,
+    decode: dict | None = None,
     **petastorm_args,
 ) -> RowReader:
     """A row-at-a-time reader: the same arguments and plan as make_batch_reader, one namedtuple per row.
@@ -68,7 +69,8 @@ def make_reader(
     with rows for batches (``row`` runs from 0 to the epoch's row count,
     ``reader.reader.plan(epoch).num_rows``). Row groups wholly before the position are not read.
 
-    ``petastorm_args``: as make_batch_reader's, and Petastorm's ``results_queue_size`` (noted once:
+    ``decode``: as make_batch_reader's (a row's decoded cell is its array). ``petastorm_args``: as
+    make_batch_reader's, and Petastorm's ``results_queue_size`` (noted once:
     the reader holds ``workers_count + 2`` row groups ahead) and ``pyarrow_serialize`` (no effect,
     as in Petastorm).
     """
@@ -76,6 +78,6 @@ def make_reader(
         dataset_url_or_urls, cur_shard=cur_shard, shard_count=shard_count, num_epochs=num_epochs,
         shuffle_row_groups=shuffle_row_groups, shuffle_rows=shuffle_rows, seed=seed, schema_fields=schema_fields,
         filters=filters, batch_size=None, equal_steps=equal_steps, workers_count=workers_count, step_rows=1,
-        resume_from=resume_from, resume_unit="row", petastorm=take("make_reader", petastorm_args),
+        resume_from=resume_from, resume_unit="row", petastorm=take("make_reader", petastorm_args), decode=decode,
     )
     return RowReader(reader)

@@ -167,6 +167,10 @@ class _Source:
 
 
 def _build(reader_or_url, batch_size: int | None, list_lengths: Mapping[str, int] | None, reader_kwargs: dict):
+    if reader_kwargs.get("decode") or (isinstance(reader_or_url, Reader) and reader_or_url._shard.decode):
+        raise ValueError("make_tf_dataset does not take decode=, whose arrays' shapes its output signature cannot know "
+                         "before reading; decode in the tf.data pipeline instead (dataset.map with tf.io.decode_image), "
+                         "or use make_batch_reader or make_torch_loader with decode=.")
     if isinstance(reader_or_url, Reader):
         if reader_kwargs:
             raise TypeError(f"make_tf_dataset got reader options {sorted(reader_kwargs)} with an existing Reader; pass them to make_batch_reader instead, or pass a URL here.")
