@@ -210,3 +210,11 @@ def test_resume_from_continues_the_uninterrupted_dataset_and_its_later_iteration
     passes = [[b["id"].tolist() for b in _read(uninterrupted)] for _ in range(3)]
     resumed = make_tf_dataset(url, resume_from=(1, 2), **kwargs)  # loader epoch 1 is iteration 1 (num_epochs=1)
     assert [[b["id"].tolist() for b in _read(resumed)] for _ in range(2)] == [passes[1][2:], passes[2]]
+
+
+def test_decode_is_refused_with_where_to_decode_instead(dataset):
+    with pytest.raises(ValueError, match=r"make_tf_dataset does not take decode=, whose arrays' shapes its output "
+                                         r"signature cannot know before reading; decode in the tf.data pipeline"):
+        make_tf_dataset(dataset, batch_size=4, decode={"id": int})
+    with pytest.raises(ValueError, match=r"make_tf_dataset does not take decode="):
+        make_tf_dataset(make_batch_reader(dataset, decode={"id": int}))
