@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import functools
 import posixpath
 import re
 from dataclasses import dataclass
@@ -43,14 +44,18 @@ class Partitions:
         """The partition columns' names, outer folder first."""
         return [f.name for f in self.fields]
 
+    @functools.cached_property
+    def _by_path(self) -> dict:
+        return dict(self.values)
+
     def of(self, path: str) -> dict:
         """``{column: value}`` of one file."""
-        return dict(zip(self.names, dict(self.values)[path]))
+        return dict(zip(self.names, self._by_path[path]))
 
     def expression(self, path: str) -> ds.Expression | None:
         """What is true of every row of the file: ``key == value`` for each partition column (``is_null`` for null)."""
         terms = [ds.field(f.name).is_null() if v is None else ds.field(f.name) == pa.scalar(v, f.type)
-                 for f, v in zip(self.fields, dict(self.values)[path])]
+                 for f, v in zip(self.fields, self._by_path[path])]
         out = None
         for term in terms:
             out = term if out is None else out & term
