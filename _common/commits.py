@@ -17,6 +17,7 @@ import pickle
 import secrets
 import threading
 import time
+from urllib.parse import urlparse, urlunparse
 
 from . import context as _context
 from . import settings
@@ -44,6 +45,16 @@ class RanksChanged(Exception):
 
 def _safe(key: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in key)
+
+
+def join_url(base: str, *parts: str) -> str:
+    """``base`` (a path or URL) with ``parts`` appended to its path; a URL's query (s3://...?endpoint_override=...,
+    for an S3-compatible store) stays at its end, where pyarrow reads it."""
+    tail = "/".join(part.strip("/") for part in parts)
+    if "://" not in base:
+        return f"{base.rstrip('/')}/{tail}"
+    parsed = urlparse(base)
+    return urlunparse(parsed._replace(path=f"{parsed.path.rstrip('/')}/{tail}"))
 
 
 def _filesystem(url: str):
@@ -124,7 +135,7 @@ class Publisher:
             with fs.open_output_stream(path) as f:
                 f.write(blob)
             meta["sha256"] = hashlib.sha256(blob).hexdigest()  # the driver's authenticated copy, checked before loading
-            meta["path"] = commit_dir.rstrip("/") + path[len(root.rstrip("/")):] if "://" in commit_dir else path
+            meta["path"] = join_url(commit_dir, path[len(root.rstrip("/")):]) if "://" in commit_dir else path
             blob = b""
         if self._client is None:
             self._client = self._ctx.new_client()
@@ -153,7 +164,7 @@ def run_folder() -> str | None:
     root = settings.COMMIT_DIR.get()
     if ctx is None or not root:
         return None
-    return f"{root.rstrip('/')}/{ctx.run_id}"
+    return join_url(root, ctx.run_id)
 
 
 def files_under(path: str) -> list:
@@ -169,7 +180,7 @@ def folder_meta(url: str, digests: dict) -> dict:
 
 def file_digest(url: str, name: str) -> tuple[str, int]:
     """The SHA-256 and size of file ``name`` in folder ``url`` (a path or a pyarrow filesystem URL)."""
-    fs, path = _filesystem(f"{url}/{name}")
+    fs, path = _filesystem(join_url(url, name))
     digest, count = hashlib.sha256(), 0
     with fs.open_input_stream(path) as f:
         while chunk := f.read(1 << 22):

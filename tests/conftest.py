@@ -8,6 +8,7 @@ import sys
 import tempfile
 
 import _jvm
+import _s3
 import pytest
 
 from sparkhvd.runner._warm.protocol import WORKER_MODULE
@@ -83,6 +84,12 @@ def stop_session_zygotes() -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server on 127.0.0.1 for the module, and a bucket on it (tests/_s3.py); skipped without moto."""
+    yield from _s3.s3_fixture()
 
 
 @pytest.fixture(scope="session")

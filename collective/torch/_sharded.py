@@ -195,7 +195,7 @@ class ShardWriter:
         if self._group is None or self._world is not dist.group.WORLD:  # first commit, or a new default group
             self._world, self._group = dist.group.WORLD, dist.new_group(backend="gloo")
             self._token = new_token()
-        url = f"{where}/{_safe(key)}-{seq}-{self._token}.dcp"
+        url = _commits.join_url(where, f"{_safe(key)}-{seq}-{self._token}.dcp")
         target = _target(url, write=True)  # here, so that a missing fsspec raises on every rank, not in one thread
         thread = threading.Thread(target=self._write, args=(url, target, seq, key, saved, publish, rank(), size()),
                                   name=f"sparkhvd-shards-{key}", daemon=True)

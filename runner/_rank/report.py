@@ -105,7 +105,7 @@ def report(metrics: dict, checkpoint=None) -> None:
     if folder is not None:
         where = _commits.run_folder()
         if where:
-            meta["shards"] = _copy(folder, f"{where}/report-{seq}-{_state['token']}.ckpt")
+            meta["shards"] = _copy(folder, _commits.join_url(where, f"report-{seq}-{_state['token']}.ckpt"))
         else:
             snapshot["files"] = _read(folder)
     _commits.publish(meta, snapshot)

@@ -188,3 +188,21 @@ def test_bad_storage_settings_are_refused_with_the_fix(kwargs, text):
 
     with pytest.raises(ValueError, match=re.escape(text)):
         HorovodRunner(np=-1, **kwargs)
+
+
+def test_a_run_keeps_its_commits_on_an_s3_storage(driver, s3):
+    """storage= on s3:// (moto's S3 server on 127.0.0.1; credentials from the environment, the endpoint in the URL)."""
+    import pyarrow.fs as pafs
+
+    out = _ended(driver(run_id="r3", storage=s3.url("runs"), keep=1))
+    fs = s3.filesystem()
+    folder = f"{s3.bucket}/runs/r3"
+    names = sorted(info.base_name for info in fs.get_file_info(pafs.FileSelector(folder)))
+    with fs.open_input_stream(f"{folder}/manifest.json") as f:
+        [(key, [newest])] = json.loads(f.read())["commits"].items()
+    assert newest["fields"] == {"step": 12}, out
+    assert newest["path"].startswith(f"s3://{folder}/") and newest["path"].endswith(f"?{s3.url('').split('?')[1]}")
+    [kept] = [n for n in names if n.endswith(".pkl")]  # keep=1: the older commits were removed from the bucket
+    assert newest["path"].split("?")[0].endswith(f"/{kept}") and "lease.json" not in names
+    again = _ended(driver(run_id="r3", storage=s3.url("runs"), keep=1))  # a new driver: loads it from the bucket
+    assert "from its newest complete commit (step=12; commit 12 of 1 state)" in again and _weights(again) == _weights(out)
