@@ -42,7 +42,9 @@ class Store:
             raise ValueError(f"Store needs a path or URL every worker can reach, got {prefix_path!r}; pass e.g. "
                              "'/dbfs/tmp/hvd', 'file:///shared/hvd' or 's3://bucket/hvd'.")
         self.prefix_path = os.fspath(prefix_path)
-        self.url = _as_url(self.prefix_path)
+        # The URL's query (s3://bucket/hvd?endpoint_override=... for an S3-compatible store) configures the
+        # filesystem; the store's URLs are the prefix's without it, so that paths join after the prefix.
+        self.url, _, self._query = _as_url(self.prefix_path).partition("?")
         self._fs: pafs.FileSystem | None = None
         self._root: str | None = None
 
@@ -68,6 +70,7 @@ class Store:
 
     def __setstate__(self, state: dict) -> None:
         self.prefix_path, self.url = state["prefix_path"], state["url"]
+        self._query = _as_url(self.prefix_path).partition("?")[2]
         self._fs = self._root = None
 
     # ---- where things are (URLs, under the prefix) ----
@@ -90,7 +93,7 @@ class Store:
     @property
     def filesystem(self) -> pafs.FileSystem:
         if self._fs is None:
-            self._fs, self._root = resolve_url(self.url)
+            self._fs, self._root = resolve_url(f"{self.url}?{self._query}" if self._query else self.url)
         return self._fs
 
     def path_of(self, url: str) -> str:

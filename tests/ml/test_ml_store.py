@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import pickle
 import uuid
 
 import numpy as np
@@ -134,3 +135,16 @@ def test_a_resumed_epoch_yields_what_the_uninterrupted_one_did_from_there(tmp_pa
     consumed = sum(c for c, _ in whole[:2])
     resumed = list(epoch_batches(url, 23, rank=1, ranks=2, epoch=2, batch_size=3, shuffle=True, seed=9, skip=consumed))
     assert [b["x"].tolist() for _, b in resumed] == [b["x"].tolist() for _, b in whole[2:]]
+
+
+def test_a_store_on_an_s3_compatible_endpoint_keeps_checkpoints_there(s3):
+    """Store.create on s3:// with the endpoint in the URL's query (moto's S3 server on 127.0.0.1)."""
+    store = Store.create(s3.url("hvd"))
+    assert store.url == f"s3://{s3.bucket}/hvd"  # the store's URLs: the prefix without its query
+    store.check_writable()
+    run = RunDir(store, "r")
+    url = run.write_checkpoint(1, {"checkpoint.pt": lambda out: _write(out, b"one")})
+    assert run.newest() == (1, url) and url.startswith(f"s3://{s3.bucket}/hvd/runs/r/checkpoints/")
+    assert s3.filesystem().get_file_info(f"{s3.bucket}/hvd/runs/r/checkpoints/epoch-00001/{MARKER}").is_file
+    again = pickle.loads(pickle.dumps(store))  # as executors get it
+    assert again.read(f"{url}/checkpoint.pt") == b"one"
