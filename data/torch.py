@@ -42,6 +42,58 @@ def _tensors(reader: Reader, owned: bool) -> Iterator[dict[str, Any]]:
             reader.stop()
 
 
+def _on_device(batches: Iterator[dict[str, Any]], device: torch.device) -> Iterator[dict[str, Any]]:
+    """``batches`` with their tensors on a CUDA ``device``: each batch pinned and copied on a side stream while the
+    loop works on the one before, so that the copy overlaps the step (one batch ahead). Other values pass as they are.
+    """
+    stream = torch.cuda.Stream(device)
+
+    def send(batch):
+        with torch.cuda.stream(stream):
+            return {k: v.pin_memory().to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                    for k, v in batch.items()}
+
+    ahead = None
+    for batch in batches:
+        moved = send(batch)
+        if ahead is not None:
+            yield _ready(ahead, stream)
+        ahead = moved
+    if ahead is not None:
+        yield _ready(ahead, stream)
+
+
+def _ready(batch: dict[str, Any], stream) -> dict[str, Any]:
+    """A batch copied on ``stream``, made safe to use on the current stream (which waits for the copy, and owns the
+    memory from here on)."""
+    current = torch.cuda.current_stream(stream.device)
+    current.wait_stream(stream)
+    for value in batch.values():
+        if isinstance(value, torch.Tensor):
+            value.record_stream(current)
+    return batch
+
+
+def _device(device) -> torch.device | None:
+    """``device`` as a torch.device where batches must move to a GPU; None for CPU (nothing to do)."""
+    if device is None:
+        return None
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a torch device ({exc}); pass 'cuda', 'cuda:0', a torch.device, "
+                         "or None to keep batches on the CPU.") from None
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"device={str(device)!r}: the loader moves batches to a CUDA device only; pass 'cuda' (or "
+                         "None, and move them yourself).")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}, but torch sees no CUDA device here; pass device=None on a CPU "
+                         "host, or check CUDA_VISIBLE_DEVICES.")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 class TorchLoader:
     """Iterable of ``{column: tensor}`` batches; a context manager that stops the reader in use.
 
@@ -50,9 +102,10 @@ class TorchLoader:
     second iteration raises RuntimeError rather than silently yielding nothing.
     """
 
-    def __init__(self, reader: Reader, again: Callable[[int], Reader] | None = None):
+    def __init__(self, reader: Reader, again: Callable[[int], Reader] | None = None, device: torch.device | None = None):
         self.reader = reader  # the reader of the latest iteration
         self._again = again
+        self._device = device  # a CUDA device the batches move to, one ahead; None: they stay on the CPU
         self._iterations = 0
         self._lock = threading.Lock()
 
@@ -68,7 +121,8 @@ class TorchLoader:
         reader = self.reader if k == 0 else self._again(k)
         with self._lock:
             self.reader = reader
-        return _tensors(reader, owned=self._again is not None)
+        batches = _tensors(reader, owned=self._again is not None)
+        return batches if self._device is None else _on_device(batches, self._device)
 
     def stop(self) -> None:
         """Stop the reader in use and its prefetch threads."""
@@ -81,7 +135,7 @@ class TorchLoader:
         self.stop()
 
 
-def make_torch_loader(reader_or_url, batch_size: int | None = 32, **reader_kwargs) -> TorchLoader:
+def make_torch_loader(reader_or_url, batch_size: int | None = 32, *, device=None, **reader_kwargs) -> TorchLoader:
     """A loader yielding dicts of tensors with ``batch_size`` rows per batch.
 
     ``reader_or_url``: a dataset URL, path or list (then ``reader_kwargs`` go to
@@ -99,12 +153,17 @@ def make_torch_loader(reader_or_url, batch_size: int | None = 32, **reader_kwarg
     uninterrupted loader's iteration ``epoch // num_epochs`` from that batch and later
     iterations follow it with the same seeds; loop ``for epoch in range(resumed_epoch, E)``.
     ``batch`` counts the batches yielded in that epoch, as in make_batch_reader.
+
+    ``device="cuda"`` (or ``"cuda:1"``, a torch.device) yields the tensors on that GPU: each batch
+    is pinned and copied on a side stream while the loop works on the one before. ``None`` or
+    ``"cpu"`` leaves them on the CPU (nothing is copied).
     """
+    device = _device(device)
     if isinstance(reader_or_url, Reader):
         if reader_kwargs:
             raise TypeError(f"make_torch_loader got reader options {sorted(reader_kwargs)} with an existing Reader; pass them to make_batch_reader instead, or pass a URL here.")
         if batch_size is not None and batch_size != reader_or_url.batch_size:
             raise ValueError(f"make_torch_loader(batch_size={batch_size}) was given a Reader built with batch_size={reader_or_url.batch_size}; build the reader with make_batch_reader(..., batch_size={batch_size}), or pass batch_size=None to keep the reader's batches.")
-        return TorchLoader(reader_or_url)
+        return TorchLoader(reader_or_url, device=device)
     first, again = url_passes(reader_or_url, batch_size, reader_kwargs)
-    return TorchLoader(first, again)
+    return TorchLoader(first, again, device=device)

@@ -85,3 +85,28 @@ def test_a_bool_column_is_torch_bool_not_petastorms_uint8(tmp_path):
         batch = next(iter(loader))
     assert batch["flag"].tolist() == [True, False, True]
     assert batch["flag"].dtype == torch.bool  # docs/data.md: the choice, and .to(torch.uint8) for Petastorm's
+
+
+def test_device_cpu_or_none_leaves_batches_as_they_are_and_bad_devices_are_refused(dataset):
+    plain = [b["id"] for b in make_torch_loader(dataset, batch_size=16, seed=4)]
+    on_cpu = [b["id"] for b in make_torch_loader(dataset, batch_size=16, seed=4, device="cpu")]
+    assert all(a.device.type == "cpu" for a in on_cpu) and all(torch.equal(a, b) for a, b in zip(plain, on_cpu))
+    with pytest.raises(ValueError, match=r"device='nowhere' is not a torch device .*; pass 'cuda', 'cuda:0'"):
+        make_torch_loader(dataset, device="nowhere")
+    with pytest.raises(ValueError, match=r"device='meta': the loader moves batches to a CUDA device only"):
+        make_torch_loader(dataset, device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device='cuda', but torch sees no CUDA device here; pass device=None"):
+            make_torch_loader(dataset, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_cuda_yields_the_same_batches_on_the_gpu_one_ahead(dataset):
+    plain = list(make_torch_loader(dataset, batch_size=16, seed=4))
+    with make_torch_loader(dataset, batch_size=16, seed=4, device="cuda") as loader:
+        moved = list(loader)
+    assert len(moved) == len(plain)
+    for cpu, gpu in zip(plain, moved):
+        assert gpu["id"].is_cuda and gpu["vec"].is_cuda
+        assert torch.equal(gpu["id"].cpu(), cpu["id"]) and torch.equal(gpu["vec"].cpu(), cpu["vec"])
