@@ -33,6 +33,9 @@ $PY -c 'import json, sys; d = json.load(open(sys.argv[1])); assert d["name"] == 
 echo "== tests/collective/test_gpu.py"
 $PY -m pytest -p no:cacheprovider -q -rA tests/collective/test_gpu.py --junitxml="$OUT/test_gpu.xml" 2>&1 | tee "$OUT/test_gpu.log"
 
+echo "== tests/data/test_data_torch.py -m gpu (make_torch_loader's device='cuda'; needs pyarrow)"
+$PY -m pytest -p no:cacheprovider -q -rA -m gpu tests/data/test_data_torch.py 2>&1 | tee "$OUT/test_data_gpu.log"
+
 if [ -n "${HVD_TESTS:-}" ] && [ -d "$HVD_TESTS/test/parallel" ]; then
     echo "== Horovod's test_torch.py and test_adasum_pytorch.py at np=1 on CUDA"
     $PY -c 'import sys; sys.path.insert(0, "bench"); import conformance; conformance.write_shims(sys.argv[1])' "$work"
