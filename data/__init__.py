@@ -10,6 +10,7 @@ pyspark (``make_spark_converter`` imports pyspark when called).
 from ._converter import SparkDatasetConverter, make_spark_converter
 from ._delta_reader import make_delta_reader
 from ._errors import DatasetNotFoundError, EmptyShardError, ReadError, SchemaError
+from ._plan import ResumePoint
 from ._reader import Reader, make_batch_reader
 from ._rows import RowReader, make_reader
 
@@ -18,6 +19,7 @@ __all__ = [
     "EmptyShardError",
     "ReadError",
     "Reader",
+    "ResumePoint",
     "RowReader",
     "SchemaError",
     "SparkDatasetConverter",

@@ -7,6 +7,7 @@ import sys
 from typing import Sequence
 
 from ._errors import ArgumentTypeError
+from ._plan import ResumePoint
 
 
 def _default_shard() -> tuple[int, int]:
@@ -63,6 +64,11 @@ def _check_resume(resume_from, unit: str = "batch") -> tuple[int, int] | None:
     """``resume_from`` as an ``(epoch, batch)`` (or ``(epoch, row)``) pair of non-negative ints, or None; its bounds are checked against the plan."""
     if resume_from is None:
         return None
+    if isinstance(resume_from, ResumePoint):
+        if unit != "batch":
+            raise ValueError("make_reader does not take a ResumePoint (make_batch_reader's resume_from at another "
+                             "number of shards); pass resume_from=(epoch, row), or read with make_batch_reader.")
+        return resume_from
     fix = (f"pass the (epoch, {unit}) that the interrupted run had reached, e.g. resume_from=(2, 37), or None to start at "
            "the beginning.")
     if isinstance(resume_from, (str, bytes)) or not isinstance(resume_from, Sequence) or len(resume_from) != 2:

@@ -49,6 +49,24 @@ class Slice:
         return self.stop - self.start
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where an epoch stands, at any number of shards: the rows of epoch ``epoch`` not yet read, as ``[start, stop)``
+    ranges of its row space (``Reader.resume_point``), and what the row space depends on: the dataset's rows after
+    filters, the seed and ``shuffle_row_groups``. Plain data: it pickles into an elastic state's commit."""
+
+    epoch: int
+    remaining: tuple[tuple[int, int], ...]
+    rows: int
+    seed: int
+    shuffle_row_groups: bool
+
+    @property
+    def rows_left(self) -> int:
+        """The rows of the epoch still to read."""
+        return sum(b - a for a, b in self.remaining)
+
+
 def resolve_seed(seed: int | None) -> int:
     """The seed every shard uses: ``seed``, or 0 when it is None (see the module docstring)."""
     return 0 if seed is None else seed
@@ -170,6 +188,7 @@ def plan_epoch(
     batch_size: int | None,
     equal_steps: bool,
     step_rows: int | None = None,
+    remaining: Sequence[tuple[int, int]] | None = None,
 ) -> EpochPlan:
     """The plan of shard ``cur_shard`` for ``epoch`` (see the module docstring and make_batch_reader).
 
@@ -180,18 +199,27 @@ def plan_epoch(
     ``step_rows`` overrides the unit of the equal-steps truncation (the row reader passes 1).
     Raises ``ValueError`` when a shard would be empty; callers check that first with a
     message that names the dataset.
+
+    ``remaining``: the rows of the epoch still to read, as ``[start, stop)`` ranges of its row
+    space in order (a ``ResumePoint``'s, after a resize): they are laid end to end and cut into
+    the shards instead of the whole row space.
     """
     total = sum(p.num_rows for p in pieces)
-    if total < shard_count:
-        raise ValueError(f"{total} rows cannot fill {shard_count} shards.")
-    min_rows = total // shard_count
-    lo, hi = shard_range(total, shard_count, cur_shard)
+    rows_left = total if remaining is None else sum(b - a for a, b in remaining)
+    if rows_left < shard_count:
+        raise ValueError(f"{rows_left} rows cannot fill {shard_count} shards.")
+    min_rows = rows_left // shard_count
+    lo, hi = shard_range(rows_left, shard_count, cur_shard)
     if step_rows is None:
         step_rows = batch_size
     if equal_steps:
         hi = lo + rows_to_read(hi - lo, min_rows, step_rows)
     order = epoch_order(len(pieces), shuffle=shuffle_row_groups, seed=seed, epoch=epoch)
-    slices = tuple(slices_in_range(pieces, order, lo, hi))
+    if remaining is None:
+        slices = tuple(slices_in_range(pieces, order, lo, hi))
+    else:
+        slices = tuple(piece_slice for a, b in ranges_of(remaining, lo, hi)
+                       for piece_slice in slices_in_range(pieces, order, a, b))
     rows = hi - lo
     if batch_size is not None:
         full, rest = divmod(rows, batch_size)
@@ -203,6 +231,30 @@ def plan_epoch(
     else:
         runs = None
     return EpochPlan(slices, runs)
+
+
+def ranges_of(remaining: Sequence[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """Rows ``[lo, hi)`` of ``remaining`` laid end to end, as ranges of the epoch's row space, in order."""
+    out, offset = [], 0
+    for a, b in remaining:
+        start, stop = max(lo, offset), min(hi, offset + b - a)
+        if start < stop:
+            out.append((a + start - offset, a + stop - offset))
+        offset += b - a
+        if offset >= hi:
+            break
+    return out
+
+
+def merged(ranges: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """``ranges`` sorted, with those that touch or overlap joined, and empty ones left out."""
+    out: list[list[int]] = []
+    for a, b in sorted(r for r in ranges if r[1] > r[0]):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return tuple((a, b) for a, b in out)
 
 
 def iter_epochs(num_epochs: int | None, start: int = 0) -> Iterator[int]:

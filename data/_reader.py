@@ -22,7 +22,7 @@ from ._checks import _check_positive, _check_resume, _check_seed, _check_shard
 from ._errors import EmptyShardError, ReadError
 from ._metadata import Dataset, open_dataset
 from ._petastorm_args import Options, take
-from ._plan import EpochPlan, Slice, iter_epochs, plan_epoch, resolve_seed
+from ._plan import EpochPlan, ResumePoint, Slice, iter_epochs, merged, plan_epoch, ranges_of, resolve_seed, shard_range
 from ._prefetch import Prefetcher
 
 DEFAULT_WORKERS = 4
@@ -51,12 +51,17 @@ class _Shard:
     step_rows: int | None
     start: tuple[int, int] = (0, 0)  # (first epoch read, rows of it skipped): where a resumed reader starts
     decode: tuple[tuple[str, object], ...] = ()  # (column, function) pairs of decode=, run in the prefetch threads
+    remaining: tuple[tuple[int, int], ...] | None = None  # a ResumePoint's rows left of the start epoch
+
+    def remaining_in(self, epoch: int) -> tuple[tuple[int, int], ...] | None:
+        """The rows of ``epoch`` this reader reads where it started from a ResumePoint in it; None: all of them."""
+        return self.remaining if epoch == self.start[0] else None
 
     def plan(self, epoch: int) -> EpochPlan:
         return plan_epoch(
             self.dataset.pieces, shard_count=self.shard_count, cur_shard=self.cur_shard, epoch=epoch, seed=self.seed,
             shuffle_row_groups=self.shuffle_row_groups, batch_size=self.batch_size, equal_steps=self.equal_steps,
-            step_rows=self.step_rows,
+            step_rows=self.step_rows, remaining=self.remaining_in(epoch),
         )
 
     def epochs(self) -> Iterator[tuple[int, EpochPlan, int]]:
@@ -185,6 +190,26 @@ def _resume_start(shard: _Shard, resume_from: tuple[int, int], unit: str = "batc
     return epoch, plan.rows_before(position)
 
 
+def _resume_point_start(shard: _Shard, point: ResumePoint) -> dict:
+    """The ``_Shard`` fields of a reader resumed from ``point``; ValueError where it is another job's."""
+    same = (point.rows, point.seed, point.shuffle_row_groups) == (shard.dataset.num_rows, shard.seed,
+                                                                  shard.shuffle_row_groups)
+    if not same:
+        raise ValueError(
+            f"This ResumePoint was taken from a reader of {point.rows} rows with seed={point.seed}, "
+            f"shuffle_row_groups={point.shuffle_row_groups}, and this reader has {shard.dataset.num_rows} rows with "
+            f"seed={shard.seed}, shuffle_row_groups={shard.shuffle_row_groups}; build it with the interrupted run's "
+            "dataset, filters, seed and shuffle_row_groups (shard_count, batch_size and schema_fields may change).")
+    if shard.num_epochs is not None and point.epoch >= shard.num_epochs:
+        return {"start": (shard.num_epochs, 0)}
+    if point.rows_left < shard.shard_count:
+        raise EmptyShardError(
+            f"The ResumePoint leaves {point.rows_left} rows of epoch {point.epoch}, fewer than shard_count="
+            f"{shard.shard_count}, so some shards would have none; resume with at most {point.rows_left} shards, or "
+            f"from the next epoch (resume_from=({point.epoch + 1}, 0)).")
+    return {"start": (point.epoch, 0), "remaining": point.remaining}
+
+
 class Reader:
     """Iterator over the batches of one shard; also a context manager. Build it with make_batch_reader.
 
@@ -220,7 +245,9 @@ class Reader:
         self.resume_from = resume_from
         self._shard = _Shard(dataset, cur_shard, shard_count, num_epochs, seed, shuffle_row_groups, shuffle_rows,
                              batch_size, equal_steps, step_rows)
-        if resume_from is not None:
+        if isinstance(resume_from, ResumePoint):
+            self._shard = replace(self._shard, **_resume_point_start(self._shard, resume_from))
+        elif resume_from is not None:
             self._shard = replace(self._shard, start=_resume_start(self._shard, resume_from, resume_unit))
         if decode:
             self._shard = replace(self._shard, decode=tuple(decode.items()))
@@ -230,6 +257,40 @@ class Reader:
         self._ended = False  # the last epoch was read, or reading failed: next() then raises StopIteration again
         self._lock = threading.Lock()
         self._next_lock = threading.Lock()  # one next() at a time: threads may share a reader, as in Petastorm
+
+    def resume_point(self, epoch: int, batch: int) -> ResumePoint:
+        """Where the whole job stands once every shard has yielded ``batch`` batches of epoch ``epoch``: a
+        ResumePoint, the same on every rank, from which ``make_batch_reader(..., resume_from=point)`` resumes at
+        any ``shard_count`` (a resized elastic run) reading each row of the epoch not yet read exactly once.
+
+        Needs ``equal_steps=True`` (every shard at the same batch) and ``shuffle_rows=False`` (a shuffled slice's
+        first rows are not a range of the row space).
+        """
+        if self.shuffle_rows or not self.equal_steps:
+            raise ValueError(
+                f"resume_point needs a reader with equal_steps=True and shuffle_rows=False (this one has "
+                f"equal_steps={self.equal_steps}, shuffle_rows={self.shuffle_rows}): it tells the rows every shard has "
+                "read from the batch count alone. Build the reader so, or resume at the same shard_count with "
+                "resume_from=(epoch, batch).")
+        shard = self._shard
+        remaining = shard.remaining_in(epoch)
+        if remaining is None:
+            remaining = ((0, self.dataset.num_rows),)
+        rows_left = sum(b - a for a, b in remaining)
+        left, finished = [], True
+        for k in range(self.shard_count):
+            plan = replace(shard, cur_shard=k).plan(epoch)
+            if not 0 <= batch <= plan.num_batches:
+                raise ValueError(f"resume_point({epoch}, {batch}): shard {k} of {self.shard_count} has "
+                                 f"{plan.num_batches} batches in epoch {epoch}; pass a batch from 0 to "
+                                 f"{plan.num_batches}.")
+            finished = finished and batch == plan.num_batches
+            lo, hi = shard_range(rows_left, self.shard_count, k)
+            left.extend(ranges_of(remaining, lo + plan.rows_before(batch), hi))
+        rows = self.dataset.num_rows
+        if finished or not left:  # the epoch is done (equal_steps' left-out rows with it): the next one, whole
+            return ResumePoint(epoch + 1, ((0, rows),), rows, self.seed, self.shuffle_row_groups)
+        return ResumePoint(epoch, merged(left), rows, self.seed, self.shuffle_row_groups)
 
     @property
     def schema(self) -> pa.Schema:
