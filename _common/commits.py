@@ -17,7 +17,6 @@ import pickle
 import secrets
 import threading
 import time
-from urllib.parse import urlparse, urlunparse
 
 from . import context as _context
 from . import settings
@@ -53,8 +52,8 @@ def join_url(base: str, *parts: str) -> str:
     tail = "/".join(part.strip("/") for part in parts)
     if "://" not in base:
         return f"{base.rstrip('/')}/{tail}"
-    parsed = urlparse(base)
-    return urlunparse(parsed._replace(path=f"{parsed.path.rstrip('/')}/{tail}"))
+    head, sep, query = base.partition("?")  # by hand: urllib writes hdfs:///x back as hdfs:/x
+    return f"{head.rstrip('/')}/{tail}{sep}{query}"
 
 
 def _filesystem(url: str):

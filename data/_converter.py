@@ -171,7 +171,7 @@ class SparkDatasetConverter:
         """
         if not self.written:
             return
-        fs, path = pafs.FileSystem.from_uri(self.cache_dir_url)
+        fs, path = resolve_url(self.cache_dir_url)
         with contextlib.ExitStack() as held:
             # Under the slot's lock, so that make_spark_converter never hands out the directory being deleted.
             for slot in _cache.slots_with_url(self.cache_dir_url):
@@ -189,7 +189,7 @@ _written: set[str] = set()
 def _delete_written() -> None:
     for url in list(_written):
         try:
-            fs, path = pafs.FileSystem.from_uri(url)
+            fs, path = resolve_url(url)
             fs.delete_dir(path)
         except (OSError, ValueError) as exc:  # the exit goes on; say what is left
             print(f"sparkhvd.data: could not delete the converter's cache directory {url} at exit ({exc}); delete it "

@@ -14,13 +14,15 @@ from typing import Callable, Mapping
 import numpy as np
 import pyarrow as pa
 
+from ._errors import ArgumentTypeError
+
 
 def check(decode, columns: list[str]) -> dict[str, Callable] | None:
     """``decode`` as ``{column: function}``, every column one the reader yields; None for no decoding."""
     if decode is None:
         return None
     if not isinstance(decode, Mapping) or not all(isinstance(k, str) and callable(v) for k, v in decode.items()):
-        raise TypeError(f"decode must map column names to functions, got {decode!r}; e.g. "
+        raise ArgumentTypeError(f"decode must map column names to functions, got {decode!r}; e.g. "
                         "decode={'image': lambda data: np.asarray(PIL.Image.open(io.BytesIO(data)))}.")
     unknown = [c for c in decode if c not in columns]
     if unknown:

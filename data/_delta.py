@@ -71,13 +71,15 @@ def table_listing(table_uri, *, version: int | None, timestamp, storage_options:
     root = table.table_uri.rstrip("/")
     local = "://" not in root or root.startswith("file://")
     if root.startswith("file://"):
-        root = root[len("file://"):]
+        root = unquote(root[len("file://"):])  # delta-rs escapes the table's URI (a space is %20)
     files = [(f"{root}/{unquote(p)}" if local else f"{root}/{p}") for p in actions.column("path").to_pylist()]
     columns = list(pa.schema(table.schema().to_arrow()).names)
     keys = [name[len("partition."):] for name in actions.column_names if name.startswith("partition.")]
     if not keys:
         return files, None, columns
     fields = tuple(pa.field(k, actions.schema.field(f"partition.{k}").type) for k in keys)
-    per_file = tuple((path, tuple(actions.column(f"partition.{k}")[i].as_py() for k in keys))
-                     for i, path in enumerate(files))
+    # Keyed by the path the reader resolves each file to: pyarrow's and fsspec's path of a remote URL is the URL
+    # without its scheme (s3://bucket/t/x.parquet: bucket/t/x.parquet)
+    per_file = tuple((path.split("://", 1)[1] if "://" in path else path,
+                      tuple(actions.column(f"partition.{k}")[i].as_py() for k in keys)) for i, path in enumerate(files))
     return files, Partitions(fields, per_file), columns

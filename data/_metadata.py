@@ -108,17 +108,22 @@ def resolve_url(url: str | os.PathLike, storage_options: dict | None = None, fil
     if not isinstance(text, str):
         raise ArgumentTypeError(f"Dataset URLs must be str or os.PathLike, got {type(url).__name__} {url!r}; pass a path such as '/data/train'.")
     parsed = urlparse(text)
-    if filesystem is not None:
-        path = unquote(parsed.netloc + parsed.path) if len(parsed.scheme) > 1 else text
+    if filesystem is not None:  # the path on it: an object store's bucket and key (Petastorm's rule), else the path
+        if len(parsed.scheme) <= 1:
+            path = text
+        elif parsed.scheme in ("s3", "s3a", "s3n", "gs", "gcs"):
+            path = unquote(parsed.netloc + parsed.path)
+        else:
+            path = unquote(parsed.path)
         return _as_pyarrow(filesystem), path
+    if parsed.scheme in ("s3a", "s3n"):  # Hadoop's names for S3, as Spark writes them: pyarrow's s3://
+        text, parsed = "s3" + text[len(parsed.scheme):], parsed._replace(scheme="s3")
     if storage_options is not None:
         return _fsspec(text, parsed.scheme or "file", storage_options)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise ValueError(f"The file URL {text!r} names host {parsed.netloc!r}; file URLs must be local, e.g. 'file:///data/train'.")
         return pafs.LocalFileSystem(), os.path.abspath(unquote(parsed.path))
-    if parsed.scheme in ("s3a", "s3n"):  # Hadoop's names for S3, as Spark writes them: pyarrow's s3://
-        text, parsed = "s3" + text[len(parsed.scheme):], parsed._replace(scheme="s3")
     if len(parsed.scheme) > 1:  # a one-letter scheme is a Windows drive
         try:
             return pafs.FileSystem.from_uri(text)

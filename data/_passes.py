@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ._checks import _check_positive, _check_resume, _check_seed
-from ._plan import resolve_seed
+from ._plan import ResumePoint, resolve_seed
 from ._reader import Reader, make_batch_reader
 
 
@@ -24,6 +24,10 @@ def url_passes(url, batch_size: int | None, reader_kwargs: dict) -> tuple[Reader
     kwargs = dict(reader_kwargs)
     seed = resolve_seed(_check_seed(kwargs.pop("seed", None)))
     resume_from = _check_resume(kwargs.pop("resume_from", None))
+    if isinstance(resume_from, ResumePoint):
+        raise ValueError("A loader over a URL does not take a ResumePoint (its iterations read with seeds of their "
+                         "own, which a point taken from one reader does not fit); build the reader with "
+                         "make_batch_reader(url, ..., resume_from=point) and pass it to the loader.")
     num_epochs = _check_positive("num_epochs", kwargs.get("num_epochs", 1), True, "pass None to read forever, or a positive number of epochs.")
     skipped, start = 0, None  # iterations of the uninterrupted loader skipped; where the first one starts
     if resume_from is not None:

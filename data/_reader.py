@@ -85,7 +85,7 @@ class _Shard:
                 table = self._read_piece(piece)
                 break
             except Exception as exc:
-                transient = isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError)
+                transient = isinstance(exc, OSError) and not isinstance(exc, (FileNotFoundError, PermissionError))
                 if transient and attempt < READ_ATTEMPTS:
                     time.sleep(READ_BACKOFF_S[attempt - 1])
                     continue
@@ -94,8 +94,9 @@ class _Shard:
                 if transient:
                     raise ReadError(
                         f"{where}, {attempt} times over {time.monotonic() - started:.1f} s: {type(exc).__name__}: "
-                        f"{exc}. The store of {self.dataset.url} did not answer; check that it is up and reachable "
-                        "from this host, then create a new reader (resume_from= starts it where this one stood)."
+                        f"{exc}. Check that the store of {self.dataset.url} is up and reachable from this host and "
+                        "that the file is whole, then create a new reader (resume_from= starts it where this one "
+                        "stood)."
                     ) from exc
                 raise ReadError(
                     f"{where}: {type(exc).__name__}: {exc}. The file was readable when the reader was created, so it "
@@ -322,6 +323,7 @@ class Reader:
         try:
             return table_to_batch(table, self.batch_type)
         except BaseException:
+            self._ended = True  # ended by the error, not by a stop(): next() is then the end, not Petastorm's error
             self.stop()
             raise
 

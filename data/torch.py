@@ -50,24 +50,27 @@ def _on_device(batches: Iterator[dict[str, Any]], device: torch.device) -> Itera
 
     def send(batch):
         with torch.cuda.stream(stream):
-            return {k: v.pin_memory().to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                    for k, v in batch.items()}
+            moved = {k: v.pin_memory().to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                     for k, v in batch.items()}
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        return moved, copied
 
     ahead = None
     for batch in batches:
         moved = send(batch)
         if ahead is not None:
-            yield _ready(ahead, stream)
+            yield _ready(*ahead, device)
         ahead = moved
     if ahead is not None:
-        yield _ready(ahead, stream)
+        yield _ready(*ahead, device)
 
 
-def _ready(batch: dict[str, Any], stream) -> dict[str, Any]:
-    """A batch copied on ``stream``, made safe to use on the current stream (which waits for the copy, and owns the
-    memory from here on)."""
-    current = torch.cuda.current_stream(stream.device)
-    current.wait_stream(stream)
+def _ready(batch: dict[str, Any], copied, device) -> dict[str, Any]:
+    """A batch copied on the side stream, made safe to use on the current stream: it waits for this batch's copy
+    (``copied``, an event), not for the next one's queued since, and owns the memory from here on."""
+    current = torch.cuda.current_stream(device)
+    current.wait_event(copied)
     for value in batch.values():
         if isinstance(value, torch.Tensor):
             value.record_stream(current)

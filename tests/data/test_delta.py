@@ -91,3 +91,11 @@ def test_column_mapping_is_refused_in_a_sentence(tmp_path):
     with pytest.raises(ValueError, match=r"uses column mapping \(delta.columnMapping.mode='name'\), whose Parquet files "
                                          r"name their columns by ids"):
         make_delta_reader(path)
+
+
+def test_a_table_in_a_folder_whose_name_needs_escaping(tmp_path):
+    path = str(tmp_path / "my tables %" / "t")  # delta-rs escapes its URI: a space is %20
+    deltalake.write_deltalake(path, pa.table({"id": pa.array(range(6), pa.int64()), "k": pa.array([1, 2] * 3, pa.int32())}),
+                              partition_by=["k"])
+    assert [(r["id"], r["k"]) for r in _rows(make_delta_reader(path))] == [(i, 1 + i % 2) for i in range(6)]
+

@@ -74,3 +74,14 @@ def test_a_finished_epoch_resumes_at_the_next_whole_one_and_bad_points_are_refus
         make_batch_reader(dataset, shuffle_rows=True).resume_point(0, 1)
     with pytest.raises(ValueError, match=r"resume_point\(0, 99\): shard 0 of 1 has \d+ batches in epoch 0"):
         make_batch_reader(dataset).resume_point(0, 99)
+
+
+def test_a_url_loader_refuses_a_resume_point_and_says_what_takes_it(dataset):
+    from sparkhvd.data.torch import make_torch_loader
+
+    point = ResumePoint(0, ((0, 50),), 100, 7, True)
+    with pytest.raises(ValueError, match=r"A loader over a URL does not take a ResumePoint .* build the reader with "
+                                         r"make_batch_reader\(url, ..., resume_from=point\) and pass it to the loader"):
+        make_torch_loader(dataset, seed=7, resume_from=point)
+    with make_torch_loader(make_batch_reader(dataset, seed=7, resume_from=point, batch_size=10), batch_size=None) as loader:
+        assert sum(len(b["id"]) for b in loader) == 50
