@@ -84,7 +84,8 @@ def _secrets(url) -> list[str]:
 def scrub(message: str, url) -> str:
     """``message`` (a library's error text, which may quote the URL) with ``url``'s credentials as ``***``."""
     for secret in _secrets(url):
-        message = message.replace(secret, "***")
+        for form in {secret, unquote(secret)}:  # as written in the URL, and as a library may quote it decoded
+            message = message.replace(form, "***")
     return message
 
 
