@@ -54,4 +54,5 @@ def make_delta_reader(
         schema_fields=list(columns) if schema_fields is None else schema_fields, filters=filters,
         batch_size=batch_size, equal_steps=equal_steps, workers_count=workers_count, resume_from=resume_from,
         petastorm=Options(), partitions=partitions, described_as=f"the Delta table {os.fspath(table_uri)!r}",
+        fill_missing=True,  # files written before a column was added (schema evolution) read it as null
     )

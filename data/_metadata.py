@@ -7,6 +7,7 @@ requested columns, and when there are ``filters`` counts the matching rows of ea
 
 from __future__ import annotations
 
+import functools
 import os
 import posixpath
 import re
@@ -40,6 +41,15 @@ class Dataset:
     filter: ds.Expression | None
     partitions: Partitions | None = None  # the key=value folders' columns, None where the files are in none
     full_schema: pa.Schema | None = None  # the files' columns, then the partition columns
+    absent: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (file, columns read that it lacks): null in its rows
+
+    @functools.cached_property
+    def _absent(self) -> dict:
+        return dict(self.absent)
+
+    def absent_in(self, path: str) -> tuple[str, ...]:
+        """The columns read that the file lacks (``fill_missing``): null in its rows."""
+        return self._absent.get(path, ())
 
     @property
     def file_columns(self) -> list[str]:
@@ -291,11 +301,13 @@ def select_columns(schema_fields, available: list[str]) -> list[str]:
 
 def open_dataset(url_or_urls, *, schema_fields: Sequence[str] | None, filters, workers: int = 8,
                  storage_options: dict | None = None, filesystem=None, partitions: Partitions | None = None,
-                 described_as: str | None = None) -> Dataset:
+                 described_as: str | None = None, fill_missing: bool = False) -> Dataset:
     """List, check and measure a dataset: its files, the columns to read, and one piece per row group.
 
     ``partitions``: the files' partition values where something other than their folders says them (a Delta
-    table's log); ``described_as``: what messages call the dataset (default: its URLs)."""
+    table's log); ``described_as``: what messages call the dataset (default: its URLs); ``fill_missing``: a column
+    some files lack is null in their rows, as a Delta table reads files written before the column was added
+    (otherwise every file must hold every column read)."""
     expr = to_expression(filters)
     fs, found = find_files(url_or_urls, storage_options=storage_options, filesystem=filesystem)
     files = [path for path, _ in found]
@@ -305,6 +317,12 @@ def open_dataset(url_or_urls, *, schema_fields: Sequence[str] | None, filters, w
     with ThreadPoolExecutor(max(1, min(workers, len(files))), thread_name_prefix="sparkhvd-data-footer") as pool:
         footers = list(pool.map(lambda p: _footer(fs, p), files))
     first = footers[0].schema.to_arrow_schema()
+    if fill_missing:  # every column of any file, each as the first file that has it types it
+        fields: dict[str, pa.Field] = {}
+        for footer in footers:
+            for field in footer.schema.to_arrow_schema():
+                fields.setdefault(field.name, field)
+        first = pa.schema(list(fields.values()))
     in_folders = partitions.names if partitions is not None else []
     clash = [c for c in in_folders if c in first.names]
     if clash:
@@ -313,10 +331,13 @@ def open_dataset(url_or_urls, *, schema_fields: Sequence[str] | None, filters, w
                           "column comes from one place.")
     available = first.names + in_folders
     wanted = select_columns(schema_fields, available)
+    absent = []
     for path, footer in zip(files, footers):
         names = footer.schema.to_arrow_schema().names + in_folders
         missing = [c for c in wanted if c not in names]
-        if missing:
+        if missing and fill_missing:
+            absent.append((path, tuple(missing)))
+        elif missing:
             where = name if path == files[0] else f"file {path!r}"
             raise SchemaError(f"Column(s) {missing} in schema_fields do not exist in {where}; the available columns are {names}. Fix the names in schema_fields, or leave it None to read every column.")
     full = pa.schema(list(first) + list(partitions.fields if partitions is not None else ()))
@@ -326,9 +347,11 @@ def open_dataset(url_or_urls, *, schema_fields: Sequence[str] | None, filters, w
     else:
         def count(pf):
             partition = None if partitions is None else partitions.expression(pf[0])
+            if partition is None and fill_missing:
+                partition = ds.scalar(True)  # scanned with the whole schema: a column the file lacks is null
             return _count_matching(fs, pf[0], pf[1].num_row_groups, expr, available, full, partition)
 
         with ThreadPoolExecutor(max(1, min(workers, len(files))), thread_name_prefix="sparkhvd-data-filter") as pool:
             counts = list(pool.map(count, zip(files, footers)))
     pieces = tuple(Piece(path, i, n) for path, per_file in zip(files, counts) for i, n in enumerate(per_file) if n > 0)
-    return Dataset(name, fs, tuple(files), schema, pieces, expr, partitions, full)
+    return Dataset(name, fs, tuple(files), schema, pieces, expr, partitions, full, tuple(absent))

@@ -121,12 +121,17 @@ class _Shard:
     def _read_piece(self, piece) -> pa.Table:
         """A row group's rows that pass the filters, with its partition columns."""
         columns, partitions = self.dataset.schema.names, self.dataset.partitions
+        absent = self.dataset.absent_in(piece.path)
         if self.dataset.filter is None:
             with self.dataset.filesystem.open_input_file(piece.path) as f:
                 # The column chunks fetched together (coalesced, concurrent on an object store, where each request
                 # costs a round trip)
                 parquet = pq.ParquetFile(f, pre_buffer=True)
-                table = parquet.read_row_group(piece.row_group, columns=self.dataset.file_columns)
+                table = parquet.read_row_group(piece.row_group,
+                                               columns=[c for c in self.dataset.file_columns if c not in absent])
+            for name in absent:  # a column added after this file was written: null in its rows
+                table = table.append_column(self.dataset.full_schema.field(name),
+                                            pa.nulls(table.num_rows, self.dataset.full_schema.field(name).type))
             if partitions is not None:  # the folders' values, one per row
                 in_folders = [c for c in columns if c in partitions.names]
                 for name, values in zip(in_folders, partitions.columns(piece.path, in_folders, table.num_rows)):
@@ -134,7 +139,8 @@ class _Shard:
             return table
         if partitions is None:
             fragment = ds.ParquetFileFormat().make_fragment(piece.path, filesystem=self.dataset.filesystem, row_groups=[piece.row_group])
-            return fragment.to_table(columns=columns, filter=self.dataset.filter, batch_size=1 << 30)
+            schema = {"schema": self.dataset.full_schema} if absent else {}  # the scan fills what the file lacks
+            return fragment.to_table(columns=columns, filter=self.dataset.filter, batch_size=1 << 30, **schema)
         fragment = ds.ParquetFileFormat().make_fragment(  # the scan fills the partition columns from the folders
             piece.path, filesystem=self.dataset.filesystem, partition_expression=partitions.expression(piece.path),
             row_groups=[piece.row_group])
@@ -392,7 +398,7 @@ def _build(
     dataset_url_or_urls, *, cur_shard, shard_count, num_epochs, shuffle_row_groups, shuffle_rows, seed,
     schema_fields, filters, batch_size, equal_steps, workers_count, step_rows=None, resume_from=None,
     resume_unit="batch", petastorm: Options = Options(), partitions=None, described_as: str | None = None,
-    decode=None,
+    decode=None, fill_missing: bool = False,
 ) -> Reader:
     cur_shard, shard_count = _check_shard(cur_shard, shard_count)
     num_epochs = _check_positive("num_epochs", num_epochs, True, "pass None to read forever, or a positive number of epochs.")
@@ -404,7 +410,7 @@ def _build(
         workers_count = 1
     dataset = open_dataset(dataset_url_or_urls, schema_fields=schema_fields, filters=filters, workers=workers_count,
                            storage_options=petastorm.storage_options, filesystem=petastorm.filesystem,
-                           partitions=partitions, described_as=described_as)
+                           partitions=partitions, described_as=described_as, fill_missing=fill_missing)
     total = dataset.num_rows
     if total < shard_count:
         after = f" after filters {dataset.filter}" if dataset.filter is not None else ""
