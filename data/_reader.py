@@ -159,7 +159,15 @@ def _batches(shard: _Shard, tables: Prefetcher) -> Iterator[pa.Table]:
     """The shard's batches as Arrow tables, epoch by epoch, cut from the prefetched ones (a function, not a method: see _Shard)."""
     for _, plan, skipped in shard.epochs():
         first, _ = plan.start_at(skipped)
-        yield from rebatch(islice(tables, len(plan.slices) - first), plan.batch_sizes(skipped))
+        try:
+            yield from rebatch(islice(tables, len(plan.slices) - first), plan.batch_sizes(skipped))
+        except pa.ArrowInvalid as exc:
+            if not shard.decode:
+                raise
+            names = [name for name, _ in shard.decode]
+            raise ValueError(f"decode of {names} gave one row group's cells another shape or dtype than the row "
+                             f"group's before, and a batch spans both ({' '.join(str(exc).split())[:200]}); return one "
+                             "shape and dtype for every cell (resize or cast in decode).") from None
 
 
 def _resume_start(shard: _Shard, resume_from: tuple[int, int], unit: str = "batch") -> tuple[int, int]:

@@ -93,6 +93,14 @@ def test_decode_errors_say_what_to_do(images, tmp_path):
                                          r"0 of .*: \(2, 2\) \|u1 and \(3, 2\) \|u1; return one shape"):
         list(make_batch_reader(ragged, decode={"image": _decode}))
 
+    across = tmp_path / "across"
+    across.mkdir()  # each row group decodes to one shape, but not the same one: a batch across them cannot be one array
+    pq.write_table(pa.table({"image": [_encode(_images(0, (2, 2))), _encode(_images(1, (3, 2)))]}), across / "p.parquet",
+                   row_group_size=1)
+    with pytest.raises(ValueError, match=r"decode of \['image'\] gave one row group's cells another shape or dtype "
+                                         r"than the row group's before, and a batch spans both"):
+        list(make_batch_reader(across, decode={"image": _decode}, batch_size=2, shuffle_row_groups=False))
+
     def broken(data):
         raise KeyError("no codec")
 
