@@ -13,6 +13,15 @@ Pure functions, no I/O (metadata is read in ``_metadata.py``). The rule:
    every row lands in exactly one shard, and ``shard_count`` may exceed the number of row
    groups (but not the number of rows).
 
+With ``global_order`` the row space is dealt instead of cut, in batches of ``batch_size``
+rows: step ``s`` of shard ``k`` reads rows ``[(s * shard_count + k) * batch_size, ... +
+batch_size)``, so the job's steps, taken in order and each in shard order, read the row space
+from its start to its end whatever ``shard_count`` is (Mosaic Streaming's "elastic
+determinism"). ``shuffle_rows`` then permutes each row group's rows by ``(seed, epoch, row
+group)`` before they are dealt, which keeps the row space the same at any ``shard_count`` too.
+The last step's rows, fewer than ``shard_count * batch_size``, are split as ``equal_steps``
+says (see ``interleaved``).
+
 Every shard of a job computes the same plan from the same metadata and seed, with no
 communication; that is why the seed must be the same on every rank (``seed=None`` means 0).
 """
@@ -20,8 +29,10 @@ communication; that is why the seed must be the same on every rank (``seed=None`
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from itertools import accumulate
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -53,13 +64,15 @@ class Slice:
 class ResumePoint:
     """Where an epoch stands, at any number of shards: the rows of epoch ``epoch`` not yet read, as ``[start, stop)``
     ranges of its row space (``Reader.resume_point``), and what the row space depends on: the dataset's rows after
-    filters, the seed and ``shuffle_row_groups``. Plain data: it pickles into an elastic state's commit."""
+    filters, the seed, ``shuffle_row_groups``, and ``shuffled_rows`` (the row groups' rows permuted in the row space
+    itself: a ``global_order`` reader's ``shuffle_rows``). Plain data: it pickles into an elastic state's commit."""
 
     epoch: int
     remaining: tuple[tuple[int, int], ...]
     rows: int
     seed: int
     shuffle_row_groups: bool
+    shuffled_rows: bool = False
 
     @property
     def rows_left(self) -> int:
@@ -101,17 +114,56 @@ def rows_to_read(shard_rows: int, min_shard_rows: int, step_rows: int | None) ->
 
 def slices_in_range(pieces: Sequence[Piece], order: Sequence[int], lo: int, hi: int) -> list[Slice]:
     """The piece slices that cover global rows ``[lo, hi)`` when pieces are laid out in ``order``."""
+    return slices_of_ranges(pieces, order, [(lo, hi)])
+
+
+def slices_of_ranges(pieces: Sequence[Piece], order: Sequence[int], ranges: Iterable[tuple[int, int]]) -> list[Slice]:
+    """The piece slices that cover the global rows of ``ranges``, in order, when pieces are laid out in ``order``."""
+    ends = list(accumulate(pieces[index].num_rows for index in order))
     out: list[Slice] = []
-    offset = 0
-    for index in order:
-        n = pieces[index].num_rows
-        start, stop = max(lo, offset), min(hi, offset + n)
-        if start < stop:
-            out.append(Slice(index, start - offset, stop - offset))
-        offset += n
-        if offset >= hi:
-            break
+    for lo, hi in ranges:
+        position = bisect_right(ends, lo)
+        while lo < hi and position < len(ends):
+            end = ends[position]
+            stop = min(hi, end)
+            if stop > lo:  # an empty piece covers nothing
+                offset = end - pieces[order[position]].num_rows
+                out.append(Slice(order[position], lo - offset, stop - offset))
+                lo = stop
+            position += 1
     return out
+
+
+def interleaved(rows: int, shard_count: int, cur_shard: int, batch_size: int, equal_steps: bool) -> list[tuple[int, int]]:
+    """The batches of shard ``cur_shard`` as ``[start, stop)`` ranges of ``rows`` rows dealt in turn (``global_order``).
+
+    Step ``s`` of every shard reads the row space's rows ``[s * shard_count * batch_size, (s + 1) * shard_count *
+    batch_size)``, shard ``k`` the ``k``-th ``batch_size`` of them. The last step's rows, fewer than that: with
+    ``equal_steps`` split into ``shard_count`` parts whose sizes differ by at most one (left out when there are fewer
+    rows than shards, at most ``shard_count - 1`` rows, so every shard takes the same steps); without, dealt in
+    batches of ``batch_size`` as far as they go (the shards after them take a step fewer).
+    """
+    step_rows = shard_count * batch_size
+    full, tail = divmod(rows, step_rows)
+    out = [(s * step_rows + cur_shard * batch_size, s * step_rows + (cur_shard + 1) * batch_size) for s in range(full)]
+    base = full * step_rows
+    if equal_steps and tail >= shard_count:
+        lo, hi = shard_range(tail, shard_count, cur_shard)
+        out.append((base + lo, base + hi))
+    elif not equal_steps and tail > cur_shard * batch_size:
+        out.append((base + cur_shard * batch_size, base + min(tail, (cur_shard + 1) * batch_size)))
+    return out
+
+
+def size_runs_of(sizes: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    """``sizes`` as (size, count) runs of equal neighbours."""
+    runs: list[list[int]] = []
+    for size in sizes:
+        if runs and runs[-1][0] == size:
+            runs[-1][1] += 1
+        else:
+            runs.append([size, 1])
+    return tuple((size, count) for size, count in runs)
 
 
 def even_split(rows: int, parts: int) -> tuple[tuple[int, int], ...]:
@@ -189,6 +241,7 @@ def plan_epoch(
     equal_steps: bool,
     step_rows: int | None = None,
     remaining: Sequence[tuple[int, int]] | None = None,
+    global_order: bool = False,
 ) -> EpochPlan:
     """The plan of shard ``cur_shard`` for ``epoch`` (see the module docstring and make_batch_reader).
 
@@ -203,23 +256,29 @@ def plan_epoch(
     ``remaining``: the rows of the epoch still to read, as ``[start, stop)`` ranges of its row
     space in order (a ``ResumePoint``'s, after a resize): they are laid end to end and cut into
     the shards instead of the whole row space.
+
+    ``global_order`` (needs ``batch_size``): the rows are dealt in batches instead of cut into
+    ranges (``interleaved``), so the job's order over the row space does not depend on ``shard_count``.
     """
     total = sum(p.num_rows for p in pieces)
     rows_left = total if remaining is None else sum(b - a for a, b in remaining)
     if rows_left < shard_count:
         raise ValueError(f"{rows_left} rows cannot fill {shard_count} shards.")
+    order = epoch_order(len(pieces), shuffle=shuffle_row_groups, seed=seed, epoch=epoch)
+    if global_order:
+        if batch_size is None:
+            raise ValueError("global_order needs a batch_size.")
+        batches = interleaved(rows_left, shard_count, cur_shard, batch_size, equal_steps)
+        spans = batches if remaining is None else (r for a, b in batches for r in ranges_of(remaining, a, b))
+        return EpochPlan(tuple(slices_of_ranges(pieces, order, spans)), size_runs_of(b - a for a, b in batches))
     min_rows = rows_left // shard_count
     lo, hi = shard_range(rows_left, shard_count, cur_shard)
     if step_rows is None:
         step_rows = batch_size
     if equal_steps:
         hi = lo + rows_to_read(hi - lo, min_rows, step_rows)
-    order = epoch_order(len(pieces), shuffle=shuffle_row_groups, seed=seed, epoch=epoch)
-    if remaining is None:
-        slices = tuple(slices_in_range(pieces, order, lo, hi))
-    else:
-        slices = tuple(piece_slice for a, b in ranges_of(remaining, lo, hi)
-                       for piece_slice in slices_in_range(pieces, order, a, b))
+    spans = [(lo, hi)] if remaining is None else ranges_of(remaining, lo, hi)
+    slices = tuple(slices_of_ranges(pieces, order, spans))
     rows = hi - lo
     if batch_size is not None:
         full, rest = divmod(rows, batch_size)

@@ -52,6 +52,7 @@ class _Shard:
     start: tuple[int, int] = (0, 0)  # (first epoch read, rows of it skipped): where a resumed reader starts
     decode: tuple[tuple[str, object], ...] = ()  # (column, function) pairs of decode=, run in the prefetch threads
     remaining: tuple[tuple[int, int], ...] | None = None  # a ResumePoint's rows left of the start epoch
+    global_order: bool = False  # rows dealt in batches, in one order at any shard_count (_plan.interleaved)
 
     def remaining_in(self, epoch: int) -> tuple[tuple[int, int], ...] | None:
         """The rows of ``epoch`` this reader reads where it started from a ResumePoint in it; None: all of them."""
@@ -61,7 +62,7 @@ class _Shard:
         return plan_epoch(
             self.dataset.pieces, shard_count=self.shard_count, cur_shard=self.cur_shard, epoch=epoch, seed=self.seed,
             shuffle_row_groups=self.shuffle_row_groups, batch_size=self.batch_size, equal_steps=self.equal_steps,
-            step_rows=self.step_rows, remaining=self.remaining_in(epoch),
+            step_rows=self.step_rows, remaining=self.remaining_in(epoch), global_order=self.global_order,
         )
 
     def epochs(self) -> Iterator[tuple[int, EpochPlan, int]]:
@@ -70,15 +71,16 @@ class _Shard:
         for epoch in iter_epochs(self.num_epochs, start_epoch):
             yield epoch, self.plan(epoch), skipped if epoch == start_epoch else 0
 
-    def read(self, task: tuple[int, int, Slice, int]) -> pa.Table:
-        """One row-group slice of the plan, read (and row-shuffled) in a prefetch thread, less its first ``drop`` rows.
+    def read(self, task: tuple[int, int, tuple[Slice, ...], int]) -> pa.Table:
+        """Slices of one row group, next to each other in the plan, read once (and row-shuffled) in a prefetch thread,
+        less the first slice's first ``drop`` rows.
 
         A read that fails with an I/O error other than a missing file (an object store's 503, a reset connection, a
         server restarting) is tried again, ``READ_ATTEMPTS`` times in all over about ``sum(READ_BACKOFF_S)``
         seconds; then, or at once for a missing file, it raises ReadError with the file, the URL and the cause.
         """
-        epoch, position, piece_slice, drop = task
-        piece = self.dataset.pieces[piece_slice.piece]
+        epoch, position, slices, drop = task
+        piece = self.dataset.pieces[slices[0].piece]
         started = time.monotonic()
         for attempt in range(1, READ_ATTEMPTS + 1):
             try:
@@ -108,15 +110,28 @@ class _Shard:
                 f"{piece.num_rows} when the reader was created; the file changed under the reader. Do not rewrite a "
                 "dataset while it is read; create a new reader."
             )
-        table = table.select(self.dataset.schema.names).slice(piece_slice.start, piece_slice.num_rows)
+        table = table.select(self.dataset.schema.names)
+        if self.global_order:  # the row group's rows permuted as the row space has them, the same in every shard
+            rows = np.arange(table.num_rows)
+            if self.shuffle_rows:
+                rows = np.random.default_rng([self.seed, epoch, slices[0].piece]).permutation(table.num_rows)
+            table = table.take(np.concatenate([rows[s.start + (drop if i == 0 else 0):s.stop]
+                                               for i, s in enumerate(slices)]))
+        else:
+            table = pa.concat_tables([self._slice(table, epoch, position + i, s, drop if i == 0 else 0)
+                                      for i, s in enumerate(slices)])
+        if self.decode:
+            table = _decode.apply(table, dict(self.decode), f"row group {piece.row_group} of {piece.path!r}")
+        return table
+
+    def _slice(self, table: pa.Table, epoch: int, position: int, piece_slice: Slice, drop: int) -> pa.Table:
+        """A slice of a row group's rows, row-shuffled, less its first ``drop`` rows."""
+        table = table.slice(piece_slice.start, piece_slice.num_rows)
         if self.shuffle_rows:
             rng = np.random.default_rng([self.seed, epoch, self.cur_shard, position])
             table = table.take(rng.permutation(table.num_rows))
         # Dropped after the shuffle, which permutes the whole slice, so a resumed reader yields what an uninterrupted one did.
-        table = table.slice(drop) if drop else table
-        if self.decode:
-            table = _decode.apply(table, dict(self.decode), f"row group {piece.row_group} of {piece.path!r}")
-        return table
+        return table.slice(drop) if drop else table
 
     def _read_piece(self, piece) -> pa.Table:
         """A row group's rows that pass the filters, with its partition columns."""
@@ -147,20 +162,34 @@ class _Shard:
         return fragment.to_table(schema=self.dataset.full_schema, columns=columns, filter=self.dataset.filter,
                                  batch_size=1 << 30)
 
-    def tasks(self) -> Iterator[tuple[int, int, Slice, int]]:
-        """``(epoch, position in the plan, slice, leading rows to drop)``; slices a resumed reader skips are not tasks."""
+    def tasks(self) -> Iterator[tuple[int, int, tuple[Slice, ...], int]]:
+        """``(epoch, position in the plan of the first slice, slices, leading rows to drop)``, a task per run of slices
+        of one row group (a global_order shard's batches from one row group are read once); slices a resumed reader
+        skips are not tasks."""
         for epoch, plan, skipped in self.epochs():
-            first, drop = plan.start_at(skipped)
-            for position in range(first, len(plan.slices)):
-                yield epoch, position, plan.slices[position], drop if position == first else 0
+            for position, slices, drop in _reads(plan, skipped):
+                yield epoch, position, slices, drop
+
+
+def _reads(plan: EpochPlan, skipped: int) -> list[tuple[int, tuple[Slice, ...], int]]:
+    """The plan's slices from row ``skipped`` on, in runs of one row group: ``(position of the first, slices, leading
+    rows of the first to drop)``."""
+    first, drop = plan.start_at(skipped)
+    runs: list[tuple[int, list[Slice], int]] = []
+    for position in range(first, len(plan.slices)):
+        piece_slice = plan.slices[position]
+        if runs and runs[-1][1][-1].piece == piece_slice.piece:
+            runs[-1][1].append(piece_slice)
+        else:
+            runs.append((position, [piece_slice], drop if position == first else 0))
+    return [(position, tuple(slices), drop) for position, slices, drop in runs]
 
 
 def _batches(shard: _Shard, tables: Prefetcher) -> Iterator[pa.Table]:
     """The shard's batches as Arrow tables, epoch by epoch, cut from the prefetched ones (a function, not a method: see _Shard)."""
     for _, plan, skipped in shard.epochs():
-        first, _ = plan.start_at(skipped)
         try:
-            yield from rebatch(islice(tables, len(plan.slices) - first), plan.batch_sizes(skipped))
+            yield from rebatch(islice(tables, len(_reads(plan, skipped))), plan.batch_sizes(skipped))
         except pa.ArrowInvalid as exc:
             if not shard.decode:
                 raise
@@ -207,6 +236,7 @@ def _resume_start(shard: _Shard, resume_from: tuple[int, int], unit: str = "batc
 
 def _resume_point_start(shard: _Shard, point: ResumePoint) -> dict:
     """The ``_Shard`` fields of a reader resumed from ``point``; ValueError where it is another job's."""
+    shuffled = shard.global_order and shard.shuffle_rows
     same = (point.rows, point.seed, point.shuffle_row_groups) == (shard.dataset.num_rows, shard.seed,
                                                                   shard.shuffle_row_groups)
     if not same:
@@ -215,6 +245,12 @@ def _resume_point_start(shard: _Shard, point: ResumePoint) -> dict:
             f"shuffle_row_groups={point.shuffle_row_groups}, and this reader has {shard.dataset.num_rows} rows with "
             f"seed={shard.seed}, shuffle_row_groups={shard.shuffle_row_groups}; build it with the interrupted run's "
             "dataset, filters, seed and shuffle_row_groups (shard_count, batch_size and schema_fields may change).")
+    if point.shuffled_rows != shuffled:
+        taken = "global_order=True and shuffle_rows=True" if point.shuffled_rows else "rows in file order"
+        raise ValueError(
+            f"This ResumePoint was taken from a reader with {taken}, and this reader has global_order="
+            f"{shard.global_order}, shuffle_rows={shard.shuffle_rows}: their row spaces order rows differently. Build "
+            "it with the interrupted run's global_order and shuffle_rows.")
     if shard.num_epochs is not None and point.epoch >= shard.num_epochs:
         return {"start": (shard.num_epochs, 0)}
     if point.rows_left < shard.shard_count:
@@ -249,6 +285,7 @@ class Reader:
         resume_from: tuple[int, int] | None = None,
         resume_unit: str = "batch",
         decode: dict | None = None,
+        global_order: bool = False,
     ):
         self.dataset = dataset
         self.cur_shard, self.shard_count = cur_shard, shard_count
@@ -256,10 +293,11 @@ class Reader:
         self.shuffle_row_groups, self.shuffle_rows = shuffle_row_groups, shuffle_rows
         self.batch_size, self.equal_steps = batch_size, equal_steps
         self.workers_count = workers_count
+        self.global_order = global_order
         self.batch_type = batch_type(dataset.schema.names)
         self.resume_from = resume_from
         self._shard = _Shard(dataset, cur_shard, shard_count, num_epochs, seed, shuffle_row_groups, shuffle_rows,
-                             batch_size, equal_steps, step_rows)
+                             batch_size, equal_steps, step_rows, global_order=global_order)
         if isinstance(resume_from, ResumePoint):
             self._shard = replace(self._shard, **_resume_point_start(self._shard, resume_from))
         elif resume_from is not None:
@@ -278,15 +316,16 @@ class Reader:
         ResumePoint, the same on every rank, from which ``make_batch_reader(..., resume_from=point)`` resumes at
         any ``shard_count`` (a resized elastic run) reading each row of the epoch not yet read exactly once.
 
-        Needs ``equal_steps=True`` (every shard at the same batch) and ``shuffle_rows=False`` (a shuffled slice's
-        first rows are not a range of the row space).
+        Needs ``equal_steps=True`` (every shard at the same batch) and, unless ``global_order``, ``shuffle_rows=False``
+        (a shuffled slice's first rows are not a range of the row space; a global_order reader's row space is shuffled
+        itself). With ``global_order`` the rows read are the row space's first ``batch * shard_count * batch_size``.
         """
-        if self.shuffle_rows or not self.equal_steps:
+        if (self.shuffle_rows and not self.global_order) or not self.equal_steps:
             raise ValueError(
-                f"resume_point needs a reader with equal_steps=True and shuffle_rows=False (this one has "
-                f"equal_steps={self.equal_steps}, shuffle_rows={self.shuffle_rows}): it tells the rows every shard has "
-                "read from the batch count alone. Build the reader so, or resume at the same shard_count with "
-                "resume_from=(epoch, batch).")
+                f"resume_point needs a reader with equal_steps=True, and shuffle_rows=False unless global_order=True "
+                f"(this one has equal_steps={self.equal_steps}, shuffle_rows={self.shuffle_rows}, "
+                f"global_order={self.global_order}): it tells the rows every shard has read from the batch count alone. "
+                "Build the reader so, or resume at the same shard_count with resume_from=(epoch, batch).")
         shard = self._shard
         remaining = shard.remaining_in(epoch)
         if remaining is None:
@@ -300,12 +339,15 @@ class Reader:
                                  f"{plan.num_batches} batches in epoch {epoch}; pass a batch from 0 to "
                                  f"{plan.num_batches}.")
             finished = finished and batch == plan.num_batches
-            lo, hi = shard_range(rows_left, self.shard_count, k)
-            left.extend(ranges_of(remaining, lo + plan.rows_before(batch), hi))
-        rows = self.dataset.num_rows
+            if not self.global_order:
+                lo, hi = shard_range(rows_left, self.shard_count, k)
+                left.extend(ranges_of(remaining, lo + plan.rows_before(batch), hi))
+        if self.global_order:  # the steps so far read the row space's first rows (_plan.interleaved)
+            left = ranges_of(remaining, batch * self.shard_count * self.batch_size, rows_left)
+        rows, shuffled = self.dataset.num_rows, self.global_order and self.shuffle_rows
         if finished or not left:  # the epoch is done (equal_steps' left-out rows with it): the next one, whole
-            return ResumePoint(epoch + 1, ((0, rows),), rows, self.seed, self.shuffle_row_groups)
-        return ResumePoint(epoch, merged(left), rows, self.seed, self.shuffle_row_groups)
+            return ResumePoint(epoch + 1, ((0, rows),), rows, self.seed, self.shuffle_row_groups, shuffled)
+        return ResumePoint(epoch, merged(left), rows, self.seed, self.shuffle_row_groups, shuffled)
 
     @property
     def schema(self) -> pa.Schema:
@@ -406,7 +448,7 @@ def _build(
     dataset_url_or_urls, *, cur_shard, shard_count, num_epochs, shuffle_row_groups, shuffle_rows, seed,
     schema_fields, filters, batch_size, equal_steps, workers_count, step_rows=None, resume_from=None,
     resume_unit="batch", petastorm: Options = Options(), partitions=None, described_as: str | None = None,
-    decode=None, fill_missing: bool = False,
+    decode=None, fill_missing: bool = False, global_order: bool = False,
 ) -> Reader:
     cur_shard, shard_count = _check_shard(cur_shard, shard_count)
     num_epochs = _check_positive("num_epochs", num_epochs, True, "pass None to read forever, or a positive number of epochs.")
@@ -414,6 +456,9 @@ def _build(
     workers_count = _check_positive("workers_count", workers_count, False, f"pass a positive number of threads (default {DEFAULT_WORKERS}).")
     seed = _check_seed(seed)
     resume_from = _check_resume(resume_from, resume_unit)
+    if global_order and batch_size is None:
+        raise ValueError("global_order=True deals the rows to the shards in batches, so it needs a batch_size; pass "
+                         "batch_size= (the rows each shard yields per step), or global_order=False.")
     if petastorm.single_thread:  # reader_pool_type='dummy'
         workers_count = 1
     dataset = open_dataset(dataset_url_or_urls, schema_fields=schema_fields, filters=filters, workers=workers_count,
@@ -435,6 +480,7 @@ def _build(
         shuffle_row_groups=bool(shuffle_row_groups), shuffle_rows=bool(shuffle_rows), seed=resolve_seed(seed),
         batch_size=batch_size, equal_steps=bool(equal_steps), workers_count=workers_count, step_rows=step_rows,
         resume_from=resume_from, resume_unit=resume_unit, decode=_decode.check(decode, dataset.schema.names),
+        global_order=bool(global_order),
     )
 
 
@@ -454,6 +500,7 @@ def make_batch_reader(
     workers_count: int = DEFAULT_WORKERS,
     resume_from: tuple[int, int] | None = None,
     decode: dict | None = None,
+    global_order: bool = False,
     **petastorm_args,
 ) -> Reader:
     """A reader of one shard of a Parquet dataset, yielding namedtuples of NumPy arrays (one per column).
@@ -468,6 +515,18 @@ def make_batch_reader(
     laid end to end (shuffled by ``(seed, epoch)`` when ``shuffle_row_groups``) and the rows cut
     into ``shard_count`` contiguous ranges whose sizes differ by at most one row, so every row
     is in exactly one shard. More shards than rows raises ``EmptyShardError``.
+
+    ``global_order=True`` (needs ``batch_size``) deals the rows instead, in batches: step ``s``
+    of shard ``k`` reads the epoch's rows from ``(s * shard_count + k) * batch_size``, so the
+    job's steps read the epoch in one order at any ``shard_count`` (an elastic run resized,
+    or a rerun at another size, sees the rows in the same sequence), and ``shuffle_rows``
+    permutes each row group's rows by ``(seed, epoch, row group)``, the same in every shard.
+    The cost: a shard reads each row group that holds one of its batches, so with row groups
+    of more than ``shard_count * batch_size`` rows every shard reads every row group (about
+    ``shard_count`` times the reads of the default, less with ``schema_fields``). The last
+    step's rows, fewer than ``shard_count * batch_size``: with ``equal_steps`` one batch per
+    shard, sizes differing by at most one (left out when they are fewer than the shards);
+    without, dealt in batches of ``batch_size`` as far as they go.
 
     ``seed``: every rank must pass the same seed, or shards overlap and miss rows; ``None``
     means 0, so ranks agree without communicating (pass another value to change the order).
@@ -546,4 +605,5 @@ def make_batch_reader(
         shuffle_row_groups=shuffle_row_groups, shuffle_rows=shuffle_rows, seed=seed, schema_fields=schema_fields,
         filters=filters, batch_size=batch_size, equal_steps=equal_steps, workers_count=workers_count,
         resume_from=resume_from, petastorm=take("make_batch_reader", petastorm_args), decode=decode,
+        global_order=global_order,
     )

@@ -70,7 +70,8 @@ def test_a_finished_epoch_resumes_at_the_next_whole_one_and_bad_points_are_refus
         make_batch_reader(dataset, seed=8, resume_from=ResumePoint(0, ((0, 10),), 100, 7, True))
     with pytest.raises(EmptyShardError, match=r"The ResumePoint leaves 2 rows of epoch 0, fewer than shard_count=3"):
         make_batch_reader(dataset, seed=7, cur_shard=0, shard_count=3, resume_from=ResumePoint(0, ((5, 7),), 100, 7, True))
-    with pytest.raises(ValueError, match=r"resume_point needs a reader with equal_steps=True and shuffle_rows=False"):
+    with pytest.raises(ValueError, match=r"resume_point needs a reader with equal_steps=True, and shuffle_rows=False unless global_order=True "
+                                         r"\(this one has equal_steps=True, shuffle_rows=True, global_order=False\)"):
         make_batch_reader(dataset, shuffle_rows=True).resume_point(0, 1)
     with pytest.raises(ValueError, match=r"resume_point\(0, 99\): shard 0 of 1 has \d+ batches in epoch 0"):
         make_batch_reader(dataset).resume_point(0, 99)
