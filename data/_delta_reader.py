@@ -28,6 +28,8 @@ def make_delta_reader(
     equal_steps: bool = True,
     workers_count: int = DEFAULT_WORKERS,
     resume_from: tuple[int, int] | None = None,
+    decode: dict | None = None,
+    global_order: bool = False,
 ) -> Reader:
     """A reader of one shard of a Delta table, as make_batch_reader reads a Parquet dataset.
 
@@ -41,7 +43,8 @@ def make_delta_reader(
     otherwise. Tables with deletion vectors or column mapping are refused with ValueError
     (sparkhvd does not apply them yet). Every other argument is make_batch_reader's, with its
     meaning: shards are balanced by rows, ``filters`` may name partition columns, and
-    ``resume_from`` resumes mid-epoch (with the same ``version``).
+    ``resume_from`` resumes mid-epoch (with the same ``version``), ``decode`` decodes binary
+    cells in the prefetch threads, ``global_order`` reads in one order at any ``shard_count``.
     """
     files, partitions, columns = table_listing(table_uri, version=version, timestamp=timestamp,
                                                storage_options=storage_options)
@@ -55,4 +58,5 @@ def make_delta_reader(
         batch_size=batch_size, equal_steps=equal_steps, workers_count=workers_count, resume_from=resume_from,
         petastorm=Options(), partitions=partitions, described_as=f"the Delta table {os.fspath(table_uri)!r}",
         fill_missing=True,  # files written before a column was added (schema evolution) read it as null
+        decode=decode, global_order=global_order,
     )

@@ -164,3 +164,26 @@ def test_plans_deal_the_row_space_in_one_order(sizes, shard_count, batch_size, e
         job = _job_rows(pieces, shard_count, **options)
         assert len(one) == rows_left and len(set(one)) == rows_left
         assert job == one[:len(job)] and rows_left - len(job) < (shard_count if equal_steps else 1)
+
+
+def test_a_delta_table_reads_in_one_order_at_every_number_of_shards(tmp_path):
+    deltalake = pytest.importorskip("deltalake", reason="deltalake (the delta extra) is not installed")
+    import pyarrow as pa
+
+    from sparkhvd.data import make_delta_reader
+
+    path = str(tmp_path / "table")
+    for start in (0, 30, 60):  # three versions, three files
+        ids = pa.array(range(start, start + 30), pa.int64())
+        deltalake.write_deltalake(path, pa.table({"id": ids, "part": pa.compute.bit_wise_and(ids, 1)}),
+                                  mode="append", partition_by=["part"])
+
+    def job(shards):
+        return _job([make_delta_reader(path, cur_shard=k, shard_count=shards, seed=2, batch_size=4, shuffle_rows=True,
+                                       global_order=True) for k in range(shards)])
+
+    one = job(1)
+    assert sorted(one) == list(range(90))
+    for shards in (2, 3):
+        rows = job(shards)
+        assert rows == one[:len(rows)] and len(one) - len(rows) < shards
