@@ -6,7 +6,8 @@ file, the innermost run of them, as Spark's partition discovery reads them (a fo
 ``:``), and ``__HIVE_DEFAULT_PARTITION__`` is null. Each key's type is inferred from all its
 values as Spark infers it (``spark.sql.sources.partitionColumnTypeInference.enabled``): the first
 of int32, int64, decimal(p, 0) (integers beyond int64), float64 and date that every value
-parses as, else string; a key whose values are all null is a string. Timestamps stay strings
+parses as, else string (a decimal among floats is a string too, as Spark widens the two); a key
+whose values are all null is a string, and an empty value (``key=``) is refused, as Spark refuses it. Timestamps stay strings
 (Spark would read them in the session's time zone).
 """
 
@@ -77,6 +78,11 @@ def folder_pairs(relative_dir: str) -> list[tuple[str, str | None]]:
         if not sep or not key:
             break
         value = unquote(value)
+        if not value:
+            raise ValueError(
+                f"The folder {part!r} in {relative_dir!r} is a partition folder with an empty value, which Spark "
+                "refuses too (EMPTY_PARTITION_COLUMN_VALUE); rename it to "
+                f"'{key}={HIVE_NULL}' for a null, or give it a value.")
         pairs.append((unquote(key), None if value == HIVE_NULL else value))
     return pairs[::-1]
 
@@ -142,6 +148,9 @@ def _infer(values: list[str]) -> tuple[pa.DataType, object]:
         digits = max(len(v.lstrip("+-").lstrip("0") or "0") for v in values)
         if digits <= 38:
             return pa.decimal128(digits, 0), decimal.Decimal
+    if any(_INT.fullmatch(v) and not _INT64[0] <= int(v) <= _INT64[1] and len(v.lstrip("+-").lstrip("0")) <= 38
+           for v in values):
+        return pa.string(), str  # a decimal among doubles: Spark widens the two to string
     for type_, parse in ((pa.float64(), _float), (pa.date32(), _date)):
         if values and all(_parses(parse, v) for v in values):
             return type_, parse

@@ -92,7 +92,7 @@ def test_the_innermost_run_of_key_value_folders_is_read_and_escapes_are_undone(t
 @pytest.mark.parametrize("values, arrow_type", [
     (["1", "-2", "+3"], pa.int32()), (["1", "3000000000"], pa.int64()), (["1", "2.5", "1e3"], pa.float64()),
     (["2024-01-31", "1999-12-01"], pa.date32()), (["1", "2024-01-31"], pa.string()), (["007", "abc"], pa.string()),
-    (["12345678901234567890123"], pa.decimal128(23, 0)),
+    (["12345678901234567890123"], pa.decimal128(23, 0)), (["12345678901234567890123", "2.5"], pa.string()),
 ])
 def test_partition_types_are_inferred_as_spark_infers_them(tmp_path, values, arrow_type):
     _write(tmp_path, {f"v={value}": 10 * i for i, value in enumerate(values)}, rows=1)
@@ -108,6 +108,14 @@ def test_files_under_different_keys_or_a_key_that_is_a_column_are_refused(tmp_pa
     _write(tmp_path / "b", {"id=1": 0})
     with pytest.raises(SchemaError, match=r"\['id'\] .* are both in its Parquet files and partition folder names"):
         make_batch_reader(tmp_path / "b")
+
+
+def test_an_empty_partition_value_is_refused_as_spark_refuses_it(tmp_path):
+    _write(tmp_path, {"key=a": 0, "key=": 10})
+    with pytest.raises(ValueError, match=r"The folder 'key=' in 'key=' is a partition folder with an empty value, "
+                                         r"which Spark refuses too \(EMPTY_PARTITION_COLUMN_VALUE\); rename it to "
+                                         r"'key=__HIVE_DEFAULT_PARTITION__' for a null, or give it a value"):
+        make_batch_reader(tmp_path)
 
 
 def test_a_file_listed_by_itself_has_no_partition_columns(tmp_path):
