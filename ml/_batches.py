@@ -22,16 +22,17 @@ def steps(rows: int, ranks: int, batch_size: int) -> int:
 
 
 def epoch_batches(url: str, rows: int, *, rank: int, ranks: int, epoch: int, batch_size: int, shuffle: bool, seed: int,
-                  skip: int = 0, equal_steps: bool = True) -> Iterator[tuple[int, dict]]:
+                  skip: int = 0, equal_steps: bool = True, decode: dict | None = None) -> Iterator[tuple[int, dict]]:
     """``(reader batches consumed, {column: array})`` for each step of ``epoch`` on this rank, from reader batch ``skip``.
 
     The order depends only on ``seed``, the epoch and the rank, so a run resumed from
     ``(epoch, skip)`` reads exactly what the uninterrupted run read from there. Without
-    ``equal_steps`` (validation), every batch as read.
+    ``equal_steps`` (validation), every batch as read. ``decode`` (the estimator's) decodes binary columns in the
+    reader's threads: such a column is then a ``(rows, *shape)`` array.
     """
     reader = make_batch_reader(url, cur_shard=rank, shard_count=ranks, num_epochs=epoch + 1, shuffle_row_groups=shuffle,
                                shuffle_rows=shuffle, seed=seed, batch_size=batch_size, equal_steps=False,
-                               resume_from=(epoch, skip), workers_count=2)
+                               resume_from=(epoch, skip), workers_count=2, decode=decode)
     with reader:
         count = reader.plan(epoch).num_batches
         merge = equal_steps and count == steps(rows, ranks, batch_size) + 1

@@ -17,7 +17,7 @@ from pyspark.ml import Estimator
 
 from ..data import make_spark_converter
 from ._checkpoints import RunDir
-from ._columns import columns_of, with_shapes
+from ._columns import check_decode, columns_of, decoded_row, with_shapes
 from ._params import EstimatorParams
 from ._persistence import Persisted
 from ._spec import DataSpec, FitSpec
@@ -55,7 +55,8 @@ class HorovodEstimator(Estimator, EstimatorParams, Persisted):
         return self._fit_data(data, run, output_shapes, who)
 
     def fit_on_parquet(self, train_path: str, validation_path: str | None = None):
-        """Fit on Parquet files already written (numbers and arrays of numbers; no vectors): no DataFrame is written."""
+        """Fit on Parquet files already written (numbers, arrays of numbers, binary columns named in decode; no
+        vectors): no DataFrame is written."""
         from pyspark.sql import SparkSession
 
         who = f"{type(self).__name__}.fit_on_parquet"
@@ -73,12 +74,15 @@ class HorovodEstimator(Estimator, EstimatorParams, Persisted):
             raise ValueError(f"{who}: {train_path!r} holds no rows: there is nothing to train on.")
         features, labels, weight, output_shapes, run = self._prepare(features, labels, weight, sample[0], who)
         val_rows = spark.read.parquet(validation_path).count() if validation_path else 0
-        data = DataSpec(train_path, df.count(), validation_path, val_rows, tuple(features), tuple(labels), weight)
+        data = DataSpec(train_path, df.count(), validation_path, val_rows, tuple(features), tuple(labels), weight,
+                        self._decode())
         return self._fit_data(data, run, output_shapes, who)
 
     def _prepare(self, features, labels, weight, row, who: str):
         """What fit and fit_on_parquet check alike on the sampled ``row``: the columns' shapes, the model's dry run,
-        the store and the run's model; ``(features, labels, weight, output shapes, run)``."""
+        the store and the run's model; ``(features, labels, weight, output shapes, run)``. Binary columns named in
+        ``decode`` are decoded first: the model's dry run sees the arrays the ranks will."""
+        row = decoded_row(row, features, self._decode(), who)
         features, labels = with_shapes(features, row, who), with_shapes(labels, row, who)
         weight = with_shapes([weight], row, who)[0] if weight else None
         output_shapes = self._check_model(features, labels, weight, row, who)
@@ -121,8 +125,13 @@ class HorovodEstimator(Estimator, EstimatorParams, Persisted):
             raise ValueError(f"{who}: validation must be a fraction in [0, 1), a column name or None, got "
                              f"{validation!r}.")
 
+    def _decode(self) -> dict | None:
+        """``decode`` as checked by ``_columns``: a dict, or None for none."""
+        return dict(self.getDecode()) if self.getDecode() else None
+
     def _columns(self, df, who: str):
-        features = columns_of(df.schema, "feature_cols", self.getFeatureCols(), who)
+        decode = check_decode(self.getDecode(), df.schema, self.getFeatureCols(), who)
+        features = columns_of(df.schema, "feature_cols", self.getFeatureCols(), who, decoded=decode or ())
         labels = columns_of(df.schema, "label_cols", self.getLabelCols(), who)
         weight_col = self.getSampleWeightCol()
         weight = columns_of(df.schema, "sample_weight_col", [weight_col], who)[0] if weight_col else None
@@ -170,7 +179,7 @@ class HorovodEstimator(Estimator, EstimatorParams, Persisted):
             if len(val_converter):
                 val_url, val_rows = val_converter.cache_dir_url, len(val_converter)
         return DataSpec(converter.cache_dir_url, len(converter), val_url, val_rows, tuple(features), tuple(labels),
-                        weight)
+                        weight, self._decode())
 
     def _num_proc(self, df=None) -> int:
         if self.getNumProc() is not None:

@@ -64,7 +64,10 @@ class KerasEstimator(HorovodEstimator):
     the model is compiled with them, the model itself is left as it is. The model is called with one float32 tensor ``(rows, *shape)`` per feature column
     (a list where there are several; a number is ``(rows, 1)``). Integer labels arrive as int64
     class indices, others as float32. ``callbacks``: Keras callbacks, run on every rank.
-    ``custom_objects``: what ``keras.models.load_model`` needs to load the model. See docs/ml.md.
+    ``custom_objects``: what ``keras.models.load_model`` needs to load the model. ``decode``:
+    ``{column: fn}`` for binary feature columns (encoded images): ``fn(cell bytes)`` returns the
+    row's NumPy array, of one shape for every row, in the ranks' reader threads and in the fitted
+    model's ``transform``, which keeps it. See docs/ml.md.
     """
 
     _framework = "keras"
@@ -218,7 +221,7 @@ class KerasEstimator(HorovodEstimator):
         model = load_keras(data, objects)
         fitted = KerasModel(model=model, history=state["history"], feature_columns=self.getFeatureCols(),
                             label_columns=self.getLabelCols(), custom_objects=objects or None,
-                            run_id=run.run_id, _metadata=metadata(spec))
+                            run_id=run.run_id, decode=spec.data.decode, _metadata=metadata(spec))
         fitted._use_file(run.write_model(MODEL, data))  # the checkpoint's bytes: exactly the fitted model
         return fitted
 

@@ -57,7 +57,7 @@ class Stream:
         """This rank's first ``limit`` batches of ``epoch``, from reader batch ``skip``, as ``arrays``."""
         with contextlib.closing(epoch_batches(url, rows, rank=self.rank, ranks=self.size, epoch=epoch,
                                               batch_size=batch_size, shuffle=shuffle, seed=self.spec.seed,
-                                              skip=skip)) as read:
+                                              skip=skip, decode=self.data.decode)) as read:
             for step, (_, batch) in enumerate(read):
                 if step >= limit:
                     break

@@ -28,7 +28,10 @@ class LightningEstimator(HorovodEstimator):
 
     ``trainer_args``: more ``lightning.Trainer`` arguments (``gradient_clip_val``, ``precision``, ...).
     ``callbacks``: Lightning callbacks. ``input_shapes``: as TorchEstimator's, for the forward pass
-    that ``transform`` runs. See docs/ml.md.
+    that ``transform`` runs. ``decode``: ``{column: fn}`` for binary feature columns (encoded
+    images), as TorchEstimator's: ``training_step`` gets the decoded column as a float32
+    ``(rows, *shape)`` tensor, and the fitted model's ``transform`` decodes with the same ``fn``.
+    See docs/ml.md.
     """
 
     _framework = "lightning"

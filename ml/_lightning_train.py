@@ -53,7 +53,7 @@ class _Loader:
         epoch = trainer.current_epoch if self.shuffle else 0
         for _, batch in epoch_batches(self.url, self.rows, rank=trainer.global_rank, ranks=trainer.world_size,
                                       epoch=epoch, batch_size=self.batch_size, shuffle=self.shuffle,
-                                      seed=self.spec.seed, skip=self._skip()):
+                                      seed=self.spec.seed, skip=self._skip(), decode=data.decode):
             if transform is not None:
                 batch = transform(batch)
             yield {name: _tensor(values, shapes.get(name), data, name, torch) for name, values in batch.items()}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import uuid
 
+import cloudpickle
 from pyspark.ml import Model
 
 from ._columns import Column, numel
@@ -65,10 +66,16 @@ class HorovodModel(Model, ModelParams, Persisted):
         for name, label, shape in zip(self.getOutputCols(), labels, meta["output_shapes"]):
             scalar = numel(tuple(shape)) == 1
             outputs.append(Output(name, scalar=scalar, integer=scalar and label.integer))
+        decode = self.getDecode() or {}
+        missing = [c.name for c in features if c.kind == "decoded" and not callable(decode.get(c.name))]
+        if missing:
+            raise ValueError(f"This {type(self).__name__} was fitted on the binary column {missing[0]!r} decoded by "
+                             f"decode=, and has no decode for it now (decode={self.getDecode()!r}); "
+                             f"setDecode({{{missing[0]!r}: fn}}) with the function it was fitted with.")
         source, blob = self._model_source()
         return PredictSpec(key=self._key, load=type(self)._load_for_predict, source=source, blob=blob,
                            features=features, input_shapes=self._input_shapes(features), outputs=tuple(outputs),
-                           batch_size=batch_size)
+                           batch_size=batch_size, decode=cloudpickle.dumps(dict(decode)) if decode else None)
 
     def _transform(self, df):
         spec = self._predict_spec()

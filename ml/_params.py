@@ -77,6 +77,8 @@ class EstimatorParams(_KeywordParams):
     verbose = _p("verbose", "0: silent; 1: a line per epoch", _INT)
     run_id = _p("run_id", "the run's name in the store: a fit with the same run_id resumes it", _STR)
     transformation_fn = _p("transformation_fn", "a function applied to every batch (a dict of column arrays) on the ranks")
+    decode = _p("decode", "per binary feature column, fn(cell bytes) -> NumPy array, run in the ranks' reader threads "
+                          "and in transform: {'image': fn}")
     gradient_compression = _p("gradient_compression", "Horovod's gradient compression (hvd.Compression.fp16)")
     backward_passes_per_step = _p("backward_passes_per_step", "backward passes per allreduce and optimizer step", _INT)
     use_gpu = _p("use_gpu", "train on the ranks' GPUs where they have them", _BOOL)
@@ -91,8 +93,8 @@ class EstimatorParams(_KeywordParams):
                          metrics=[], feature_cols=None, label_cols=None, sample_weight_col=None, validation=None,
                          callbacks=[], batch_size=32, val_batch_size=None, epochs=1, train_steps_per_epoch=None,
                          validation_steps_per_epoch=None, random_seed=None, shuffle=True, verbose=1, run_id=None,
-                         transformation_fn=None, gradient_compression=None, backward_passes_per_step=1, use_gpu=True,
-                         max_restarts=0, batches_per_commit=100)
+                         transformation_fn=None, decode=None, gradient_compression=None, backward_passes_per_step=1,
+                         use_gpu=True, max_restarts=0, batches_per_commit=100)
 
 
 @_accessors
@@ -105,11 +107,12 @@ class ModelParams(_KeywordParams):
     label_columns = _p("label_columns", "label column names", _STRS)
     outputCols = _p("outputCols", "the prediction columns, one per label column", _STRS)
     run_id = _p("run_id", "the run that trained this model", _STR)
+    decode = _p("decode", "per binary feature column, the fn(cell bytes) -> NumPy array it was fitted with")
     _metadata = _p("_metadata", "the input and output columns' shapes and types")
 
     def __init__(self):
         super().__init__()
-        self._setDefault(history=[], run_id=None, model=None)
+        self._setDefault(history=[], run_id=None, model=None, decode=None)
 
     def getOutputCols(self) -> list[str]:
         if self.isDefined(self.outputCols):

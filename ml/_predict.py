@@ -1,10 +1,11 @@
 """``transform`` on the executors: an Arrow UDF that loads the model once per Python worker and predicts Arrow batches.
 
 The feature columns reach the UDF as one struct of Arrow arrays (ML vectors as arrays of floats,
-tensors flattened); each becomes a NumPy array without a per-row Python loop, the model runs on
-chunks of ``batch_size`` rows, and the outputs go back as Arrow arrays. The loaded model is kept
-per Python worker and device (Spark reuses its Python workers, so a model is loaded once per
-worker, not per task or batch); each task runs on the GPU Spark gave it
+tensors flattened); each becomes a NumPy array without a per-row Python loop (a binary column goes
+through the ``decode`` function the model was fitted with, cell by cell), the model runs on chunks
+of ``batch_size`` rows, and the outputs go back as Arrow arrays. The loaded model is kept per
+Python worker and device (Spark reuses its Python workers, so a model is loaded once per worker,
+not per task or batch); each task runs on the GPU Spark gave it
 (``TaskContext.resources()['gpu']``), and on the CPU where it has none.
 """
 
@@ -15,6 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+import cloudpickle
 import numpy as np
 import pyarrow as pa
 
@@ -42,6 +44,9 @@ class PredictSpec:
     input_shapes: tuple[tuple[int, ...], ...]  # per feature, per row
     outputs: tuple[Output, ...]
     batch_size: int
+    # {feature column: fn(cell bytes) -> array}, the estimator's, cloudpickled here as the fit's launch pickles it
+    # (Spark's own copy of cloudpickle ignores cloudpickle.register_pickle_by_value); None without binary columns
+    decode: bytes | None = None
 
 
 _LOADED: collections.OrderedDict = collections.OrderedDict()  # (key, device) -> predict; the last few models
@@ -79,14 +84,37 @@ def loaded(spec: PredictSpec, device: str):
         return predict
 
 
-def to_numpy(array: pa.Array, column: Column, shape: tuple[int, ...]) -> np.ndarray:
-    """A feature column's Arrow array as float32 NumPy of shape ``(rows, *shape)``."""
+def decoded(array: pa.Array, column: Column, fn) -> np.ndarray:
+    """A binary column's cells through ``fn`` (the estimator's ``decode``), stacked: ``(rows, *column.shape)``."""
+    arrays = []
+    for cell in array.to_pylist():
+        try:
+            value = np.asarray(fn(cell))
+        except Exception as exc:
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"sparkhvd.ml: raised by decode[{column.name!r}] on a cell of a transform batch.")
+            raise
+        if value.shape != tuple(column.shape):
+            raise ValueError(f"decode[{column.name!r}] returned an array of shape {value.shape} for a row, where the "
+                             f"model was fitted on rows of shape {tuple(column.shape)}; return that shape for every "
+                             "cell (resize in decode), as in training.")
+        arrays.append(value)
+    return np.stack(arrays) if arrays else np.zeros((0, *column.shape), dtype=np.float32)
+
+
+def to_numpy(array: pa.Array, column: Column, shape: tuple[int, ...], decode=None) -> np.ndarray:
+    """A feature column's Arrow array as float32 NumPy of shape ``(rows, *shape)``; a decoded column's bytes through
+    ``decode`` first."""
     if array.null_count:
         raise ValueError(f"The feature column {column.name!r} has {array.null_count} null rows in a batch; a model "
                          "cannot take nulls: fill them (DataFrame.fillna) or drop those rows before transform.")
     n = len(array)
-    values = array.flatten() if pa.types.is_list(array.type) or pa.types.is_large_list(array.type) else array
-    flat = np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.float32)
+    if column.kind == "decoded":
+        values = decoded(array, column, decode)
+    else:
+        values = array.flatten() if pa.types.is_list(array.type) or pa.types.is_large_list(array.type) else array
+        values = values.to_numpy(zero_copy_only=False)
+    flat = np.asarray(values, dtype=np.float32).reshape(-1)
     if flat.size != n * numel(shape):
         raise ValueError(f"The feature column {column.name!r} has rows of {flat.size // max(n, 1)} values where the "
                          f"model was fitted on rows of shape {tuple(column.shape)} "
@@ -110,8 +138,9 @@ def from_numpy(values: np.ndarray, output: Output) -> pa.Array:
 def predict_batches(spec: PredictSpec, batches: Iterator[pa.Array]) -> Iterator[pa.Array]:
     """The UDF's body: for each Arrow batch of the feature struct, the predictions (a struct where there are several)."""
     predict = loaded(spec, device_for(task_gpus()))
+    decode = cloudpickle.loads(spec.decode) if spec.decode is not None else {}
     for batch in batches:
-        inputs = [to_numpy(batch.field(i), column, shape)
+        inputs = [to_numpy(batch.field(i), column, shape, decode.get(column.name))
                   for i, (column, shape) in enumerate(zip(spec.features, spec.input_shapes))]
         n = len(batch)
         chunks = [predict([x[start:start + spec.batch_size] for x in inputs]) for start in range(0, n, spec.batch_size)]

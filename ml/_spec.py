@@ -19,6 +19,7 @@ class DataSpec:
     features: tuple[Column, ...]
     labels: tuple[Column, ...]
     weight: Column | None
+    decode: dict | None = None  # {column: fn(cell bytes) -> array}: the readers decode those columns in their threads
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,9 @@ class TorchEstimator(HorovodEstimator):
     the model is called as ``model(*features)``, one tensor per feature column (float32,
     ``(rows, *shape)``, reshaped to ``input_shapes`` where given). Integer labels arrive as int64
     class indices, others as float32. ``metrics``: functions ``metric(output, label)`` averaged over
-    each epoch. See docs/ml.md.
+    each epoch. ``decode``: ``{column: fn}`` for binary feature columns (encoded images):
+    ``fn(cell bytes)`` returns the row's NumPy array, of one shape for every row; it runs in the
+    ranks' reader threads, and in the fitted model's ``transform``, which keeps it. See docs/ml.md.
     """
 
     _framework = "torch"
@@ -186,7 +188,7 @@ def fitted_model(model_class, estimator, run: RunDir, spec: FitSpec, state_dict:
     model.eval()
     fitted = model_class(model=model, history=history, feature_columns=estimator.getFeatureCols(),
                          label_columns=estimator.getLabelCols(), run_id=run.run_id,
-                         input_shapes=estimator.getInputShapes(), _metadata=metadata(spec))
+                         input_shapes=estimator.getInputShapes(), decode=spec.data.decode, _metadata=metadata(spec))
     fitted._use_file(run.write_model(MODEL, fitted._serialize(model)))
     return fitted
 

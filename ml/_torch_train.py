@@ -148,7 +148,8 @@ class _Fit:
         model.eval()
         with self.torch.no_grad():
             batches = epoch_batches(data.val_url, data.val_rows, rank=hvd.rank(), ranks=hvd.size(), epoch=0,
-                                    batch_size=spec.val_batch_size, shuffle=False, seed=0, equal_steps=False)
+                                    batch_size=spec.val_batch_size, shuffle=False, seed=0, equal_steps=False,
+                                    decode=data.decode)
             for step, (_, batch) in enumerate(batches):
                 if spec.validation_steps_per_epoch is not None and step >= spec.validation_steps_per_epoch:
                     break
@@ -188,7 +189,8 @@ class _Fit:
         model.train()
         done = state.steps
         batches = epoch_batches(data.train_url, data.train_rows, rank=hvd.rank(), ranks=hvd.size(), epoch=epoch,
-                                batch_size=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed, skip=state.batch)
+                                batch_size=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed, skip=state.batch,
+                                decode=data.decode)
         for consumed, batch in batches:
             if done >= per_epoch:
                 break

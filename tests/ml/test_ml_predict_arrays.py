@@ -1,7 +1,8 @@
 """transform's executor side without Spark (the fast tier): Arrow columns in, the model's outputs out, as the UDF does.
 
 - number, array and flattened tensor columns become float32 ``(rows, *shape)`` without a per-row loop; a null or a
-  row of another length fails naming the column;
+  row of another length fails naming the column; a binary column goes through its decode function, whose arrays must
+  have the fitted shape;
 - one number per row comes back as doubles (rounded longs for an integer label), larger outputs as float arrays,
   several outputs as a struct; a model returning the wrong number of rows fails saying so;
 - the model is loaded once per worker and device, and a task predicts on the GPU Spark assigned it.
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.unit
 
 SCALAR = Column("x", "scalar", False, 0, ())
 TENSOR = Column("t", "array", False, 2, (2, 3))
+IMAGE = Column("image", "decoded", False, 0, (2, 3), "binary")
 
 
 def test_columns_become_float32_arrays_of_their_shape():
@@ -33,6 +35,21 @@ def test_columns_become_float32_arrays_of_their_shape():
     with pytest.raises(ValueError, match=r"The feature column 'x' has 1 null rows in a batch; a model cannot take "
                                          r"nulls: fill them"):
         to_numpy(pa.array([1.0, None]), SCALAR, (1,))
+
+
+def test_a_binary_column_is_decoded_into_float32_arrays_of_the_fitted_shape():
+    cells = pa.array([bytes(range(6)), bytes(range(6, 12))], pa.binary())
+
+    def decode(data: bytes) -> np.ndarray:
+        assert isinstance(data, bytes)
+        return np.frombuffer(data, np.uint8).reshape(2, 3)
+
+    got = to_numpy(cells, IMAGE, (3, 2), decode)  # reshaped to the model's input shape, as on the ranks
+    assert got.dtype == np.float32 and got.tolist() == [[[0, 1], [2, 3], [4, 5]], [[6, 7], [8, 9], [10, 11]]]
+    with pytest.raises(ValueError, match=r"^decode\['image'\] returned an array of shape \(6,\) for a row, where the "
+                                         r"model was fitted on rows of shape \(2, 3\); return that shape for every "
+                                         r"cell \(resize in decode\), as in training.$"):
+        to_numpy(cells, IMAGE, (2, 3), lambda data: np.frombuffer(data, np.uint8))
 
 
 def test_outputs_become_the_prediction_columns():
