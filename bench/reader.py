@@ -1,4 +1,4 @@
-"""Benchmark (not a test): one sparkhvd.data shard reader vs pyarrow.dataset over the same files.
+"""Benchmark (not a test): one sparkhvd.data shard reader vs pyarrow.dataset (and Ray Data) over the same files.
 
 Writes a dataset of ``--rows`` rows (a 784-float32 list column ``features`` and an int64
 ``label``; 4 files x 4 row groups = 16 row groups; 200k rows is about 630 MB), then reads it
@@ -15,6 +15,7 @@ Prints the median rows/s of ``--repeats`` runs, peak RSS, and the ratio ours/pya
     python bench/reader.py --path /data/bench   # keep the dataset there (re-used if present)
     python bench/reader.py --s3 --rows 50000    # both readers on s3:// from moto's S3 server on 127.0.0.1
     python bench/reader.py --delta              # a Delta table: make_delta_reader against delta-rs's dataset scan
+    python bench/reader.py --torch --rows 50000  # adds make_torch_loader against Ray Data's iter_torch_batches
 
 ``--s3`` uploads the dataset to a moto S3 server (the test extra's ``moto[server]``) started as a
 process of its own on 127.0.0.1, and both readers read ``s3://`` URLs through pyarrow's S3 filesystem (the
@@ -22,14 +23,35 @@ peer: ``pyarrow.dataset`` on the same URL, the same server): the server's Python
 ceiling both share, so the ratio, not the rate, is the result. ``--delta`` writes the dataset as a
 Delta table with ``deltalake.write_deltalake`` (the delta extra) and reads it with
 ``make_delta_reader`` against ``DeltaTable(path).to_pyarrow_dataset().to_batches()`` (the peer).
+
+``--torch`` adds two readers to the plain run, each in a fresh process again, yielding batches of 1024 rows as
+``{"features": float32 tensor [B, 784], "label": int64 tensor [B]}``, which both give as they are (the benchmark
+converts nothing and checks each batch's dtypes and shapes):
+
+- ours+torch:  sparkhvd.data.torch.make_torch_loader(path, batch_size=1024, cur_shard=0, shard_count=1)
+- ray:         ray.data.read_parquet(path).iter_torch_batches(batch_size=1024)  (the peer)
+
+Each reads the dataset twice in its process: the rows ``#2`` are the second pass (ours the loader's second
+iteration, Ray a second ``read_parquet`` in the same Ray, whose worker processes have started by then). Prints the
+ratio ours+torch/ray of each pass (goal >= 1.0). Ray runs locally with its defaults (a CPU per core), no dashboard,
+and a temp dir of its own that goes after ``ray.shutdown()``; ours with its defaults (row groups in a shuffled
+order). Inside, ours copies each read-only Arrow-backed column into a tensor of its own (``torch.tensor``); Ray wraps
+its read-only arrays without a copy (``torch.as_tensor``). A pass is timed from building the loader, or its next
+reader (or calling ``read_parquet``), to its last batch; imports, ``ray.init()`` (its median is printed apart) and
+``ray.shutdown()`` are outside. Ray's peak RSS is its driver's alone: its read tasks run in Ray's worker processes
+and their blocks sit in its object store. Where ray is not installed the ray row says so and the rest runs. Ray
+keeps an authentication token in ``~/.ray/auth_token``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,6 +60,8 @@ import time
 
 WIDTH = 784
 FILES, GROUPS_PER_FILE = 4, 4
+TORCH_BATCH = 1024  # rows per batch of both torch loaders (--torch)
+TORCH_KINDS = ["ours+torch", "ray"]
 
 
 def write_dataset(path: str, rows: int) -> None:
@@ -63,6 +87,8 @@ def write_dataset(path: str, rows: int) -> None:
 
 def child(kind: str, path: str, workers: int, delta: bool = False) -> dict:
     """Read the dataset once in this process; return rows, seconds and peak RSS."""
+    if kind in TORCH_KINDS:
+        return _torch_child(kind, path, workers)
     import numpy as np
     import pyarrow.dataset as ds
 
@@ -95,6 +121,69 @@ def child(kind: str, path: str, workers: int, delta: bool = False) -> dict:
     return {"rows": rows, "seconds": seconds, "peak_mb": peak / 1024, "base_mb": base_rss / 1024}
 
 
+def _torch_child(kind: str, path: str, workers: int) -> dict:
+    """Read the dataset twice as torch batches, ours' loader or Ray Data's (in a local Ray started before the clock);
+    return the first pass as ``child`` does, and the second's seconds."""
+    import torch
+
+    with contextlib.ExitStack() as stack:
+        if kind == "ray":
+            start = time.perf_counter()
+            ray = stack.enter_context(_local_ray())
+            init_seconds = time.perf_counter() - start
+        else:
+            from sparkhvd.data.torch import make_torch_loader
+        base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        loader = None
+        passes = []
+        for _ in range(2):
+            rows = 0
+            start = time.perf_counter()
+            if kind == "ray":
+                batches = ray.data.read_parquet(path).iter_torch_batches(batch_size=TORCH_BATCH)
+            else:  # one loader, whose second iteration builds a fresh reader (the next epoch)
+                if loader is None:
+                    loader = stack.enter_context(make_torch_loader(path, TORCH_BATCH, cur_shard=0, shard_count=1,
+                                                                   workers_count=workers))
+                batches = loader
+            for batch in batches:
+                features, label = batch["features"], batch["label"]
+                assert features.dtype == torch.float32 and features.shape == (len(label), WIDTH), features.shape
+                assert label.dtype == torch.int64 and label.shape[0] <= TORCH_BATCH, (label.dtype, label.shape)
+                rows += len(label)
+            passes.append((rows, time.perf_counter() - start))
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    (rows, seconds), (again_rows, again_seconds) = passes
+    assert rows == again_rows, f"{kind} read {rows} rows, then {again_rows}"
+    result = {"rows": rows, "seconds": seconds, "peak_mb": peak / 1024, "base_mb": base_rss / 1024,
+              "second_seconds": again_seconds}
+    if kind == "ray":
+        result["init_seconds"] = init_seconds
+    return result
+
+
+@contextlib.contextmanager
+def _local_ray():
+    """``ray`` with a local Ray started, whose temp dir (session, logs, spilled objects) goes after its shutdown."""
+    import ray
+    import ray.data  # ray.data.read_parquet
+
+    temp = tempfile.mkdtemp(prefix="ray-")
+    try:
+        ray.init(include_dashboard=False, log_to_driver=False, _temp_dir=temp)
+        yield ray
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _skip_reason(kind: str) -> str | None:
+    """Why ``kind`` cannot run in this interpreter, or None."""
+    if kind == "ray" and importlib.util.find_spec("ray") is None:
+        return "ray is not installed: pip install 'ray[data]'"
+    return None
+
+
 EXIT_ABORTS: list[str] = []  # children that printed their result, then died at exit
 
 
@@ -121,10 +210,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4, help="workers_count of our reader")
     parser.add_argument("--s3", action="store_true", help="read s3:// from a moto S3 server on 127.0.0.1")
     parser.add_argument("--delta", action="store_true", help="read the dataset as a Delta table (deltalake)")
+    parser.add_argument("--torch", action="store_true",
+                        help="add make_torch_loader against Ray Data's iter_torch_batches (where ray is installed)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--write", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--as-delta", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.torch and (args.s3 or args.delta):
+        parser.error("--torch reads the local Parquet dataset; run it without --s3 and --delta")
     if args.write:
         write_dataset(args.path, args.rows)
         return
@@ -154,13 +247,24 @@ def main() -> None:
             path = target
             kinds = ["ours", "pyarrow"]
             print(f"wrote a Delta table at {path}")
-        results: dict[str, list[dict]] = {k: [] for k in kinds}
+        skipped = {}
+        if args.torch:
+            skipped = {kind: reason for kind in TORCH_KINDS if (reason := _skip_reason(kind))}
+            kinds += [kind for kind in TORCH_KINDS if kind not in skipped]
+        results: dict[str, list[dict]] = {}
+        for kind in kinds:
+            results[kind] = []
+            if kind in TORCH_KINDS:
+                results[f"{kind} #2"] = []  # its second pass, in the same process
         run_child("pyarrow", path, args.workers, args.delta)  # warm the page cache
         for _ in range(args.repeats):
             for kind in kinds:  # interleaved, so drift hits every reader alike
-                results[kind].append(run_child(kind, path, args.workers, args.delta))
+                result = run_child(kind, path, args.workers, args.delta)
+                results[kind].append(result)
+                if kind in TORCH_KINDS:
+                    results[f"{kind} #2"].append(dict(result, seconds=result["second_seconds"]))
         table = {}
-        for kind in kinds:
+        for kind in results:
             rows = {r["rows"] for r in results[kind]}
             assert len(rows) == 1, f"{kind} read different row counts: {rows}"
             table[kind] = (
@@ -172,9 +276,16 @@ def main() -> None:
         print(f"\n{'reader':<15}{'rows':>10}{'rows/s (median)':>18}{'peak RSS MB':>14}{'RSS after imports MB':>22}")
         for kind, (rate, peak, base, rows) in table.items():
             print(f"{kind:<15}{rows:>10}{rate:>18,.0f}{peak:>14.0f}{base:>22.0f}")
+        for kind, reason in skipped.items():
+            print(f"{kind:<15}skipped: {reason}")
         ratio = table["ours"][0] / table["pyarrow"][0]
         target = "0.9, on s3://" if args.s3 else "0.9, on Delta against delta-rs's scan" if args.delta else "0.8"
         print(f"\nratio ours/pyarrow rows/s: {ratio:.2f} (target >= {target}); peak RSS ours/pyarrow: {table['ours'][1] / table['pyarrow'][1]:.2f}")
+        if "ray" in table:
+            first, second = (table[f"ours+torch{n}"][0] / table[f"ray{n}"][0] for n in ("", " #2"))
+            init = statistics.median(r["init_seconds"] for r in results["ray"])
+            print(f"ratio ours+torch/ray rows/s: {first:.2f} first pass, {second:.2f} second (goal >= 1.0); "
+                  f"ray.init() took {init:.1f} s (median, not timed); ray's peak RSS is its driver's alone")
         if EXIT_ABORTS:
             print(f"(processes that printed their result, then aborted at exit: {', '.join(EXIT_ABORTS)})")
         if server is not None:
