@@ -192,6 +192,9 @@ section("What the agent tells the rank process it starts (runner/_agent/env.py, 
 DRIVER = Setting("SPARKHVD_DRIVER", None, text, "The driver service's host:port.", internal=True)
 RUN_ID = Setting("SPARKHVD_RUN_ID", None, text, "The run this rank belongs to.", internal=True)
 PLACEMENT = Setting("SPARKHVD_PLACEMENT", None, text, "The rank's place in the run (JSON).", internal=True)
+TASK_CONTEXT = Setting("SPARKHVD_TASK_CONTEXT", None, text,
+                       "The Spark task the rank runs for (JSON: _common/spark_task.py), which pyspark's TaskContext.get() "
+                       "returns in the rank; unset: the rank runs on the driver (np<0).", internal=True)
 PARENT_PID = Setting("SPARKHVD_PARENT_PID", None, text, "The agent's pid: the rank exits when it is gone.",
                      internal=True)
 NETWORK_INTERFACE = Setting("SPARKHVD_NETWORK_INTERFACE", None, text,

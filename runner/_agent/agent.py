@@ -32,6 +32,7 @@ from .env import rank_env, visible_gpus
 from .output import forward_output
 from .process import kill_group, start_rank
 from .spec import TaskSpec
+from .task_context import read as read_task
 
 #: After the rank's process group is gone its pipes close, and its pumps forward what is left however long that
 #: takes. A pipe that stays open has a writer outside the group (a process the rank started in a session of its
@@ -43,7 +44,8 @@ PUMP_MAX_S = 300.0  # and a pump still forwarding this long after the rank exite
 def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[str] | None = None,
              on_spawn: Callable[[subprocess.Popen], None] | None = None, spark_task: tuple | None = None) -> dict:
     """Run rank ``task``'s process to the end; returns a small status row. ``spark_task``: ``(stage id, task id)``
-    of the Spark task it runs in, by which the driver finds its executor in Spark's status store.
+    of the Spark task it runs in, by which the driver finds its executor in Spark's status store; given, the rank also
+    gets that task's pyspark ``TaskContext`` (runner/_agent/task_context.py).
 
     Never raises for the user's failure: that reaches the driver through the service, so a
     Spark barrier stage never retries a training run on its own.
@@ -82,7 +84,8 @@ def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[s
     try:
         if unusable is not None:
             raise unusable
-        env = rank_env(spec, placement, host_gpus, endpoints=endpoints, node=node)
+        env = rank_env(spec, placement, host_gpus, endpoints=endpoints, node=node,
+                       task=read_task() if spark_task is not None else None)
     except ValueError as exc:  # the executor's GPU settings: the rank's error, not a Spark task failure
         _report(client, dm.Error(rank=rank, type="ValueError", message=str(exc)))
         _report(client, dm.Exit(rank=rank, code=1))

@@ -10,17 +10,21 @@ import json
 import os
 
 from ..._common import settings, torch_ops
+from ..._common.spark_task import SparkTask
 from .._shared.framework_env import NAMES, NODE_PER_TASK, framework_env
 from .spec import TaskSpec
+from .task_context import for_rank
 
 
 def rank_env(spec: TaskSpec, placement: dict, host_gpus: list[str], *, endpoints: list = (),
-             node: tuple = (0, 1)) -> dict:
+             node: tuple = (0, 1), task: SparkTask | None = None) -> dict:
     """The rank process's environment. ``host_gpus``: this job's GPUs on the host, in local-rank order
     (``_common/topology.py: host_gpus``), its ``CUDA_VISIBLE_DEVICES``; empty: the executor's is kept.
     ``endpoints`` and ``node``: what torchrun's variables and TF_CONFIG are made of (runner/_shared/framework_env.py);
     they replace any the executor has (another job's). In the ``node_per_task`` layout the rank sees its own
-    GPUs only, as pyspark's TorchDistributor pins them, so that ``LOCAL_RANK=0`` indexes its own."""
+    GPUs only, as pyspark's TorchDistributor pins them, so that ``LOCAL_RANK=0`` indexes its own. ``task``: the Spark
+    task the agent runs in (runner/_agent/task_context.py), which the rank's pyspark ``TaskContext.get()`` returns; None
+    on the driver (np<0)."""
     if spec.layout == NODE_PER_TASK and host_gpus:
         own = placement.get("cuda_devices") or []
         host_gpus = [host_gpus[i] for i in own]
@@ -45,6 +49,10 @@ def rank_env(spec: TaskSpec, placement: dict, host_gpus: list[str], *, endpoints
         settings.RETURN.name: "all" if spec.every_value else "0",
         settings.PYTHONUNBUFFERED.name: "1",
     })
+    env.pop(settings.TASK_CONTEXT.name, None)  # an agent that is itself a rank's child: never its parent's task
+    if task is not None:
+        env[settings.TASK_CONTEXT.name] = for_rank(task, placement, pinned=bool(host_gpus),
+                                                   use_gpu=spec.use_gpu).to_json()
     if spec.commit_dir:
         env[settings.COMMIT_DIR.name] = spec.commit_dir
     if spec.network_interface:

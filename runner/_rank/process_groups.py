@@ -22,8 +22,9 @@ groups keeps each until the rank ends.
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import sys
+
+from .after_import import when_imported
 
 MODULE = "torch.distributed"
 _C10D = "torch.distributed.distributed_c10d"
@@ -34,10 +35,7 @@ kept: dict = {}
 
 def keep_destroyed_groups() -> None:
     """Wrap ``torch.distributed.destroy_process_group`` now if torch.distributed is loaded, else once it is."""
-    if MODULE in sys.modules:
-        _wrap(sys.modules[MODULE])
-    elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(MODULE, _wrap))
+    when_imported(MODULE, _wrap)
 
 
 def _wrap(dist) -> None:
@@ -66,44 +64,3 @@ def _keep(c10d, group) -> None:
     for pg in (*registered, group):
         if kind is not None and isinstance(pg, kind):
             kept[id(pg)] = pg
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Calls ``then(module)`` once module ``name`` has been executed, and leaves ``sys.meta_path``.
-
-    It finds ``name``'s spec with the finders after it and runs ``then`` after that spec's loader has executed
-    the module (the loader is the one Python would use: ``__loader__`` and ``__spec__`` are unchanged)."""
-
-    def __init__(self, name: str, then):
-        self.name, self.then = name, then
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name:
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find is not None else None
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        execute = getattr(loader, "exec_module", None)
-        if execute is None:
-            return spec
-        then = self.then
-
-        def exec_module(module):
-            try:
-                execute(module)
-            finally:
-                loader.__dict__.pop("exec_module", None)
-            then(module)
-
-        try:
-            loader.exec_module = exec_module  # this module's own loader object: no other module's import
-        except AttributeError:  # a loader without a __dict__: the module loads unwrapped
-            pass
-        return spec

@@ -1,7 +1,8 @@
 """The rank process: ``python -m sparkhvd.runner._rank.worker``, started by the task agent.
 
 Reads the run secret from stdin, connects to the driver, fetches and runs the user's function, and
-sends back its value or its exception. A second connection waits for the driver's ABORT and ends the
+sends back its value or its exception. pyspark's ``TaskContext.get()`` there is its Spark task's
+(``runner/_rank/task_context.py``). A second connection waits for the driver's ABORT and ends the
 process at once, even when the main thread is blocked inside a collective (``runner/_rank/exit.py``);
 a failure is reported as ``runner/_rank/failure.py`` says.
 """
@@ -27,6 +28,7 @@ from .._payload import payload as _payload
 from .._shared.host import rank_address
 from . import aliases as _aliases
 from . import startup
+from . import task_context as _task_context
 from .exit import die_with_parent, end, finished, leave, watch
 from .failure import report_failure
 from .heartbeat import Heartbeat
@@ -46,6 +48,7 @@ def main() -> int:
     address = (host, int(port))
     placement = Placement(**json.loads(settings.PLACEMENT.raw()))
     rank = placement.rank
+    _task_context.install(placement)  # before the function is unpickled: it, or its module, may import pyspark
     client = ServiceClient(address, secret)
     threading.Thread(target=watch, args=(address, secret, rank), daemon=True, name="sparkhvd-watch").start()
     beat = Heartbeat.start(address, secret, rank,  # for the stall report and lost-rank check

@@ -15,14 +15,14 @@ OFFSET = 100  # a module global the training function closes over
 
 
 def _whoami(scale=1):
-    from pyspark import TaskContext  # a rank process is not a Spark task: no TaskContext
+    from pyspark import TaskContext  # a rank sees its Spark task's context (runner/_rank/task_context.py)
 
     from sparkhvd._common import context as _context
 
     p = _context.current().placement
     print(f"rank {p.rank} reporting")
     return {"value": p.rank * scale + OFFSET, "pid": os.getpid(), "ppid": os.getppid(),
-            "local_rank": p.local_rank, "cross_size": p.cross_size, "task_context": TaskContext.get() is None,
+            "local_rank": p.local_rank, "cross_size": p.cross_size, "task_context": TaskContext.get() is not None,
             "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
