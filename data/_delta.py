@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import datetime
 import os
-from urllib.parse import unquote
+from typing import NamedTuple
+from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -19,6 +20,56 @@ import pyarrow.fs as pafs
 from ._partitions import Partitions
 
 DELTA_LOG = "_delta_log"
+
+# pyarrow.fs.S3FileSystem's argument for each of delta-rs's (object_store's) S3 options, under the names object_store
+# takes for it; delta-rs takes the keys in any case
+_S3_OPTIONS = {
+    "endpoint": ("aws_endpoint_url", "aws_endpoint", "endpoint_url", "endpoint"),
+    "allow_http": ("aws_allow_http", "allow_http"),
+    "region": ("aws_region", "region", "aws_default_region", "default_region"),
+    "access_key": ("aws_access_key_id", "access_key_id"),
+    "secret_key": ("aws_secret_access_key", "secret_access_key"),
+    "session_token": ("aws_session_token", "aws_token", "session_token", "token"),
+    "virtual_hosted": ("aws_virtual_hosted_style_request", "virtual_hosted_style_request"),
+}
+
+
+class Listing(NamedTuple):
+    """A Delta table's version as the batch reader reads it."""
+
+    files: list[str]  # its data files: paths on ``filesystem``, or local paths or URLs where that is None
+    partitions: Partitions | None  # the files' partition values, keyed as ``files``; None for an unpartitioned table
+    columns: list[str]  # the table's columns in its schema's order
+    filesystem: pafs.FileSystem | None  # what the files are on (an S3 table's); None: resolved from each file's URL
+
+
+def _s3_filesystem(storage_options: dict) -> pafs.S3FileSystem:
+    """pyarrow's S3 filesystem with the endpoint, region and credentials of delta-rs's ``storage_options``: the
+    endpoint's URL gives ``endpoint_override`` and ``scheme`` (``http`` where it has none and AWS_ALLOW_HTTP is
+    true), AWS_VIRTUAL_HOSTED_STYLE_REQUEST gives ``force_virtual_addressing``, and the access key with the secret
+    key (both or neither) the credentials. What they do not say pyarrow takes from the environment, as delta-rs does."""
+    given = {str(k).lower(): v for k, v in storage_options.items()}
+    found = {arg: next((str(given[n]) for n in names if given.get(n) not in (None, "")), None)
+             for arg, names in _S3_OPTIONS.items()}
+
+    def true(arg: str) -> bool:
+        return (found[arg] or "").strip().lower() in ("true", "1", "yes", "on", "y")
+
+    kwargs: dict = {}
+    if found["endpoint"] is not None:
+        endpoint = found["endpoint"]
+        parsed = urlparse(endpoint if "://" in endpoint else f"//{endpoint}")
+        scheme = parsed.scheme or ("http" if true("allow_http") else "https")
+        kwargs.update(endpoint_override=parsed.netloc, scheme=scheme)
+    if found["region"] is not None:
+        kwargs["region"] = found["region"]
+    if found["access_key"] is not None and found["secret_key"] is not None:
+        kwargs.update(access_key=found["access_key"], secret_key=found["secret_key"])
+        if found["session_token"] is not None:
+            kwargs["session_token"] = found["session_token"]
+    if true("virtual_hosted"):
+        kwargs["force_virtual_addressing"] = True
+    return pafs.S3FileSystem(**kwargs)
 
 
 def refuse_delta_directory(fs: pafs.FileSystem, path: str, url) -> None:
@@ -32,9 +83,10 @@ def refuse_delta_directory(fs: pafs.FileSystem, path: str, url) -> None:
         )
 
 
-def table_listing(table_uri, *, version: int | None, timestamp, storage_options: dict | None):
-    """``(files, partitions, columns)`` of a Delta table's version: its data files' URIs, their partition values as
-    ``Partitions`` (None for an unpartitioned table), and the table's columns in its schema's order."""
+def table_listing(table_uri, *, version: int | None, timestamp, storage_options: dict | None) -> Listing:
+    """The files, partition values and columns of a Delta table's version. An S3 table's (``s3://``, ``s3a://``) files
+    are paths on one S3 filesystem: ``_s3_filesystem(storage_options)``, or without them pyarrow's for the bucket
+    (configured by the environment, as delta-rs is); another remote table's are URLs, which pyarrow resolves."""
     try:
         from deltalake import DeltaTable
     except ImportError as exc:
@@ -68,18 +120,27 @@ def table_listing(table_uri, *, version: int | None, timestamp, storage_options:
             "yet. Rewrite them (deltalake's DeltaTable.optimize.compact(), or Spark's REORG TABLE ... APPLY (PURGE)), "
             "or read the table with Spark and make_spark_converter(df).")
     actions = pa.table(table.get_add_actions(flatten=True))
+    # delta-rs escapes the table's URI (a space is %20), and the log each file's path (a partition folder's Hive
+    # escape, s=a%20b, is s=a%2520b there): unescaped once, each is the file's name
     root = table.table_uri.rstrip("/")
-    local = "://" not in root or root.startswith("file://")
-    if root.startswith("file://"):
-        root = unquote(root[len("file://"):])  # delta-rs escapes the table's URI (a space is %20)
-    files = [(f"{root}/{unquote(p)}" if local else f"{root}/{p}") for p in actions.column("path").to_pylist()]
+    scheme = urlparse(root).scheme if "://" in root else ""
+    filesystem = None
+    if scheme in ("", "file"):
+        root = unquote(root[len("file://"):] if scheme else root)
+    elif scheme in ("s3", "s3a"):
+        parsed = urlparse(root)
+        filesystem = (_s3_filesystem(storage_options) if storage_options is not None
+                      else pafs.FileSystem.from_uri(f"s3://{parsed.netloc}")[0])
+        root = unquote(parsed.netloc + parsed.path)  # the bucket and key, as paths on pyarrow's S3 filesystem
+    as_urls = scheme not in ("", "file") and filesystem is None  # pyarrow unescapes each URL as it resolves it
+    files = [f"{root}/{p if as_urls else unquote(p)}" for p in actions.column("path").to_pylist()]
     columns = list(pa.schema(table.schema().to_arrow()).names)
     keys = [name[len("partition."):] for name in actions.column_names if name.startswith("partition.")]
     if not keys:
-        return files, None, columns
+        return Listing(files, None, columns, filesystem)
     fields = tuple(pa.field(k, actions.schema.field(f"partition.{k}").type) for k in keys)
-    # Keyed by the path the reader resolves each file to: pyarrow's and fsspec's path of a remote URL is the URL
-    # without its scheme (s3://bucket/t/x.parquet: bucket/t/x.parquet)
-    per_file = tuple((path.split("://", 1)[1] if "://" in path else path,
+    # Keyed by the path the reader resolves each file to: the file itself on a filesystem; pyarrow's path of a remote
+    # URL is the URL without its scheme, unescaped (gs://bucket/t/s=a%2520b/x.parquet: bucket/t/s=a%20b/x.parquet)
+    per_file = tuple((unquote(path.split("://", 1)[1]) if as_urls else path,
                       tuple(actions.column(f"partition.{k}")[i].as_py() for k in keys)) for i, path in enumerate(files))
-    return files, Partitions(fields, per_file), columns
+    return Listing(files, Partitions(fields, per_file), columns, filesystem)
