@@ -111,12 +111,13 @@ class _Shard:
                 "dataset while it is read; create a new reader."
             )
         table = table.select(self.dataset.schema.names)
-        if self.global_order:  # the row group's rows permuted as the row space has them, the same in every shard
-            rows = np.arange(table.num_rows)
-            if self.shuffle_rows:
-                rows = np.random.default_rng([self.seed, epoch, slices[0].piece]).permutation(table.num_rows)
+        if self.global_order and self.shuffle_rows:  # the row group's rows permuted as the row space has them
+            rows = np.random.default_rng([self.seed, epoch, slices[0].piece]).permutation(table.num_rows)
             table = table.take(np.concatenate([rows[s.start + (drop if i == 0 else 0):s.stop]
                                                for i, s in enumerate(slices)]))
+        elif self.global_order:  # the slices as they are, without a copy
+            table = pa.concat_tables([table.slice(s.start + (drop if i == 0 else 0), s.stop - s.start - (drop if i == 0 else 0))
+                                      for i, s in enumerate(slices)])
         else:
             table = pa.concat_tables([self._slice(table, epoch, position + i, s, drop if i == 0 else 0)
                                       for i, s in enumerate(slices)])

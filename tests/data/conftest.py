@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import threading
 from pathlib import Path
 
@@ -64,3 +65,26 @@ def drain():
     """read_all, as a fixture."""
     return read_all
 
+
+
+@pytest.fixture
+def wide(tmp_path):
+    """240 rows (ids 0..239) in 12 row groups of 10 to 30 rows over 4 files."""
+    write_dataset(tmp_path / "wide", [[15, 25, 20], [30, 10, 20], [18, 22], [20, 20, 25, 15]])
+    return tmp_path / "wide"
+
+
+def job_point(readers, epoch: int, batch: int):
+    """The job's ResumePoint once every shard's reader has yielded ``batch`` batches of ``epoch`` (the same on every
+    rank, checked), with the readers stopped."""
+    points = {pickle.dumps(r.resume_point(epoch, batch)) for r in readers}
+    assert len(points) == 1
+    for r in readers:
+        r.stop()
+    return pickle.loads(points.pop())
+
+
+@pytest.fixture(scope="session")
+def point_of():
+    """job_point, as a fixture."""
+    return job_point

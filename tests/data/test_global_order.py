@@ -3,25 +3,17 @@
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparkhvd.data import ResumePoint, make_batch_reader
+from sparkhvd.data import make_batch_reader
 from sparkhvd.data._plan import Piece, interleaved, plan_epoch
 
 pytestmark = pytest.mark.unit
 
 ORDERS = [dict(shuffle_rows=True), dict(shuffle_rows=False, shuffle_row_groups=False), dict(equal_steps=False)]
 
-
-@pytest.fixture
-def wide(tmp_path, writer):
-    """240 rows (ids 0..239) in 12 row groups of 10 to 30 rows over 4 files."""
-    writer(tmp_path / "wide", [[15, 25, 20], [30, 10, 20], [18, 22], [20, 20, 25, 15]])
-    return tmp_path / "wide"
 
 
 def _layout(dataset, shards: int, **kwargs) -> list:
@@ -66,25 +58,18 @@ def test_the_order_depends_on_the_seed_and_the_epoch(wide):
     assert _job(_layout(wide, 1, shuffle_rows=True)) != _job(_layout(wide, 1, shuffle_rows=True, seed=6))
 
 
-def test_a_run_resized_from_4_to_3_to_4_shards_mid_epoch_reads_the_rows_in_the_uninterrupted_order(wide):
+def test_a_run_resized_from_4_to_3_to_4_shards_mid_epoch_reads_the_rows_in_the_uninterrupted_order(wide, point_of):
     uninterrupted = _job(_layout(wide, 4, shuffle_rows=True))
     first = _layout(wide, 4, shuffle_rows=True)
     seen = _job(first, steps=2)
-    point = _point(first, 0, 2)
+    point = point_of(first, 0, 2)
     assert point.rows_left == 240 - len(seen) == 240 - 2 * 4 * 7 and point.shuffled_rows
     second = _layout(wide, 3, shuffle_rows=True, resume_from=point)
     seen += _job(second, steps=3)
-    seen += _job(_layout(wide, 4, shuffle_rows=True, resume_from=_point(second, 0, 3)))
+    seen += _job(_layout(wide, 4, shuffle_rows=True, resume_from=point_of(second, 0, 3)))
     assert seen == uninterrupted[:len(seen)]  # no row twice, none skipped, in the one order
     assert len(uninterrupted) - len(seen) < 4 and len(set(seen)) == len(seen)
 
-
-def _point(readers, epoch: int, batch: int) -> ResumePoint:
-    points = {pickle.dumps(r.resume_point(epoch, batch)) for r in readers}  # the same on every rank
-    assert len(points) == 1
-    for r in readers:
-        r.stop()
-    return pickle.loads(points.pop())
 
 
 def test_resume_from_a_batch_at_the_same_shard_count_yields_what_the_uninterrupted_reader_did(wide):
@@ -107,14 +92,14 @@ def test_interleaved_deals_full_steps_then_splits_the_last():
     assert interleaved(26, 3, 2, 4, equal_steps=True) == [(8, 12), (20, 24)]  # 2 rows left, fewer than the shards
 
 
-def test_the_resize_keeps_the_order_only_with_the_same_row_space(wide):
-    point = _point(_layout(wide, 2, shuffle_rows=True), 0, 1)
+def test_the_resize_keeps_the_order_only_with_the_same_row_space(wide, point_of):
+    point = point_of(_layout(wide, 2, shuffle_rows=True), 0, 1)
     with pytest.raises(ValueError, match=r"This ResumePoint was taken from a reader with global_order=True and "
                                          r"shuffle_rows=True, and this reader has global_order=False, "
                                          r"shuffle_rows=True: their row spaces order rows differently"):
         make_batch_reader(wide, seed=5, shuffle_rows=True, resume_from=point)
     # without shuffle_rows the row space is the default reader's, so either layout may resume from it
-    point = _point(_layout(wide, 2), 0, 1)
+    point = point_of(_layout(wide, 2), 0, 1)
     with make_batch_reader(wide, seed=5, resume_from=point) as reader:
         assert sum(len(b.id) for b in reader) == point.rows_left
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import pickle
 from collections import Counter
 
 import pytest
@@ -23,29 +22,16 @@ def _take(readers, batches: int) -> list:
     return [i for reader in readers for _ in range(batches) for i in next(reader).id.tolist()]
 
 
-def _point(readers, epoch: int, batch: int) -> ResumePoint:
-    points = {pickle.dumps(r.resume_point(epoch, batch)) for r in readers}  # the same on every rank
-    assert len(points) == 1
-    for r in readers:
-        r.stop()
-    return pickle.loads(points.pop())
-
-
-@pytest.fixture
-def wide(tmp_path, writer):
-    """240 rows (ids 0..239) in 12 row groups of 10 to 30 rows over 4 files."""
-    writer(tmp_path / "wide", [[15, 25, 20], [30, 10, 20], [18, 22], [20, 20, 25, 15]])
-    return tmp_path / "wide"
 
 
 @pytest.mark.parametrize("batch_size", [None, 6])
-def test_an_epoch_resized_from_4_to_3_to_4_shards_reads_every_row_once(wide, batch_size):
+def test_an_epoch_resized_from_4_to_3_to_4_shards_reads_every_row_once(wide, batch_size, point_of):
     dataset = wide
     seen = _take(first := _layout(dataset, 4, batch_size=batch_size), 1)
-    point = _point(first, 0, 1)
+    point = point_of(first, 0, 1)
     assert point.epoch == 0 and point.rows_left == 240 - len(seen)
     seen += _take(second := _layout(dataset, 3, batch_size=batch_size, resume_from=point), 1)
-    point = _point(second, 0, 1)
+    point = point_of(second, 0, 1)
     last = _layout(dataset, 4, batch_size=batch_size, resume_from=point)
     steps = {len(list(reader)) for reader in last}
     assert len(steps) == 1  # equal steps at the new size
@@ -61,10 +47,10 @@ def test_an_epoch_resized_from_4_to_3_to_4_shards_reads_every_row_once(wide, bat
         assert len(missing) <= 3
 
 
-def test_a_finished_epoch_resumes_at_the_next_whole_one_and_bad_points_are_refused(dataset):
+def test_a_finished_epoch_resumes_at_the_next_whole_one_and_bad_points_are_refused(dataset, point_of):
     readers = _layout(dataset, 4)
     end = readers[0].plan(0).num_batches
-    assert _point(readers, 0, end) == ResumePoint(1, ((0, 100),), 100, 7, True)
+    assert point_of(readers, 0, end) == ResumePoint(1, ((0, 100),), 100, 7, True)
     with pytest.raises(ValueError, match=r"This ResumePoint was taken from a reader of 100 rows with seed=7, .* and "
                                          r"this reader has 100 rows with seed=8"):
         make_batch_reader(dataset, seed=8, resume_from=ResumePoint(0, ((0, 10),), 100, 7, True))
