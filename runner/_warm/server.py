@@ -54,14 +54,15 @@ def _preload(extra: tuple = ()) -> str | None:
             for name in _PRELOAD:  # by name: the runner does not depend on the collectives, it warms what ranks load
                 importlib.import_module(name)
             for name in _PRELOAD_AFTER:
-                try:
-                    importlib.import_module(name)
-                except Exception:  # noqa: BLE001 - a torch without it, or one that refuses it here: ranks import it
-                    pass
+                why = _import_whole(name)
+                if why is not None:
+                    return why
         except ImportError:  # no torch here: ranks import what they need themselves
             pass
         if "tensorflow" in extra:
-            _notices = _keeping_stderr(_import_tensorflow)
+            why, _notices = _keeping_stderr(_import_tensorflow)
+            if why is not None:
+                return why
     finally:
         if saved is None:
             os.environ.pop(blas.name, None)
@@ -73,23 +74,43 @@ def _preload(extra: tuple = ()) -> str | None:
 _notices = b""  # what the preloaded TensorFlow printed to stderr
 
 
-def _import_tensorflow() -> None:
+def _import_whole(name: str) -> str | None:
+    """Import ``name``; returns why no rank should be forked from here where that failed part-way, else None.
+
+    A failed import removes ``name`` but keeps the submodules it had finished (torch._dynamo's import runs
+    torch._inductor's, which imports ``torch._inductor.custom_graph_pass`` and fails later): a rank forked from
+    that state fails at its own ``import torch._dynamo`` (``partially initialized module 'torch._inductor' has no
+    attribute 'custom_graph_pass'``), where a fresh process would import it, or fail with the true cause."""
+    before = set(sys.modules)
+    try:
+        importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 - told as the reason; the ranks import it themselves
+        left = sorted(set(sys.modules) - before)
+        if isinstance(exc, ModuleNotFoundError) and exc.name == name and not left:
+            return None  # a torch without it: nothing was half-imported
+        return (f"preloading {name} failed ({type(exc).__name__}: {exc}) with {len(left)} of its modules left "
+                "imported, which a forked rank's own import of it would trip over")
+    return None
+
+
+def _import_tensorflow() -> str | None:
+    """Import ``_PRELOAD_TENSORFLOW`` up to the first that is not installed; returns ``_import_whole``'s reason."""
     for name in _PRELOAD_TENSORFLOW:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - not installed, or Keras without a backend: ranks import it themselves
-            break
+        why = _import_whole(name)
+        if why is not None or name not in sys.modules:
+            return why
+    return None
 
 
-def _keeping_stderr(fn) -> bytes:
-    """Run ``fn`` with file descriptor 2 going to memory; returns what was written there."""
+def _keeping_stderr(fn) -> tuple:
+    """Run ``fn`` with file descriptor 2 going to memory; returns what it returned and what was written there."""
     sys.stderr.flush()
     saved = os.dup(2)
     kept = os.memfd_create("sparkhvd-zygote-stderr")
     try:
         os.dup2(kept, 2)
         try:
-            fn()
+            value = fn()
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
@@ -97,7 +118,7 @@ def _keeping_stderr(fn) -> bytes:
         chunks = []
         while chunk := os.read(kept, 1 << 16):
             chunks.append(chunk)
-        return b"".join(chunks)
+        return value, b"".join(chunks)
     finally:
         os.close(kept)
         os.close(saved)

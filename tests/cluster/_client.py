@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import queue
+import re
 import signal
 import subprocess
 import threading
@@ -66,6 +67,16 @@ class Outcome:
 
     def headline(self) -> str:
         return (self.error or "").strip().splitlines()[0] if self.error else ""
+
+    def diagnosis(self, lines: int = 15) -> str:
+        """A failed run's driver output and the tail of every rank's log (the folder its error names): for a
+        failure message, where the first rank to fail is not always the one whose fault it was."""
+        parts = [f"the driver's output:\n{self.output[-3000:]}"]
+        found = re.search(r"Each rank's full output is in (\S+)/rank-<rank>\.log", self.error or "")
+        if found and os.path.isdir(found.group(1)):
+            for name in sorted(os.listdir(found.group(1))):
+                parts.append(f"{name}:\n{_tail(os.path.join(found.group(1), name), lines)}")
+        return "\n".join(parts)
 
 
 class PendingRun:

@@ -48,7 +48,7 @@ def _after(cluster, pending, what: str, bound: float = 120):
           f"[cluster]   leftovers: {left or 'none'} ({left_after:.0f} s after the fault); next run "
           f"{'OK' if nxt.ok else 'FAILED'} in {nxt.seconds:.1f} s")
     assert not left, f"rank processes left running after {what}: {left}"
-    assert nxt.ok, f"the next run failed after {what}: {nxt.error}"
+    assert nxt.ok, f"the next run failed after {what}: {nxt.error}\n{nxt.diagnosis()}"
     return outcome
 
 
