@@ -21,7 +21,7 @@ def _print_seconds(what: str, outcome) -> None:
 
 
 def _assert_ok(outcome):
-    assert outcome.ok, f"the run failed: {outcome.error_type}: {outcome.error}\n--- driver output ---\n{outcome.output}"
+    assert outcome.ok, f"the run failed: {outcome.error_type}: {outcome.error}\n{outcome.diagnosis()}"
 
 
 def _device(cluster, host: str, address: str) -> str:
