@@ -140,6 +140,7 @@ class HorovodRunner:
         run_id = cfg.run_id or secrets.token_hex(4)
         backend = backend_for(cfg)
         bind_host = backend.prepare(np, run_id=run_id, verbose=cfg.driver_log_verbosity == "all", gpus=cfg.use_gpu)
+        backend.check_sizes(min_np=cfg.min_np, max_np=cfg.max_np)
         storage = None
         if cfg.storage is not None:
             storage = RunStorage(cfg.storage, run_id)

@@ -97,6 +97,30 @@ def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[s
     return {"task": task, "rank": rank, "exit": code, "note": ""}
 
 
+def run_tasks(spec: TaskSpec, tasks: list, *, spark_task: tuple | None = None) -> list:
+    """Run the agents of ``tasks`` (``(task index, its GPUs)``) side by side in this Spark task's Python worker;
+    their status rows, once every one has ended. An agent that raised (sparkhvd's own fault: the user's failures
+    reach the driver through the service) re-raises here after the others ended, as a one-agent task would."""
+    rows: list = [None] * len(tasks)
+    errors: list = []
+
+    def agent(i: int, task: int, gpus: list) -> None:
+        try:
+            rows[i] = run_task(spec, task, gpus=gpus, spark_task=spark_task)
+        except BaseException as exc:  # noqa: BLE001 - raised in the task's own thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=agent, args=(i, task, gpus), name=f"sparkhvd-agent-{task}", daemon=True)
+               for i, (task, gpus) in enumerate(tasks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return rows
+
+
 def _endpoint(spec: TaskSpec) -> tuple[list | None, list]:
     """This host's address toward its peers and two ports reserved on it (runner/_shared/framework_env.py), and the
     sockets holding them until registration is over; None where the address cannot be told (the rank process then

@@ -27,8 +27,10 @@ def rank_env(spec: TaskSpec, placement: dict, host_gpus: list[str], *, endpoints
     on the driver (np<0)."""
     if spec.layout == NODE_PER_TASK and host_gpus:
         own = placement.get("cuda_devices") or []
-        host_gpus = [host_gpus[i] for i in own]
-        placement = {**placement, "cuda_devices": list(range(len(own)))}
+        j = placement["rank"] % spec.per_task  # where the rank's GPUs sit among its task's: the task's ranks are
+        first = own[0] - j * len(own) if own else 0  # consecutive, each with len(own) entries of host_gpus
+        host_gpus = host_gpus[first:first + spec.per_task * len(own)] if spec.per_task > 1 else [host_gpus[i] for i in own]
+        placement = {**placement, "cuda_devices": [j * len(own) + i for i in range(len(own))]}
     elif spec.layout == NODE_PER_TASK and spec.use_gpu and placement["local_size"] > 1:
         # Spark gave the tasks no GPU addresses (a local master): as pyspark's TorchDistributor pins task i to the
         # driver's GPU i there, the host's i-th rank sees the host's i-th GPU alone
@@ -40,7 +42,8 @@ def rank_env(spec: TaskSpec, placement: dict, host_gpus: list[str], *, endpoints
     env = {k: v for k, v in os.environ.items() if k not in NAMES}
     env.update(spec.env)
     env.update(framework_env(placement, layout=spec.layout, endpoints=list(endpoints), node=node,
-                             run_id=spec.run_id, attempt=spec.attempt, max_restarts=spec.max_restarts))
+                             run_id=spec.run_id, attempt=spec.attempt, max_restarts=spec.max_restarts,
+                             per_task=spec.per_task))
     env.update({
         settings.DRIVER.name: f"{spec.address[0]}:{spec.address[1]}",
         settings.RUN_ID.name: spec.run_id,

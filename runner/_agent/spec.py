@@ -27,3 +27,4 @@ class TaskSpec:
     use_gpu: bool = True  # False: the task asks for no GPU and its rank sees none, whatever Spark gives it
     env: tuple = field(default=(), repr=False)  # (name, value) pairs added to the rank's environment (MLflow)
     warm_preload: tuple = ()  # ("tensorflow",): fork the ranks from a warm process that imported it too
+    per_task: int = 1  # ranks in each Spark task, one per GPU it holds (runner/_backends/spark.py: ranks_per_task)

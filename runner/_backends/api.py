@@ -62,6 +62,18 @@ class Launcher(abc.ABC):
         """Stop every task now (idempotent)."""
 
 
+def check_ranks_per_task(np: int, per_task: int, name: str = "np") -> None:
+    """Refuse a rank count (``name``: np, min_np, max_np) that ``per_task`` ranks in each task cannot make
+    (RuntimeError, with the numbers)."""
+    if np % per_task:
+        below, above = np // per_task * per_task, (np // per_task + 1) * per_task
+        choices = f"{name}={below} or {name}={above}" if below else f"{name}={above}"
+        raise RuntimeError(
+            f"{name}={np} is not a multiple of spark.task.resource.gpu.amount={per_task}: each Spark task holds "
+            f"{per_task} GPUs and runs one rank on each; use {choices}, or set spark.task.resource.gpu.amount=1 "
+            "for one rank per task.")
+
+
 class Backend(abc.ABC):
     """Where a run's ranks run: a Spark barrier stage per attempt, a Spark Connect session's, or processes on the
     driver. One object per run: it may keep what the run's attempts share (the executors it asked to replace).
@@ -69,6 +81,16 @@ class Backend(abc.ABC):
 
     #: The ``sparkhvd.runner._backends`` module name, for messages and tests ("local", "spark", "connect").
     name: str = ""
+    #: Ranks in each of its tasks, known once ``prepare`` has run: k where a Spark task holds k GPUs, one rank on each
+    #: (spark.py: ranks_per_task). Every attempt's rank count is a multiple of it.
+    per_task: int = 1
+
+    def check_sizes(self, **sizes) -> None:
+        """Refuse, after ``prepare``, an elastic bound (``min_np=``, ``max_np=``; None: unset) that is not a multiple
+        of ``per_task`` (RuntimeError, with the numbers)."""
+        for name, value in sizes.items():
+            if value is not None:
+                check_ranks_per_task(value, self.per_task, name)
 
     @abc.abstractmethod
     def prepare(self, np: int, *, run_id: str, verbose: bool, gpus: bool) -> str:

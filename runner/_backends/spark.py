@@ -6,6 +6,7 @@ driver (np<0) never import it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -16,11 +17,11 @@ import time
 import warnings
 
 from ..._common import settings
-from .._agent.agent import TaskSpec, run_task
+from .._agent.agent import TaskSpec, run_task, run_tasks
 from .._shared.error_text import SPARK_STOPPED, read_text, says
 from .._shared.waits import WaitNote
 from . import running
-from .api import Backend, Launcher
+from .api import Backend, Launcher, check_ranks_per_task
 from .java import check_java
 from .job import JobLauncher
 from .preflight import check_executors
@@ -80,6 +81,16 @@ def _gpu_amount(sc) -> float:
     return float(conf.get("spark.executor.resource.gpu.amount", "0") or 0)
 
 
+def ranks_per_task(sc, gpus: bool = True) -> int:
+    """How many ranks each Spark task runs: ``k`` where each task holds ``k`` GPUs (``spark.task.resource.gpu.amount``
+    = k > 1, on executors with GPUs: ``spark.executor.resource.gpu.amount``), one rank on each, as pyspark's
+    TorchDistributor runs ``k`` processes in such a task; else 1. ``gpus``: whether the run's tasks ask for GPUs."""
+    if not gpus or _gpu_amount(sc) <= 0:
+        return 1
+    amount = float(sc.getConf().get("spark.task.resource.gpu.amount", "1") or 1)
+    return int(amount) if amount > 1 else 1  # Spark itself refuses a fractional amount above 1
+
+
 def task_slots(sc) -> int:
     """How many tasks the cluster can run at once (Spark's own barrier-stage count)."""
     jsc = sc._jsc.sc()
@@ -118,13 +129,17 @@ def refuse_unencrypted(conf_get, override: str, senders: str, carrier: str) -> N
         return
     what = " and ".join(f"{key}=true" for key in on)
     if str(conf_get(override, "false")).strip().lower() == "true":
-        warnings.warn(f"This cluster encrypts Spark's traffic ({what}), but {senders} send model parameters and "
-                      f"possibly training data to each other unencrypted ({carrier} do not encrypt); going on because "
-                      f"{override}=true.", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"This cluster has encryption enabled ({what}); however, training does not support data "
+                      f"encryption in transit: {senders} send model parameters and possibly training data to each "
+                      f"other unencrypted ({carrier} do not encrypt); going on because {override}=true.",
+                      RuntimeWarning, stacklevel=4)
         return
-    raise RuntimeError(f"This cluster encrypts Spark's traffic ({what}), but {senders} would send model parameters "
-                       f"and possibly training data to each other unencrypted ({carrier} do not encrypt); to train "
-                       f"anyway, set {override}=true in the Spark configuration.")
+    # pyspark's words ("encryption enabled", "does not support data encryption in transit", "unencrypted"), with
+    # which setting is on and what carries the tensors
+    raise RuntimeError(f"This cluster has encryption enabled ({what}); however, training does not support data "
+                       f"encryption in transit: {senders} would send model parameters and possibly training data to "
+                       f"each other unencrypted ({carrier} do not encrypt). To train anyway, set {override}=true in "
+                       f"the Spark configuration.")
 
 
 def warn_unencrypted(sc, run_id: str, *, stacklevel: int = 4) -> None:
@@ -138,17 +153,20 @@ def warn_unencrypted(sc, run_id: str, *, stacklevel: int = 4) -> None:
 
 
 def preflight(sc, np: int, *, verbose: bool = True, gpus: bool = True) -> None:
-    """Every check before the barrier stage, each failing in seconds with one sentence: the configuration
-    (dynamic allocation), the task slots, the GPU slots (``gpus``: where tasks ask for them), and the executors'
-    Python (``_preflight``)."""
-    check_slots(sc, np, verbose=verbose)
+    """Every check before the barrier stage, each failing in seconds with one sentence: np against the GPUs each
+    task holds, the configuration (dynamic allocation), the task slots, the GPU slots (``gpus``: where tasks ask
+    for them), and the executors' Python (``_preflight``)."""
+    per_task = ranks_per_task(sc, gpus)
+    check_ranks_per_task(np, per_task)
+    check_slots(sc, np, verbose=verbose, per_task=per_task)
     if gpus:
-        check_gpus(sc, np)
-    check_executors(sc, np, task_slots(sc))
+        check_gpus(sc, np, per_task)
+    check_executors(sc, np // per_task, task_slots(sc))
 
 
-def check_slots(sc, np: int, *, verbose: bool = False) -> None:
-    """Fail in seconds, with both numbers and the fix, when np tasks cannot all run at once.
+def check_slots(sc, np: int, *, verbose: bool = False, per_task: int = 1) -> None:
+    """Fail in seconds, with both numbers and the fix, when np ranks' tasks (``per_task`` ranks in each:
+    ``ranks_per_task``) cannot all run at once.
 
     Executors of a cluster still starting register over a few seconds: wait for them until the
     slots suffice, the most the configuration allows is below np, or (where the configuration does
@@ -157,6 +175,7 @@ def check_slots(sc, np: int, *, verbose: bool = False) -> None:
     for them until start_timeout.
     """
     check_barrier_conf(sc.getConf())
+    ranks, np = np, np // per_task  # from here on, np counts the stage's tasks
     bound = max_slots(sc.master, sc.getConf())
     waiting = not sc.master.startswith("local[") and (bound is None or bound >= np)
     deadline = time.monotonic() + (_SLOT_WAIT_S if waiting else 0)
@@ -177,11 +196,12 @@ def check_slots(sc, np: int, *, verbose: bool = False) -> None:
         time.sleep(0.2)
     if slots < np:
         capped = bound is not None and bound < np
+        each = f" ({per_task} ranks in each, one per GPU: spark.task.resource.gpu.amount={per_task})" if per_task > 1 else ""
         raise RuntimeError(
-            f"np={np} needs {np} task slots but the cluster has {slots} ({sc.master}"
+            f"np={ranks} needs {np} task slots{each} but the cluster has {slots} ({sc.master}"
             f"{f', at most {bound} by its configuration' if capped else ''}); "
-            f"use np<={max(bound if capped else slots, 1)}, add executors or cores, or use np=-{np} to run on "
-            "the driver.")
+            f"use np<={max(bound if capped else slots, 1) * per_task}, add executors or cores, or use np=-{ranks} to "
+            "run on the driver.")
     problem = running.refusal(np, slots, sc.master, running.held(application(sc)))
     if problem is not None:
         raise RuntimeError(problem)
@@ -197,20 +217,22 @@ def _slots_detail(sc) -> str:
 
 
 
-def check_gpus(sc, np: int) -> None:
-    """Where each task asks for a GPU (spark.executor.resource.gpu.amount), fail in seconds when the executors
-    have none, or fewer GPU slots than np: the barrier stage would wait for them forever."""
+def check_gpus(sc, np: int, per_task: int = 1) -> None:
+    """Where each task asks for GPUs (spark.executor.resource.gpu.amount; ``per_task`` of them: ``ranks_per_task``),
+    fail in seconds when the executors have none, or fewer GPU slots than np ranks need: the barrier stage would
+    wait for them forever."""
     amount = _gpu_amount(sc)
     if amount <= 0:
         return
     task_cpus = max(1, int(sc.getConf().get("spark.task.cpus", "1") or 1))
-    problem = gpu_problem(np, amount, executor_resources(sc), task_cpus, sc.master)
+    problem = gpu_problem(np, amount, executor_resources(sc), task_cpus, sc.master, per_task)
     if problem is not None:
         raise RuntimeError(problem)
 
 
-def gpu_problem(np: int, amount: float, executors: list, task_cpus: int, master: str) -> str | None:
-    """The sentence ``check_gpus`` raises for these executors (``(id, host, cores, gpus)``), or None."""
+def gpu_problem(np: int, amount: float, executors: list, task_cpus: int, master: str, per_task: int = 1) -> str | None:
+    """The sentence ``check_gpus`` raises for these executors (``(id, host, cores, gpus)``), or None; ``per_task``:
+    the GPUs (and ranks) of each task."""
     if amount <= 0:
         return None
     count = len(executors)
@@ -219,13 +241,14 @@ def gpu_problem(np: int, amount: float, executors: list, task_cpus: int, master:
                 f"of Spark's {count} executor{'s' if count != 1 else ''} ({master}) has a GPU resource; give the "
                 "executors GPUs (spark.executor.resource.gpu.discoveryScript, and spark.worker.resource.gpu.* on a "
                 "standalone cluster), or unset spark.executor.resource.gpu.amount to run on CPUs.")
-    slots = sum(min(gpus, cores // task_cpus) for _, _, cores, gpus in executors)
-    if slots < np:
+    slots = sum(min(gpus // per_task, cores // task_cpus) for _, _, cores, gpus in executors)
+    if slots < np // per_task:
         each = ", ".join(f"executor {i} on {host}: {gpus} GPU{'s' if gpus != 1 else ''}, {cores} cores"
                          for i, host, cores, gpus in executors)
-        return (f"np={np} needs {np} GPUs, one per task, but Spark's executors can run {slots} GPU task"
-                f"{'s' if slots != 1 else ''} at once ({each}; spark.task.cpus={task_cpus}); use np<={max(slots, 1)}, "
-                "or add executors with GPUs.")
+        tasks = "one per task" if per_task == 1 else f"{per_task} per task (spark.task.resource.gpu.amount={per_task})"
+        return (f"np={np} needs {np} GPUs, {tasks}, but Spark's executors can run {slots} GPU task"
+                f"{'s' if slots != 1 else ''} at once ({each}; spark.task.cpus={task_cpus}); use "
+                f"np<={max(slots, 1) * per_task}, or add executors with GPUs.")
     return None
 
 
@@ -258,11 +281,11 @@ def slots_for_restart(sc, want: int, least: int | None, timeout: float, *, verbo
         time.sleep(0.5)
 
 
-def gpu_task_profile(task_cpus: int):
-    """A resource profile asking one GPU, and ``task_cpus`` CPUs, for each task."""
+def gpu_task_profile(task_cpus: int, gpus: int = 1):
+    """A resource profile asking ``gpus`` GPUs, and ``task_cpus`` CPUs, for each task."""
     from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
 
-    return ResourceProfileBuilder().require(TaskResourceRequests().cpus(task_cpus).resource("gpu", 1.0)).build
+    return ResourceProfileBuilder().require(TaskResourceRequests().cpus(task_cpus).resource("gpu", float(gpus))).build
 
 
 def replace_executors(sc, hosts: set) -> list:
@@ -305,11 +328,13 @@ class SparkLauncher(JobLauncher):
     """
 
     def __init__(self, sc, np: int, *, replaced: set | None = None, status: "SparkStatus | None" = None,
-                 gpus: bool = True):
+                 gpus: bool = True, per_task: int = 1):
         super().__init__()
         self.sc = sc
         self.np = np
         self.gpus = gpus
+        self.per_task = per_task  # ranks (and GPUs) in each Spark task: ranks_per_task
+        self.tasks = np // per_task
         self.description = f"a Spark barrier stage on {sc.master}"
         self.status = status if status is not None else SparkStatus(sc)
         self.replaced = replaced if replaced is not None else set()
@@ -323,9 +348,10 @@ class SparkLauncher(JobLauncher):
             RuntimeError: (a run's first stage) other runs of this driver took the slots since its pre-flight.
         """
         self._group = f"sparkhvd-{spec.run_id}-{spec.attempt}"
+        spec = dataclasses.replace(spec, per_task=self.per_task)
         app = application(self.sc)  # "": stopped, which the job itself reports
         first = spec.attempt == 0 and bool(app)  # a restart's slots were waited for (slots_for_restart): no second check
-        running.hold(running.Stage(app, spec.run_id, self._group, self.np),
+        running.hold(running.Stage(app, spec.run_id, self._group, self.tasks),
                      slots=task_slots(self.sc) if first else None, master=self.sc.master)
         try:
             self._submit(spec, "sparkhvd-job")
@@ -344,10 +370,10 @@ class SparkLauncher(JobLauncher):
         try:
             attempt = f", restart {spec.attempt}" if spec.attempt else ""
             sc.setJobGroup(self._group, f"sparkhvd run {spec.run_id} (np={self.np}{attempt})", interruptOnCancel=True)
-            rdd = sc.parallelize(range(self.np), self.np).barrier().mapPartitions(
-                functools.partial(_barrier_task, spec))
+            rdd = sc.parallelize(range(self.tasks), self.tasks).barrier().mapPartitions(
+                functools.partial(_barrier_task, spec, self.per_task))
             if self.gpus and _gpu_amount(sc) > 0:
-                rdd = rdd.withResources(gpu_task_profile(int(sc.getConf().get("spark.task.cpus", "1"))))
+                rdd = rdd.withResources(gpu_task_profile(int(sc.getConf().get("spark.task.cpus", "1")), self.per_task))
             rdd.collect()  # the outcome arrives through the driver service
         except Exception as exc:  # noqa: BLE001 - reported through failure()
             if _stopped(sc) or _says_stopped(exc):
@@ -459,14 +485,20 @@ def application(sc) -> str:
         return ""
 
 
-def _barrier_task(spec: TaskSpec, _partition):
-    """Runs inside the barrier task on an executor."""
+def _barrier_task(spec: TaskSpec, per_task: int, _partition):
+    """Runs inside the barrier task on an executor: the agents of its ``per_task`` ranks (tasks ``partition *
+    per_task + j``), each with the task's ``j``-th GPU where it holds ``per_task`` of them."""
     from pyspark import BarrierTaskContext
 
     ctx = BarrierTaskContext.get()
     gpu = ctx.resources().get("gpu")
-    yield run_task(spec, ctx.partitionId(), gpus=list(gpu.addresses) if gpu is not None else [],
-                   spark_task=(ctx.stageId(), ctx.taskAttemptId()))
+    addresses = list(gpu.addresses) if gpu is not None else []
+    spark_task = (ctx.stageId(), ctx.taskAttemptId())
+    first = ctx.partitionId() * per_task
+    if per_task == 1:
+        yield run_task(spec, first, gpus=addresses, spark_task=spark_task)
+        return
+    yield from run_tasks(spec, [(first + j, addresses[j:j + 1]) for j in range(per_task)], spark_task=spark_task)
 
 
 def _says_stopped(exc: BaseException) -> bool:
@@ -545,19 +577,25 @@ class SparkBackend(Backend):
     def prepare(self, np: int, *, run_id: str, verbose: bool, gpus: bool) -> str:
         self.run_id, self.verbose = run_id, verbose
         self.sc = spark_context(np)
+        self.per_task = ranks_per_task(self.sc, gpus)
         preflight(self.sc, np, verbose=verbose, gpus=gpus)  # slots, GPUs, executors' Python
         if self.warn_unencrypted:
             warn_unencrypted(self.sc, run_id, stacklevel=5)  # the user's run() call
         return driver_bind_host(self.sc)
 
     def launcher(self, n: int, *, gpus: bool) -> Launcher:
-        return SparkLauncher(self.sc, n, replaced=self.replaced, gpus=gpus)
+        return SparkLauncher(self.sc, n, replaced=self.replaced, gpus=gpus, per_task=self.per_task)
 
     def free_slots(self) -> int:
-        return free_slots(self.sc)
+        """Free task slots, in ranks: ``per_task`` in each."""
+        return free_slots(self.sc) * self.per_task
 
     def slots_for_restart(self, want: int, least: int | None, timeout: float) -> int:
-        return slots_for_restart(self.sc, want, least, timeout, verbose=self.verbose, run_id=self.run_id)
+        """``slots_for_restart``, in ranks (np, min_np and the answer are multiples of ``per_task``)."""
+        k = self.per_task
+        tasks = slots_for_restart(self.sc, want // k, None if least is None else -(-least // k), timeout,
+                                  verbose=self.verbose, run_id=self.run_id)
+        return tasks * k
 
     def replace_hosts(self, hosts: frozenset) -> None:
         self.replaced.update(_replace_executors(self.sc, set(hosts), self.run_id))

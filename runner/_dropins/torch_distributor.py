@@ -5,12 +5,15 @@ pre-flight. As pyspark's (``pyspark/ml/torch/distributor.py``):
 
 - ``local_mode=True``: ``num_processes`` processes on the driver, as ``torchrun --standalone --nnodes=1
   --nproc_per_node=<num_processes>`` runs them (``LOCAL_RANK`` 0..n-1); with ``use_gpu``, as many as the driver
-  has GPUs at most.
+  has GPUs at most, saying so on the ``TorchDistributor`` logger (pyspark's, through ``logging``) where it sets fewer.
 - ``local_mode=False``: one Spark barrier task per process, each a torchrun node of its own (``LOCAL_RANK=0``,
   ``NODE_RANK=RANK``: runner/_shared/framework_env.py's ``node_per_task``), seeing only its own GPU with ``use_gpu``,
-  and none without.
+  and none without. Where each task holds k GPUs (``spark.task.resource.gpu.amount=k``), ``num_processes / k``
+  tasks of k processes each, a torchrun node of k (``LOCAL_RANK`` 0..k-1 indexing the task's GPUs), as pyspark 4.3
+  runs them; ``num_processes`` must be a multiple of k.
 - ``run(fn, *args, **kwargs)`` returns rank 0's value; ``run("train.py", *args)`` runs a script on every rank and
   returns None.
+- ``input_params``: pyspark's dict of ``num_processes``, ``local_mode``, ``use_gpu`` and ``num_tasks``.
 - Where Spark encrypts its traffic, training sends tensors unencrypted: refused unless
   ``pytorch.spark.distributor.ignoreSsl`` is ``true``, then a warning.
 """
@@ -18,10 +21,10 @@ pre-flight. As pyspark's (``pyspark/ml/torch/distributor.py``):
 from __future__ import annotations
 
 import functools
+import logging
 import numbers
 import os
 import sys
-import warnings
 
 from .._backends.spark import refuse_unencrypted
 from .._horovod_runner import HorovodRunner
@@ -45,7 +48,13 @@ class TorchDistributor:
         self.local_mode = bool(local_mode)
         self.use_gpu = bool(use_gpu)
         self.ssl_conf = _ssl_conf
+        # pyspark's _get_logger also sets INFO and a stderr handler; a library leaves that to the application, and
+        # logging's last-resort handler still prints a warning where nothing is configured.
+        self.logger = logging.getLogger(type(self).__name__)
         self.num_tasks = self._get_num_tasks()
+        # pyspark's _create_input_params: its attributes less spark, ssl_conf, logger, is_remote, is_spark_local_master
+        self.input_params = {"num_processes": self.num_processes, "local_mode": self.local_mode,
+                             "use_gpu": self.use_gpu, "num_tasks": self.num_tasks}
 
     def _get_num_tasks(self) -> int:
         """How many processes run: ``num_processes``, or the driver's GPUs where fewer (pyspark's rule)."""
@@ -58,9 +67,9 @@ class TorchDistributor:
                                    "use_gpu=True) runs one process per driver GPU; pass use_gpu=False to train on "
                                    "CPUs.")
             if self.num_processes > gpus:
-                warnings.warn(f"num_processes={self.num_processes} is more than the {gpus} GPU"
-                              f"{'s' if gpus != 1 else ''} on the driver; it was reset to {gpus}, as pyspark's "
-                              "TorchDistributor does.", RuntimeWarning, stacklevel=3)
+                self.logger.warning(f"num_processes={self.num_processes} is more than the {gpus} GPU"
+                                    f"{'s' if gpus != 1 else ''} on the driver; it was reset to {gpus}, as pyspark's "
+                                    f"TorchDistributor does; pass num_processes<={gpus}, or give the driver more GPUs.")
                 self.num_processes = gpus
             return self.num_processes
         conf = _active_conf()
@@ -78,6 +87,15 @@ class TorchDistributor:
                 amount = 0.0
             if amount < 1:
                 raise RuntimeError(f"'{key}' is {value!r}, less than the whole GPU each process needs: {fix}")
+            per_task = int(amount)
+            if per_task > 1:  # pyspark 4.3: a task of k GPUs runs torchrun --nproc_per_node=k
+                if self.num_processes % per_task:
+                    below, above = self.num_processes // per_task * per_task, (self.num_processes // per_task + 1) * per_task
+                    raise RuntimeError(
+                        f"TorchDistributor 'num_processes' value ({self.num_processes}) must be a multiple of '{key}' "
+                        f"({per_task}) value: each Spark task holds {per_task} GPUs and runs a process on each; use "
+                        f"num_processes={above}{f' or {below}' if below else ''}.")
+                return self.num_processes // per_task
         return self.num_processes
 
     def run(self, train_object, *args, **kwargs):

@@ -15,7 +15,9 @@ Two layouts of torchrun's variables:
 - ``"node_per_task"`` (the TorchDistributor drop-in): as pyspark's TorchDistributor runs ``torchrun
   --nnodes=<np> --nproc_per_node=1`` in each task: every rank is a node of its own (``LOCAL_RANK=0``,
   ``NODE_RANK=GROUP_RANK=RANK``), which Lightning's ``Trainer(devices=1, num_nodes=np)`` expects; each rank
-  then sees only its own GPUs (``runner/_agent/agent.py``).
+  then sees only its own GPUs (``runner/_agent/agent.py``). Where each Spark task holds k GPUs and runs k ranks
+  (``per_task``), the task is the node, as pyspark runs ``torchrun --nnodes=<np/k> --nproc_per_node=k`` there:
+  ``LOCAL_RANK=RANK % k``, ``NODE_RANK=RANK // k``, and each rank sees its task's k GPUs.
 """
 
 from __future__ import annotations
@@ -71,10 +73,11 @@ def reserve_ports(address: str) -> tuple[Endpoint, list]:
 
 
 def framework_env(placement: dict, *, layout: str, endpoints: list, node: tuple, run_id: str, attempt: int,
-                  max_restarts: int) -> dict:
+                  max_restarts: int, per_task: int = 1) -> dict:
     """The variables of rank ``placement["rank"]``. ``endpoints``: every rank's ``Endpoint`` in rank order (None
     where its agent could not reserve ports: without rank 0's, no MASTER_*; without any one, no TF_CONFIG); ``node``: ``(index of the rank's
-    host, number of hosts)``, torchrun's group rank and size."""
+    host, number of hosts)``, torchrun's group rank and size; ``per_task``: the ranks of each Spark task, which
+    ``node_per_task`` makes a node (a task's ranks are consecutive: ``assign_ranks`` orders a host's by task)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {', '.join(map(repr, LAYOUTS))}.")
     rank, size = placement["rank"], placement["size"]
@@ -82,7 +85,7 @@ def framework_env(placement: dict, *, layout: str, endpoints: list, node: tuple,
         local_rank, local_size = placement["local_rank"], placement["local_size"]
         group_rank, groups = node
     else:
-        local_rank, local_size, group_rank, groups = 0, 1, rank, size
+        local_rank, local_size, group_rank, groups = rank % per_task, per_task, rank // per_task, size // per_task
     env = {
         "RANK": rank, "WORLD_SIZE": size, "LOCAL_RANK": local_rank, "LOCAL_WORLD_SIZE": local_size,
         "GROUP_RANK": group_rank, "GROUP_WORLD_SIZE": groups, "NODE_RANK": group_rank,

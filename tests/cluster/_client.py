@@ -109,7 +109,8 @@ class PendingRun:
 class Driver:
     """The driver process: a SparkSession on the cluster, running jobs it is sent one at a time."""
 
-    def __init__(self, cluster: "Cluster", conf: dict, executor_env: dict, log_path: str):
+    def __init__(self, cluster: "Cluster", conf: dict, executor_env: dict, log_path: str, slots: int | None = None):
+        """``slots``: the task slots it waits for (default: the cluster's, one GPU per task)."""
         self.cluster = cluster
         self.log_path = log_path
         self._ids = itertools.count()
@@ -117,7 +118,7 @@ class Driver:
         self._lines: list[str] = []
         self._lock = threading.Lock()
         config = {"master": cluster.master_url, "conf": conf, "executor_env": executor_env,
-                  "executors": len(cluster.hosts), "slots": cluster.slots}
+                  "executors": len(cluster.hosts), "slots": cluster.slots if slots is None else slots}
         self._log = open(log_path, "a", buffering=1)
         env = dict(os.environ, PYSPARK_PYTHON=cluster.python, SPARK_HOME=_pyspark_home(),
                    SPARK_LOCAL_IP=DRIVER_ADDRESS, SPARK_CONF_DIR=cluster.conf_dir,

@@ -102,11 +102,12 @@ class Cluster:
         return self
 
     def restart_driver(self, *, conf: dict | None = None, executor_env: dict | None = None,
-                       timeout: float = 90) -> Driver:
-        """Replace the driver (a new Spark application, new executors) with these settings."""
+                       timeout: float = 90, slots: int | None = None) -> Driver:
+        """Replace the driver (a new Spark application, new executors) with these settings; ``slots``: the task
+        slots they give (default: the cluster's, one GPU per task)."""
         if self.driver is not None:
             self.driver.close()
-        self.driver = Driver(self, conf or {}, executor_env or {}, os.path.join(self.base_dir, "driver.log"))
+        self.driver = Driver(self, conf or {}, executor_env or {}, os.path.join(self.base_dir, "driver.log"), slots)
         self.driver.wait_ready(timeout)
         return self.driver
 

@@ -15,15 +15,34 @@ def _model():
 
 def whoami():
     """Where this rank runs, as the rank itself and Horovod's API see it."""
+    from pyspark import TaskContext
+
     import sparkhvd.collective.torch as hvd
     from sparkhvd.collective._engine import communicator as _engine
 
     hvd.init()
+    task = TaskContext.get()  # the Spark task the rank's agent runs in
+    gpus = task.resources().get("gpu") if task is not None else None
     return {"hostname": socket.gethostname(), "pid": os.getpid(), "netns": os.readlink("/proc/self/ns/net"),
+            "partition": task.partitionId() if task is not None else None,
+            "task_gpus": sorted(gpus.addresses) if gpus is not None else [],
             "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "own": list(_engine.topology().cuda_devices),  # the entries of "cuda" that are this rank's own GPUs
             "hvd": {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
                     "local_size": hvd.local_size(), "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size()}}
+
+
+def torchrun_env():
+    """Every process's torchrun variables and GPUs, gathered through its own env:// process group (rank 0's)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    mine = {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                    "NODE_RANK", "GROUP_WORLD_SIZE", "CUDA_VISIBLE_DEVICES")}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {**mine, "hostname": socket.gethostname()})
+    dist.destroy_process_group()
+    return everyone
 
 
 def collectives(n: int = 5):

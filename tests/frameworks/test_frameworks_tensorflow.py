@@ -340,10 +340,10 @@ def test_local_mode_on_gpus_picks_num_slots_of_the_drivers_gpus_through_its_cuda
 def test_an_encrypted_cluster_is_refused_unless_ignore_ssl_is_set(conf, fake_runner):
     conf["spark.ssl.enabled"] = "true"
     runner = MirroredStrategyRunner(num_slots=2, use_gpu=False)
-    message = ("This cluster encrypts Spark's traffic (spark.ssl.enabled=true), but MirroredStrategyRunner's workers "
-               "would send model parameters and possibly training data to each other unencrypted (TensorFlow's "
-               "collectives do not encrypt); to train anyway, set tensorflow.spark.distributor.ignoreSsl=true in the "
-               "Spark configuration.")
+    message = ("This cluster has encryption enabled (spark.ssl.enabled=true); however, training does not support "
+               "data encryption in transit: MirroredStrategyRunner's workers would send model parameters and possibly "
+               "training data to each other unencrypted (TensorFlow's collectives do not encrypt). To train anyway, "
+               "set tensorflow.spark.distributor.ignoreSsl=true in the Spark configuration.")
     with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
         runner.run(_add, x=1)
     assert fake_runner == []
@@ -352,9 +352,10 @@ def test_an_encrypted_cluster_is_refused_unless_ignore_ssl_is_set(conf, fake_run
         warnings.simplefilter("always")
         assert runner.run(_add, x=1) == "the chief's value"
     assert [str(w.message) for w in caught] == [
-        "This cluster encrypts Spark's traffic (spark.ssl.enabled=true), but MirroredStrategyRunner's workers send "
-        "model parameters and possibly training data to each other unencrypted (TensorFlow's collectives do not "
-        "encrypt); going on because tensorflow.spark.distributor.ignoreSsl=true."]
+        "This cluster has encryption enabled (spark.ssl.enabled=true); however, training does not support data "
+        "encryption in transit: MirroredStrategyRunner's workers send model parameters and possibly training data "
+        "to each other unencrypted (TensorFlow's collectives do not encrypt); going on because "
+        "tensorflow.spark.distributor.ignoreSsl=true."]
 
 
 @pytest.mark.unit

@@ -66,6 +66,38 @@ def test_node_per_task_layout_makes_every_rank_a_node_as_pysparks_torchdistribut
         assert env["GROUP_WORLD_SIZE"] == env["WORLD_SIZE"] == str(len(hosts))
 
 
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", "c"]), min_size=1, max_size=6), st.sampled_from([2, 4]))
+def test_node_per_task_with_k_gpus_per_task_makes_each_task_a_node_of_k_as_pysparks_torchrun(task_hosts, k):
+    """pyspark 4.3 runs ``torchrun --nnodes=<np/k> --nproc_per_node=k`` in each task holding k GPUs: the k ranks of
+    one Spark task (agents ``partition * k + j``, on one host) are a node, LOCAL_RANK j."""
+    hosts = [h for h in task_hosts for _ in range(k)]  # agent t runs in Spark task t // k
+    placements = assign_ranks(hosts)
+    ends = _endpoints(len(hosts))
+    envs = [framework_env(p.as_dict(), layout=NODE_PER_TASK, endpoints=ends, node=node_of(placements, t),
+                          run_id="r", attempt=0, max_restarts=0, per_task=k) for t, p in enumerate(placements)]
+    for t, env in enumerate(envs):
+        assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (str(t % k), str(k))
+        assert int(env["RANK"]) == int(env["NODE_RANK"]) * k + t % k  # torchrun's RANK from its node and local rank
+        assert env["GROUP_WORLD_SIZE"] == str(len(task_hosts))
+    nodes = {}
+    for t, env in enumerate(envs):
+        nodes.setdefault(env["NODE_RANK"], set()).add(t // k)
+    assert all(len(tasks) == 1 for tasks in nodes.values())  # a node is one Spark task
+
+
+def test_node_per_task_with_k_gpus_per_task_shows_each_rank_its_tasks_gpus():
+    placements = assign_ranks(["a"] * 4)  # two Spark tasks on host a, two GPUs each: agents 0,1 and 2,3
+    spec = TaskSpec(address=("127.0.0.1", 1), secret=b"s", run_id="r", layout=NODE_PER_TASK, per_task=2)
+    host = ["4", "5", "6", "7"]  # the job's GPUs on the host, in local-rank order (each agent registered one)
+    for t, p in enumerate(placements):
+        env = rank_env(spec, p.as_dict() | {"cuda_devices": [p.local_rank]}, host, endpoints=_endpoints(4),
+                       node=(0, 1))
+        assert env["CUDA_VISIBLE_DEVICES"] == ",".join(host[t // 2 * 2:t // 2 * 2 + 2])
+        assert env["LOCAL_RANK"] == str(t % 2) and env["NODE_RANK"] == str(t // 2)
+        assert json.loads(env["SPARKHVD_PLACEMENT"])["cuda_devices"] == [t % 2]  # LOCAL_RANK indexes the list
+
+
 def test_a_rank_without_an_endpoint_costs_tf_config_rank_zeros_costs_master_and_a_bad_layout_is_refused():
     p = assign_ranks(["a", "a"])[0].as_dict()
     one, two = _endpoints(2)

@@ -20,6 +20,7 @@ import pytest
 from sparkhvd import HorovodRunner
 from sparkhvd.runner import StartTimeoutError
 from sparkhvd.runner._backends import preflight as _preflight
+from sparkhvd.runner._backends.api import check_ranks_per_task
 from sparkhvd.runner._backends.spark import gpu_problem, slots_for_restart
 from sparkhvd.runner._backends.spark_info import executor_resources
 from sparkhvd.runner._runner_config import RunnerConfig
@@ -191,6 +192,27 @@ def test_np_above_the_gpu_slots_names_each_executor():
         "np=3 needs 3 GPUs, one per task, but Spark's executors can run 2 GPU tasks at once (executor 0 on 10.0.0.1: "
         "1 GPU, 4 cores, executor 1 on 10.0.0.2: 1 GPU, 4 cores; spark.task.cpus=1); use np<=2, or add executors "
         "with GPUs.")
+
+
+def test_k_gpus_per_task_count_gpu_slots_in_tasks_of_k():
+    executors = [("0", "10.0.0.1", 4, 2), ("1", "10.0.0.2", 4, 3)]  # 2 and 3 GPUs: one task of 2 on each
+    assert gpu_problem(4, 2.0, executors, 1, "spark://m:7077", per_task=2) is None
+    assert gpu_problem(6, 2.0, executors, 1, "spark://m:7077", per_task=2) == (
+        "np=6 needs 6 GPUs, 2 per task (spark.task.resource.gpu.amount=2), but Spark's executors can run 2 GPU tasks "
+        "at once (executor 0 on 10.0.0.1: 2 GPUs, 4 cores, executor 1 on 10.0.0.2: 3 GPUs, 4 cores; "
+        "spark.task.cpus=1); use np<=4, or add executors with GPUs.")
+
+
+def test_np_that_is_not_a_multiple_of_the_gpus_per_task_is_refused_with_the_nearest_two():
+    check_ranks_per_task(4, 2)
+    check_ranks_per_task(3, 1)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "np=3 is not a multiple of spark.task.resource.gpu.amount=2: each Spark task holds 2 GPUs and runs one "
+            "rank on each; use np=2 or np=4, or set spark.task.resource.gpu.amount=1 for one rank per task.")):
+        check_ranks_per_task(3, 2)
+    with pytest.raises(RuntimeError, match=r"^max_np=3 is not a multiple of spark.task.resource.gpu.amount=4: .*; "
+                                           r"use max_np=4, or set"):
+        check_ranks_per_task(3, 4, "max_np")
 
 
 @pytest.mark.timeout(120)

@@ -4,6 +4,8 @@ None there)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from sparkhvd import HorovodRunError, TorchDistributor
@@ -13,6 +15,36 @@ from sparkhvd.runner._dropins import torch_distributor as _torch_distributor
 class _Conf(dict):
     def __call__(self, key, default=None):
         return self.get(key, default)
+
+
+@pytest.fixture
+def pysparks():
+    """``pysparks(conf, gpus=(), **arguments)``: pyspark's own TorchDistributor, over a session that is only its conf
+    (and the driver's GPU addresses), to say what sparkhvd's must match. Its logger's level and handlers, which
+    pyspark sets, are put back afterwards."""
+    distributor = pytest.importorskip("pyspark.ml.torch.distributor")
+    logger = logging.getLogger("TorchDistributor")
+    level, handlers = logger.level, list(logger.handlers)
+
+    class _Gpus:
+        def __init__(self, addresses):
+            self.addresses = list(addresses)
+
+    class _Session:  # what pyspark reads: spark.conf.get(key, default) and spark.sparkContext.resources
+        def __init__(self, conf, gpus):
+            self.conf = conf  # a dict: the test's later changes reach it
+            self.sparkContext = self
+            self.resources = {"gpu": _Gpus(gpus)} if gpus else {}
+
+    def make(conf, gpus=(), **arguments):
+        session = _Session(conf, gpus)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(distributor.SparkSession, "active", staticmethod(lambda: session))
+            return distributor.TorchDistributor(**arguments)
+
+    yield make
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
 
 
 @pytest.mark.unit
@@ -41,10 +73,57 @@ def test_gpus_asked_for_but_not_configured_are_refused_as_pyspark_does(monkeypat
     with pytest.raises(RuntimeError, match=r"^GPUs were unable to be found on the driver: .* pass use_gpu=False to "
                                            r"train on CPUs\.$"):
         TorchDistributor(num_processes=2, local_mode=True, use_gpu=True)
+
+
+@pytest.mark.unit
+def test_more_processes_than_the_drivers_gpus_are_cut_down_on_pysparks_logger_not_as_a_warning(
+        monkeypatch, caplog, pysparks, recwarn):
+    theirs = pysparks({"spark.driver.resource.gpu.amount": "1"}, gpus=["0"], num_processes=2, local_mode=True,
+                      use_gpu=True)
+    assert theirs.logger.name == "TorchDistributor" and theirs.num_processes == 1
+    (said,) = [r for r in caplog.records if r.name == "TorchDistributor"]
+    assert said.levelno == logging.WARNING
+    caplog.clear()
     monkeypatch.setattr(_torch_distributor, "_driver_gpus", lambda: 1)
-    with pytest.warns(RuntimeWarning, match=r"num_processes=2 is more than the 1 GPU on the driver; it was reset to "
-                                            r"1, as pyspark's TorchDistributor does\."):
-        assert TorchDistributor(num_processes=2, local_mode=True, use_gpu=True).num_processes == 1
+    ours = TorchDistributor(num_processes=2, local_mode=True, use_gpu=True)
+    assert ours.logger is logging.getLogger("TorchDistributor") and ours.num_processes == 1
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+        ("TorchDistributor", logging.WARNING, "num_processes=2 is more than the 1 GPU on the driver; it was reset to "
+                                              "1, as pyspark's TorchDistributor does; pass num_processes<=1, or give "
+                                              "the driver more GPUs.")]
+    assert not [w for w in recwarn if "num_processes" in str(w.message)]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("num_processes, local_mode, use_gpu", [(2, False, False), (3, True, False), (2, False, True),
+                                                                (3, True, True)])
+def test_input_params_are_pysparks_keys_and_values(num_processes, local_mode, use_gpu, monkeypatch, pysparks):
+    conf = {"spark.task.resource.gpu.amount": "1", "spark.driver.resource.gpu.amount": "2"}
+    theirs = pysparks(conf, gpus=["0", "1"], num_processes=num_processes, local_mode=local_mode, use_gpu=use_gpu)
+    monkeypatch.setattr(_torch_distributor, "_active_conf", lambda: _Conf(conf))
+    monkeypatch.setattr(_torch_distributor, "_driver_gpus", lambda: 2)
+    ours = TorchDistributor(num_processes=num_processes, local_mode=local_mode, use_gpu=use_gpu)
+    assert list(ours.input_params.items()) == list(theirs.input_params.items())
+    assert ours.input_params == {"num_processes": 2 if use_gpu else num_processes, "local_mode": local_mode,
+                                 "use_gpu": use_gpu, "num_tasks": 2 if use_gpu else num_processes}
+
+
+@pytest.mark.unit
+def test_a_task_of_k_gpus_runs_k_processes_and_num_processes_must_be_a_multiple_as_pysparks(monkeypatch, pysparks):
+    conf = {"spark.task.resource.gpu.amount": "2"}
+    theirs = pysparks(conf, gpus=["0", "1"], num_processes=4, local_mode=False, use_gpu=True)
+    monkeypatch.setattr(_torch_distributor, "_active_conf", lambda: _Conf(conf))
+    ours = TorchDistributor(num_processes=4, local_mode=False, use_gpu=True)
+    assert ours.num_tasks == theirs.num_tasks == 2
+    assert ours.input_params == theirs.input_params
+    with pytest.raises(RuntimeError) as pyspark_refusal:
+        pysparks(conf, gpus=["0", "1"], num_processes=3, local_mode=False, use_gpu=True)
+    with pytest.raises(RuntimeError) as refusal:
+        TorchDistributor(num_processes=3, local_mode=False, use_gpu=True)
+    assert str(refusal.value) == (
+        "TorchDistributor 'num_processes' value (3) must be a multiple of 'spark.task.resource.gpu.amount' (2) value: "
+        "each Spark task holds 2 GPUs and runs a process on each; use num_processes=4 or 2.")
+    assert str(refusal.value).startswith(str(pyspark_refusal.value).rstrip("."))  # pyspark's words, then the fix
 
 
 @pytest.mark.unit
@@ -52,15 +131,44 @@ def test_a_cluster_that_encrypts_sparks_traffic_is_refused_unless_the_user_says_
     conf = _Conf({"spark.network.crypto.enabled": "true"})
     monkeypatch.setattr(_torch_distributor, "_active_conf", lambda: conf)
     distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
-    with pytest.raises(RuntimeError, match=r"^This cluster encrypts Spark's traffic \(spark\.network\.crypto\.enabled=true"
-                                           r"\), but TorchDistributor's processes would send model parameters and "
-                                           r"possibly training data to each other unencrypted \(gloo and NCCL do not "
-                                           r"encrypt\); to train anyway, set pytorch\.spark\.distributor\.ignoreSsl="
+    with pytest.raises(RuntimeError, match=r"^This cluster has encryption enabled \(spark\.network\.crypto\.enabled="
+                                           r"true\); however, training does not support data encryption in transit: "
+                                           r"TorchDistributor's processes would send model parameters and possibly "
+                                           r"training data to each other unencrypted \(gloo and NCCL do not "
+                                           r"encrypt\)\. To train anyway, set pytorch\.spark\.distributor\.ignoreSsl="
                                            r"true in the Spark configuration\.$"):
         distributor.run(print)
     conf["pytorch.spark.distributor.ignoreSsl"] = "true"
-    with pytest.warns(RuntimeWarning, match=r"going on because pytorch\.spark\.distributor\.ignoreSsl=true"):
+    with pytest.warns(RuntimeWarning, match=r"^This cluster has encryption enabled \(spark\.network\.crypto\.enabled="
+                                            r"true\); however, training does not support data encryption in transit: "
+                                            r".* going on because pytorch\.spark\.distributor\.ignoreSsl=true\.$"):
         distributor._check_encryption()
+
+
+# What a user's code could match in pyspark's refusal and warning, whose lines break mid-phrase (textwrap.dedent)
+_PYSPARKS_PHRASES = ("encryption enabled", "does not support data encryption in transit",
+                     "model parameters and possibly training data", "unencrypted",
+                     "pytorch.spark.distributor.ignoreSsl", "Spark configuration")
+
+
+@pytest.mark.unit
+def test_the_refusal_and_warning_where_spark_encrypts_say_pysparks_phrases(monkeypatch, pysparks, caplog):
+    conf = {"spark.ssl.enabled": "true"}
+    theirs = pysparks(conf, num_processes=2, local_mode=False, use_gpu=False)
+    with pytest.raises(RuntimeError) as refused:
+        theirs._check_encryption()
+    monkeypatch.setattr(_torch_distributor, "_active_conf", lambda: _Conf(conf))
+    with pytest.raises(RuntimeError) as ours:
+        TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)._check_encryption()
+    for phrase in _PYSPARKS_PHRASES:
+        assert phrase in " ".join(str(refused.value).split()) and phrase in str(ours.value), phrase
+    conf["pytorch.spark.distributor.ignoreSsl"] = "true"
+    theirs._check_encryption()
+    (said,) = [" ".join(r.getMessage().split()) for r in caplog.records if r.name == "TorchDistributor"]
+    with pytest.warns(RuntimeWarning) as warned:
+        TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)._check_encryption()
+    for phrase in set(_PYSPARKS_PHRASES) - {"Spark configuration"}:  # ours ends "going on because <conf>=true"
+        assert phrase in said and phrase in str(warned[0].message), phrase
 
 
 @pytest.mark.unit
