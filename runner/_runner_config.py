@@ -21,6 +21,8 @@ class RunnerConfig:
     The keyword-only fields are what the drop-ins and the estimators set (never HorovodRunner's own arguments):
     ``layout``, the torchrun variables' layout (runner/_shared/framework_env.py); ``use_gpu`` False, tasks ask for no
     GPU and ranks see none; ``warn_unencrypted`` False, the caller checked Spark's encryption itself;
+    ``one_rank_per_task`` True, a Spark task holding k GPUs runs one rank that has all k (MirroredStrategyRunner's
+    worker), not k ranks of one each;
     ``stall_tasks``, tasks whose agents never register (fault tests only). ``HorovodRunner._from_config`` runs one.
     """
 
@@ -43,6 +45,7 @@ class RunnerConfig:
     layout: str = field(default="torchrun", kw_only=True)
     use_gpu: bool = field(default=True, kw_only=True)
     warn_unencrypted: bool = field(default=True, kw_only=True)
+    one_rank_per_task: bool = field(default=False, kw_only=True)
     stall_tasks: frozenset = field(default=frozenset(), kw_only=True, repr=False)
 
     def __post_init__(self):
@@ -123,7 +126,7 @@ class RunnerConfig:
     def _check_drop_in_fields(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} is not one of {', '.join(map(repr, LAYOUTS))}.")
-        for name in ("use_gpu", "warn_unencrypted"):
+        for name in ("use_gpu", "warn_unencrypted", "one_rank_per_task"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
         tasks = self.stall_tasks

@@ -152,15 +152,16 @@ def warn_unencrypted(sc, run_id: str, *, stacklevel: int = 4) -> None:
                       "network between executors is trusted (docs/security.md).", RuntimeWarning, stacklevel=stacklevel)
 
 
-def preflight(sc, np: int, *, verbose: bool = True, gpus: bool = True) -> None:
+def preflight(sc, np: int, *, verbose: bool = True, gpus: bool = True, one_rank_per_task: bool = False) -> None:
     """Every check before the barrier stage, each failing in seconds with one sentence: np against the GPUs each
-    task holds, the configuration (dynamic allocation), the task slots, the GPU slots (``gpus``: where tasks ask
-    for them), and the executors' Python (``_preflight``)."""
-    per_task = ranks_per_task(sc, gpus)
+    task holds (``one_rank_per_task``: one rank has them all), the configuration (dynamic allocation), the task
+    slots, the GPU slots (``gpus``: where tasks ask for them), and the executors' Python (``_preflight``)."""
+    gpus_per_task = ranks_per_task(sc, gpus)
+    per_task = 1 if one_rank_per_task else gpus_per_task
     check_ranks_per_task(np, per_task)
     check_slots(sc, np, verbose=verbose, per_task=per_task)
     if gpus:
-        check_gpus(sc, np, per_task)
+        check_gpus(sc, np, per_task, gpus_per_task)
     check_executors(sc, np // per_task, task_slots(sc))
 
 
@@ -217,22 +218,24 @@ def _slots_detail(sc) -> str:
 
 
 
-def check_gpus(sc, np: int, per_task: int = 1) -> None:
-    """Where each task asks for GPUs (spark.executor.resource.gpu.amount; ``per_task`` of them: ``ranks_per_task``),
-    fail in seconds when the executors have none, or fewer GPU slots than np ranks need: the barrier stage would
-    wait for them forever."""
+def check_gpus(sc, np: int, per_task: int = 1, gpus_per_task: int | None = None) -> None:
+    """Where each task asks for GPUs (spark.executor.resource.gpu.amount; ``gpus_per_task`` of them, for its
+    ``per_task`` ranks: ``ranks_per_task``), fail in seconds when the executors have none, or fewer GPU slots than np
+    ranks need: the barrier stage would wait for them forever."""
     amount = _gpu_amount(sc)
     if amount <= 0:
         return
     task_cpus = max(1, int(sc.getConf().get("spark.task.cpus", "1") or 1))
-    problem = gpu_problem(np, amount, executor_resources(sc), task_cpus, sc.master, per_task)
+    problem = gpu_problem(np, amount, executor_resources(sc), task_cpus, sc.master, per_task, gpus_per_task)
     if problem is not None:
         raise RuntimeError(problem)
 
 
-def gpu_problem(np: int, amount: float, executors: list, task_cpus: int, master: str, per_task: int = 1) -> str | None:
+def gpu_problem(np: int, amount: float, executors: list, task_cpus: int, master: str, per_task: int = 1,
+                gpus_per_task: int | None = None) -> str | None:
     """The sentence ``check_gpus`` raises for these executors (``(id, host, cores, gpus)``), or None; ``per_task``:
-    the GPUs (and ranks) of each task."""
+    the ranks of each task, ``gpus_per_task`` its GPUs (default: one per rank)."""
+    k = per_task if gpus_per_task is None else gpus_per_task
     if amount <= 0:
         return None
     count = len(executors)
@@ -241,12 +244,12 @@ def gpu_problem(np: int, amount: float, executors: list, task_cpus: int, master:
                 f"of Spark's {count} executor{'s' if count != 1 else ''} ({master}) has a GPU resource; give the "
                 "executors GPUs (spark.executor.resource.gpu.discoveryScript, and spark.worker.resource.gpu.* on a "
                 "standalone cluster), or unset spark.executor.resource.gpu.amount to run on CPUs.")
-    slots = sum(min(gpus // per_task, cores // task_cpus) for _, _, cores, gpus in executors)
+    slots = sum(min(gpus // k, cores // task_cpus) for _, _, cores, gpus in executors)
     if slots < np // per_task:
         each = ", ".join(f"executor {i} on {host}: {gpus} GPU{'s' if gpus != 1 else ''}, {cores} cores"
                          for i, host, cores, gpus in executors)
-        tasks = "one per task" if per_task == 1 else f"{per_task} per task (spark.task.resource.gpu.amount={per_task})"
-        return (f"np={np} needs {np} GPUs, {tasks}, but Spark's executors can run {slots} GPU task"
+        tasks = "one per task" if k == 1 else f"{k} per task (spark.task.resource.gpu.amount={k})"
+        return (f"np={np} needs {np // per_task * k} GPUs, {tasks}, but Spark's executors can run {slots} GPU task"
                 f"{'s' if slots != 1 else ''} at once ({each}; spark.task.cpus={task_cpus}); use "
                 f"np<={max(slots, 1) * per_task}, or add executors with GPUs.")
     return None
@@ -328,12 +331,13 @@ class SparkLauncher(JobLauncher):
     """
 
     def __init__(self, sc, np: int, *, replaced: set | None = None, status: "SparkStatus | None" = None,
-                 gpus: bool = True, per_task: int = 1):
+                 gpus: bool = True, per_task: int = 1, gpus_per_task: int | None = None):
         super().__init__()
         self.sc = sc
         self.np = np
         self.gpus = gpus
-        self.per_task = per_task  # ranks (and GPUs) in each Spark task: ranks_per_task
+        self.per_task = per_task  # ranks in each Spark task: ranks_per_task, or 1 (one_rank_per_task)
+        self.gpus_per_task = per_task if gpus_per_task is None else gpus_per_task  # what each task asks for
         self.tasks = np // per_task
         self.description = f"a Spark barrier stage on {sc.master}"
         self.status = status if status is not None else SparkStatus(sc)
@@ -373,7 +377,8 @@ class SparkLauncher(JobLauncher):
             rdd = sc.parallelize(range(self.tasks), self.tasks).barrier().mapPartitions(
                 functools.partial(_barrier_task, spec, self.per_task))
             if self.gpus and _gpu_amount(sc) > 0:
-                rdd = rdd.withResources(gpu_task_profile(int(sc.getConf().get("spark.task.cpus", "1")), self.per_task))
+                rdd = rdd.withResources(gpu_task_profile(int(sc.getConf().get("spark.task.cpus", "1")),
+                                                         self.gpus_per_task))
             rdd.collect()  # the outcome arrives through the driver service
         except Exception as exc:  # noqa: BLE001 - reported through failure()
             if _stopped(sc) or _says_stopped(exc):
@@ -568,8 +573,10 @@ class SparkBackend(Backend):
 
     name = "spark"
 
-    def __init__(self, *, warn_unencrypted: bool = True):
+    def __init__(self, *, warn_unencrypted: bool = True, one_rank_per_task: bool = False):
         self.sc = None  # set by prepare
+        self.one_rank_per_task = one_rank_per_task  # a task of k GPUs runs one rank with all k (RunnerConfig's)
+        self.gpus_per_task = 1
         self.run_id, self.verbose = "", True
         self.warn_unencrypted = warn_unencrypted
         self.replaced: set[str] = set()  # executors this run asked Spark to replace: never a later attempt's cause
@@ -577,14 +584,16 @@ class SparkBackend(Backend):
     def prepare(self, np: int, *, run_id: str, verbose: bool, gpus: bool) -> str:
         self.run_id, self.verbose = run_id, verbose
         self.sc = spark_context(np)
-        self.per_task = ranks_per_task(self.sc, gpus)
-        preflight(self.sc, np, verbose=verbose, gpus=gpus)  # slots, GPUs, executors' Python
+        self.gpus_per_task = ranks_per_task(self.sc, gpus)
+        self.per_task = 1 if self.one_rank_per_task else self.gpus_per_task
+        preflight(self.sc, np, verbose=verbose, gpus=gpus, one_rank_per_task=self.one_rank_per_task)  # slots, GPUs, Python
         if self.warn_unencrypted:
             warn_unencrypted(self.sc, run_id, stacklevel=5)  # the user's run() call
         return driver_bind_host(self.sc)
 
     def launcher(self, n: int, *, gpus: bool) -> Launcher:
-        return SparkLauncher(self.sc, n, replaced=self.replaced, gpus=gpus, per_task=self.per_task)
+        return SparkLauncher(self.sc, n, replaced=self.replaced, gpus=gpus, per_task=self.per_task,
+                             gpus_per_task=self.gpus_per_task)
 
     def free_slots(self) -> int:
         """Free task slots, in ranks: ``per_task`` in each."""
@@ -603,7 +612,7 @@ class SparkBackend(Backend):
 
 def backend_for(config) -> SparkBackend:
     """For ``np > 0`` where no Spark Connect session is active (registry.py asks it after connect's)."""
-    return SparkBackend(warn_unencrypted=config.warn_unencrypted)
+    return SparkBackend(warn_unencrypted=config.warn_unencrypted, one_rank_per_task=config.one_rank_per_task)
 
 
 def free_slots(sc) -> int:

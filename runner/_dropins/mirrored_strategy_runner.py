@@ -5,8 +5,9 @@ A thin layer over ``HorovodRunner``, so a MirroredStrategyRunner job gets the sa
 pre-flight. As theirs (``spark_tensorflow_distributor/mirrored_strategy_runner.py``):
 
 - ``local_mode=False``: one Spark barrier task per TensorFlow worker, each given ``TF_CONFIG`` (``{"cluster":
-  {"worker": [...]}, "task": {"type": "worker", "index": rank}}``: runner/_shared/framework_env.py), with its own GPU
-  where ``use_gpu``, and none without (``CUDA_VISIBLE_DEVICES=""``).
+  {"worker": [...]}, "task": {"type": "worker", "index": rank}}``: runner/_shared/framework_env.py), with its task's
+  GPUs where ``use_gpu`` (``spark.task.resource.gpu.amount`` of them: ``ceil(num_slots / amount)`` workers), and
+  none without (``CUDA_VISIBLE_DEVICES=""``).
 - ``local_mode=True``: one worker on the driver, without ``TF_CONFIG``, over ``num_slots`` of the driver's Spark
   GPUs (``spark.driver.resource.<gpu_resource_name>``, chosen at random), or on the CPU (``num_slots=1``).
 - Unless ``use_custom_strategy``, the function runs inside ``tf.distribute.MultiWorkerMirroredStrategy()``'s
@@ -17,11 +18,7 @@ pre-flight. As theirs (``spark_tensorflow_distributor/mirrored_strategy_runner.p
 
 Where ours differs:
 
-- sparkhvd runs one worker per GPU: ``num_slots`` GPUs are ``num_slots`` workers of one GPU each, where theirs
-  packs ``spark.task.resource.gpu.amount`` GPUs into each of ``ceil(num_slots / amount)`` workers. The strategy
-  has the same ``num_replicas_in_sync`` (one replica per GPU) and the same global batch; only the all-reduce
-  goes between processes where theirs stays inside one. GPUs are always Spark's ``gpu`` resource: another
-  ``gpu_resource_name`` is refused outside local mode.
+- GPUs are always Spark's ``gpu`` resource: another ``gpu_resource_name`` is refused outside local mode.
 - ``local_mode=True`` runs the function in a fresh process on the driver (``HorovodRunner(np=-1)``), not in the
   driver's own. TensorFlow configures its collective ops once, when its context starts ("Collective ops must be
   configured at program startup"); theirs resets the driver's eager context for that, a private API that also
@@ -41,6 +38,7 @@ Where ours differs:
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 import os
 import random
@@ -78,8 +76,9 @@ class MirroredStrategyRunner:
         self._num_tasks = None if self._local_mode else self.get_num_tasks()
 
     def get_num_tasks(self) -> int:
-        """How many Spark tasks (TensorFlow workers) train: ``num_slots``, one GPU each with ``use_gpu``, which
-        needs Spark's GPU scheduling (``spark.task.resource.gpu.amount`` of 1 or more)."""
+        """How many Spark tasks (TensorFlow workers) train: ``num_slots``, or with ``use_gpu`` (which needs Spark's
+        GPU scheduling: ``spark.task.resource.gpu.amount`` of 1 or more) ``ceil(num_slots / amount)``, each worker
+        with its task's GPUs, as spark-tensorflow-distributor packs them."""
         if not self._use_gpu:
             return self._num_slots
         name = self._gpu_resource_name
@@ -107,7 +106,7 @@ class MirroredStrategyRunner:
             raise ValueError(f"The Spark conf `{key}` has a value of {value} but it should not have a value less "
                              f"than 1: each worker needs a whole GPU; set {key}=1, or pass use_gpu=False to train "
                              "on CPUs.")
-        return self._num_slots
+        return math.ceil(self._num_slots / int(amount))
 
     def run(self, train_fn, **kwargs):
         """Run ``train_fn(**kwargs)`` on every worker, inside ``MultiWorkerMirroredStrategy``'s scope unless
@@ -129,8 +128,9 @@ class MirroredStrategyRunner:
             self._check_encryption()
             devices = None
             config = RunnerConfig(self._num_tasks,
-                                  layout=NODE_PER_TASK,  # each rank sees its own GPU only: one replica per worker
+                                  layout=NODE_PER_TASK,  # each rank sees its own GPUs only: a replica on each
                                   use_gpu=self._use_gpu,  # False: tasks ask for no GPU and ranks see none
+                                  one_rank_per_task=True,  # a worker per task, with all of the task's GPUs
                                   warn_unencrypted=False)  # _check_encryption said it, or refused
         runner = HorovodRunner._from_config(config)
         task = _Task(train_fn, self._use_custom_strategy, self._local_mode, devices)

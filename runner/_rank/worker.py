@@ -27,6 +27,7 @@ from ..._common.topology import Placement
 from .._payload import payload as _payload
 from .._shared.host import rank_address
 from . import aliases as _aliases
+from . import lightning_nodes as _lightning_nodes
 from . import startup
 from . import task_context as _task_context
 from .exit import die_with_parent, end, finished, leave, watch
@@ -49,6 +50,7 @@ def main() -> int:
     placement = Placement(**json.loads(settings.PLACEMENT.raw()))
     rank = placement.rank
     _task_context.install(placement)  # before the function is unpickled: it, or its module, may import pyspark
+    _lightning_nodes.install(placement)  # Trainer(devices=, num_nodes=) on any placement, once Lightning is imported
     client = ServiceClient(address, secret)
     threading.Thread(target=watch, args=(address, secret, rank), daemon=True, name="sparkhvd-watch").start()
     beat = Heartbeat.start(address, secret, rank,  # for the stall report and lost-rank check

@@ -92,6 +92,12 @@ def run(request: dict) -> dict:
             value = TorchDistributor(num_processes=request["np"], local_mode=False, use_gpu=True).run(
                 fn, **request.get("kwargs", {}))
             return {"ok": True, "seconds": time.monotonic() - started, "values": [value]}
+        if request.get("runner") == "MirroredStrategyRunner":  # the drop-in, outside TensorFlow's strategy: the chief's
+            from sparkhvd import MirroredStrategyRunner
+
+            value = MirroredStrategyRunner(num_slots=request["np"], use_custom_strategy=True).run(
+                fn, **request.get("kwargs", {}))
+            return {"ok": True, "seconds": time.monotonic() - started, "values": [value]}
         runner = HorovodRunner(np=request["np"], **request.get("runner", {}))
         result = runner.run_all(fn, **request.get("kwargs", {}))
     except BaseException as exc:  # noqa: BLE001 - the test reads the error

@@ -38,7 +38,8 @@ def torchrun_env():
 
     dist.init_process_group("gloo")
     mine = {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                                    "NODE_RANK", "GROUP_WORLD_SIZE", "CUDA_VISIBLE_DEVICES")}
+                                                    "NODE_RANK", "GROUP_WORLD_SIZE", "CUDA_VISIBLE_DEVICES",
+                                                    "TF_CONFIG")}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {**mine, "hostname": socket.gethostname()})
     dist.destroy_process_group()
@@ -203,3 +204,32 @@ def recovery_train(marks: str, steps: int = 200, commit_every: int = 5, step_sec
         return state.steps
 
     return loop(state)
+
+
+def lightning_nodes(devices: int, num_nodes: int):
+    """Lightning's Trainer(strategy="ddp", devices=, num_nodes=) on CPU; this rank's (global, local, node) and weights."""
+    import lightning as L
+    import torch
+
+    class Regression(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, index):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    L.seed_everything(0, verbose=False)
+    model = Regression()
+    x = torch.randn(24, 4, generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", strategy="ddp", devices=devices, num_nodes=num_nodes, max_epochs=1,
+                        enable_progress_bar=False, logger=False, enable_checkpointing=False,
+                        enable_model_summary=False, default_root_dir=os.environ.get("TMPDIR"))
+    trainer.fit(model, data)
+    return {"rank": (trainer.global_rank, trainer.local_rank, trainer.node_rank), "hostname": socket.gethostname(),
+            "weights": [p.detach().clone() for p in model.parameters()]}

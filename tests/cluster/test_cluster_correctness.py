@@ -136,6 +136,18 @@ def test_distributed_optimizer_gives_every_rank_the_single_process_weights(clust
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_lightning_one_device_per_node_trains_on_an_uneven_placement(cluster, no_leftover_ranks):
+    """np=3 on two hosts: two ranks on one, one on the other, which no devices=<ranks per host> can describe;
+    Trainer(devices=1, num_nodes=3), as Databricks documents it, makes each rank a node (runner/_rank/lightning_nodes.py)."""
+    outcome = cluster.driver.run("lightning_nodes", 3, devices=1, num_nodes=3)
+    _print_seconds("Lightning devices=1 num_nodes=3 on 2+1 ranks", outcome)
+    _assert_ok(outcome)
+    assert sorted(outcome.hosts.count(h) for h in set(outcome.hosts)) == [1, 2], outcome.hosts
+    assert [v["rank"] for v in outcome.values] == [(0, 0, 0), (1, 0, 1), (2, 0, 2)]  # (global, local, node)
+    for value in outcome.values[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(value["weights"], outcome.values[0]["weights"]))
+
+
 @contextlib.contextmanager
 def _loopback_hostnames(cluster):
     try:

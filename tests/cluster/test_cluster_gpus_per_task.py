@@ -8,6 +8,8 @@ a driver with that setting (a new Spark application) and gives the other tests t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -78,3 +80,12 @@ def test_two_ranks_run_in_each_task_of_two_gpus_with_the_hosts_layout(two_gpus_p
         pair = everyone[first:first + 2]
         assert pair[0]["hostname"] == pair[1]["hostname"] and pair[0]["CUDA_VISIBLE_DEVICES"] == \
             pair[1]["CUDA_VISIBLE_DEVICES"] and len(pair[0]["CUDA_VISIBLE_DEVICES"].split(",")) == 2, everyone
+    # spark-tensorflow-distributor's MirroredStrategyRunner packs num_slots GPUs into ceil(num_slots / k) workers,
+    # one per task, each with its task's GPUs
+    workers = cluster.driver.run("torchrun_env", NP, runner="MirroredStrategyRunner")
+    _print_seconds("MirroredStrategyRunner num_slots=4, 2 GPUs per task", workers)
+    _assert_ok(workers)
+    (everyone,) = workers.values
+    assert [json.loads(e["TF_CONFIG"])["task"] for e in everyone] == [{"type": "worker", "index": i} for i in (0, 1)]
+    assert everyone[0]["hostname"] != everyone[1]["hostname"], everyone  # one worker per host: its task
+    assert [len(e["CUDA_VISIBLE_DEVICES"].split(",")) for e in everyone] == [2, 2], everyone

@@ -206,6 +206,8 @@ WHOLE_ENVIRONMENT = {
     ("runner/_payload/mlflow.py", "tracking_env"): "every MLFLOW_* variable goes to the ranks (credentials, store options)",
     ("runner/_backends/java.py", "check_java"): "JAVA_HOME: `make check-java` runs this file alone, before sparkhvd is "
                                        "installed, so it cannot import the settings module",
+    ("runner/_rank/lightning_nodes.py", "regroup"): "torchrun's variables, rewritten as one set for Lightning's view "
+                                                     "(framework_env.py's NAMES, which are not sparkhvd's settings)",
 }
 _WRITES = {"setdefault", "pop"}  # os.environ.<these>(settings.X.name, ...)
 

@@ -254,10 +254,10 @@ def test_a_gpu_amount_below_one_per_task_is_refused(amount, conf):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("amount", ["1", "2"])
-def test_each_gpu_is_a_worker_of_its_own_whatever_the_gpus_per_task(amount, conf):
+@pytest.mark.parametrize("amount, num_slots, tasks", [("1", 4, 4), ("2", 4, 2), ("2", 3, 2), ("4", 3, 1)])
+def test_a_task_of_k_gpus_is_one_worker_as_theirs_packs_them(amount, num_slots, tasks, conf):
     conf["spark.task.resource.gpu.amount"] = amount  # theirs: ceil(num_slots / amount) workers of amount GPUs
-    assert MirroredStrategyRunner(num_slots=4).get_num_tasks() == 4
+    assert MirroredStrategyRunner(num_slots=num_slots).get_num_tasks() == tasks
 
 
 @pytest.mark.unit

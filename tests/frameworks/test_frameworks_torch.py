@@ -7,8 +7,8 @@ environment in them by itself:
 - FSDP2 (``fully_shard``) trains on gloo with the parameters sharded, as one process would on both ranks'
   batches (to float rounding);
 - Lightning's ``Trainer(strategy="ddp")`` detects ``TorchElasticEnvironment`` under HorovodRunner (torchrun's
-  layout: ``devices=2, num_nodes=1``) and under the TorchDistributor drop-in (a node per task: ``devices=1,
-  num_nodes=2``); ``devices=1, num_nodes=2`` under torchrun's layout fails at once, as under torchrun;
+  layout: ``devices=2, num_nodes=1``), with ``devices=1, num_nodes=2`` there too (a node per rank,
+  runner/_rank/lightning_nodes.py), and under the TorchDistributor drop-in (a node per task);
 - Hugging Face's ``transformers.Trainer`` and ``accelerate.Accelerator`` see two processes.
 
 Every test that trains checks that training changed the weights and left them identical on every rank, and, but for
@@ -20,6 +20,7 @@ downloaded.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -271,15 +272,23 @@ def test_lightning_ddp_finds_torchelastic_in_horovodrunners_torchrun_layout(tmp_
     assert ranks[0]["weights"] == _under_torchrun(tmp_path, "t._lightning_fit(2, 1, sys.argv[1])['weights']")
 
 
-@pytest.mark.timeout(120)
-def test_lightning_one_device_per_node_fails_at_once_in_the_torchrun_layout_as_under_torchrun(tmp_path,
-                                                                                              rank_processes):
-    """torchrun --nproc_per_node=2 sets LOCAL_RANK 1 on rank 1, which Trainer(devices=1) has no device for: the
-    TorchDistributor drop-in's layout (below) is the one for devices=1."""
-    with pytest.raises(HorovodRunError, match=r"rank 1: IndexError: list index out of range") as info:
-        HorovodRunner(np=-2).run(_lightning_fit, devices=1, num_nodes=2, root=str(tmp_path))
-    assert "return self.parallel_devices[self.local_rank]" in str(info.value)  # Lightning's own line
-    assert rank_processes() == []  # rank 0, waiting for rank 1 in the rendezvous, was stopped
+@pytest.mark.timeout(240)
+def test_lightning_one_device_per_node_runs_under_horovodrunner_whatever_the_placement(tmp_path, rank_processes):
+    """Trainer(devices=1, num_nodes=np), as Databricks documents it: two ranks on one host are Lightning's two nodes
+    (runner/_rank/lightning_nodes.py), where torchrun's layout alone gave rank 1 LOCAL_RANK 1 and Lightning's
+    IndexError; the weights are those of devices=2, num_nodes=1 under torchrun, bit for bit."""
+    ranks = HorovodRunner(np=-2).run_all(_lightning_fit, devices=1, num_nodes=2, root=str(tmp_path)).values
+    assert [r["environment"] for r in ranks] == ["TorchElasticEnvironment"] * 2
+    assert [r["rank"] for r in ranks] == [(0, 0, 0), (1, 0, 1)]  # (global, local, node): a node of one per rank
+    assert [r["batches"] for r in ranks] == [4, 4]
+    _assert_trained_and_identical([r["weights"] for r in ranks], ranks[0]["initial"])
+    assert ranks[0]["weights"] == _under_torchrun(tmp_path, "t._lightning_fit(2, 1, sys.argv[1])['weights']")
+    # a Trainer whose devices * num_nodes is not the world size gets Lightning's own sentence, not an IndexError
+    with pytest.raises(HorovodRunError, match=re.escape("ValueError: You set `devices=1` and `num_nodes=3` in "
+                                                        "Lightning, but the product (1 * 3) does not match the world "
+                                                        "size (2).")):
+        HorovodRunner(np=-2).run(_lightning_fit, devices=1, num_nodes=3, root=str(tmp_path))
+    assert rank_processes() == []
 
 
 def _lightning_everywhere(root: str) -> dict:

@@ -15,14 +15,14 @@ pytestmark = pytest.mark.unit
 
 def test_the_drop_in_fields_are_keyword_only_with_the_runners_defaults():
     config = RunnerConfig(2)
-    assert (config.layout, config.use_gpu, config.warn_unencrypted, config.stall_tasks) == (
-        "torchrun", True, True, frozenset())
+    assert (config.layout, config.use_gpu, config.warn_unencrypted, config.one_rank_per_task, config.stall_tasks) == (
+        "torchrun", True, True, False, frozenset())
     assert {f.name for f in dataclasses.fields(RunnerConfig) if f.kw_only} == {
-        "layout", "use_gpu", "warn_unencrypted", "stall_tasks"}
+        "layout", "use_gpu", "warn_unencrypted", "one_rank_per_task", "stall_tasks"}
     assert HorovodRunner(np=2).config == config
 
 
-@pytest.mark.parametrize("name", ["use_gpu", "warn_unencrypted"])
+@pytest.mark.parametrize("name", ["use_gpu", "warn_unencrypted", "one_rank_per_task"])
 def test_a_flag_that_is_not_a_bool_is_refused(name):
     with pytest.raises(ValueError, match=rf"^{name}='no' must be True or False\.$"):
         RunnerConfig(2, **{name: "no"})
