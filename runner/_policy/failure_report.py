@@ -38,7 +38,12 @@ def failure_error(service, logs, failures: list[Failure], dead: dict, launch_fai
     causes = [f for f in failures if not is_collateral(f)]
     collateral = [f for f in failures if is_collateral(f)]
     lines = _root_causes(status, logs, causes, dead, lost, launch_failure, launcher)
-    silent = [] if lines else sorted(set(status.silent_ranks(also_done={f.rank for f in failures} | set(dead)))
+    # Only gloo's mesh that did not connect while the ranks built their process group: no rank died, no executor was
+    # lost; what a relaunch outlives (RunPolicy's own budget for it, apart from max_restarts). The ranks that said
+    # nothing were waiting in that mesh, not lost.
+    mesh_setup = (not lines and bool(collateral) and not launcher.fatal
+                  and all(_collateral.in_mesh_setup(f.type, f.message) for f in collateral))
+    silent = [] if lines or mesh_setup else sorted(set(status.silent_ranks(also_done={f.rank for f in failures} | set(dead)))
                                      | set(status.vanished()))
     if silent:
         where = _where(status)(silent[0]) if len(silent) == 1 else ""
@@ -63,6 +68,7 @@ def failure_error(service, logs, failures: list[Failure], dead: dict, launch_fai
                             log_dir=logs.log_dir, run_id=run_id, retryable=retryable, cause=headline)
     if silent:
         error.silent_ranks = silent
+    error.mesh_setup = mesh_setup
     error.retry_on = retried(causes, retry_on) if not launcher.fatal else None
     cause = _rebuilt(first.pickled) if first is not None and first.pickled else None
     if cause is not None:

@@ -20,7 +20,9 @@ failure is the infrastructure's and ``max_restarts`` allows another attempt, or 
 own exception is one of ``retry_on``'s classes and ``max_retries`` allows another (a budget of its
 own), and to FAILED otherwise. A preempted attempt (Spark decommissions an executor of its ranks:
 they leave at a commit, or fail with the executor) goes to RESTART, counted against
-``max_preemptions`` (unlimited by default) rather than ``max_restarts``. WAIT and SUPERVISE read the service's ``RunStatus`` snapshots; ``_supervise.Watch``
+``max_preemptions`` (unlimited by default) rather than ``max_restarts``. An attempt whose only errors are gloo's
+mesh that did not connect while the ranks built their process group (no rank died, no executor was lost) goes to
+RESTART too, up to ``MESH_RELAUNCHES`` times, whatever ``max_restarts``. WAIT and SUPERVISE read the service's ``RunStatus`` snapshots; ``_supervise.Watch``
 applies the rules that say when an attempt has ended. The policy reaches the world through
 small interfaces, a ``Cluster`` (launches attempts, knows the task slots) and the ``Service`` and
 ``Launcher`` each attempt gives it, so fakes stand in for Spark and the processes in tests
@@ -47,6 +49,8 @@ from .supervise import FAILED, LEFT, Ended, Watch
 RESTARTS = "restart"  # an infrastructure failure, counted against max_restarts
 RETRIES = "retry"  # a user's exception of retry_on's classes, counted against max_retries
 PREEMPTIONS = "preemption"  # Spark took back an executor of the run's ranks, counted against max_preemptions
+MESH = "mesh"  # gloo did not connect the ranks while they built their process group: relaunched MESH_RELAUNCHES times
+MESH_RELAUNCHES = 2  # whatever max_restarts: the ranks had not started training, a relaunch costs only the start-up
 
 
 class RunState(enum.Enum):
@@ -124,8 +128,9 @@ class RunPolicy:
         self.attempts = max_restarts + 1
         self.retry_on = retry_on  # module.qualname of the user's exception classes that max_retries relaunches
         # relaunches each kind of failure may have (None: no limit), and has had
-        self.budgets = {RESTARTS: max_restarts, RETRIES: max_retries, PREEMPTIONS: max_preemptions}
-        self.used = {RESTARTS: 0, RETRIES: 0, PREEMPTIONS: 0}
+        self.budgets = {RESTARTS: max_restarts, RETRIES: max_retries, PREEMPTIONS: max_preemptions,
+                        MESH: MESH_RELAUNCHES}
+        self.used = {RESTARTS: 0, RETRIES: 0, PREEMPTIONS: 0, MESH: 0}
         self.stalls = stalls  # (np=, run_id=, log_dir=) -> a stall inspector for one attempt
         self.clock = clock
         self.state = RunState.START
@@ -256,6 +261,8 @@ class RunPolicy:
         self.errors.append(error)
         preempted = self.watch is not None and self.watch.preempted is not None
         budget = RETRIES if error.retry_on else (PREEMPTIONS if preempted else RESTARTS) if error.retryable else None
+        if budget == RESTARTS and getattr(error, "mesh_setup", False) and self.used[MESH] < self.budgets[MESH]:
+            budget = MESH
         if budget is None:
             return self._fail(error.__cause__)
         failed_at = getattr(error, "failed_at", self.clock())
@@ -287,8 +294,10 @@ class RunPolicy:
         """FAILED, with the error naming every attempt's failure; ``exhausted``: the budget the last one ran out of."""
         why = None
         if exhausted == RESTARTS and self.used[RETRIES] == 0:
-            why = (f"every one of its {self.attempts} attempts (max_restarts={self.attempts - 1}) ended in a "
-                   "failure")
+            mesh = (f", and {self.used[MESH]} relaunch{'es' if self.used[MESH] > 1 else ''} after gloo did not connect "
+                    "the ranks" if self.used[MESH] else "")
+            why = (f"every one of its {self.attempts + self.used[MESH]} attempts (max_restarts={self.attempts - 1}"
+                   f"{mesh}) ended in a failure")
         elif exhausted == RESTARTS:
             why = f"its max_restarts={self.budgets[RESTARTS]} restarts after infrastructure failures were used up"
         elif exhausted == RETRIES:

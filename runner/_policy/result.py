@@ -39,7 +39,8 @@ class RestartEvent:
     (``RunResult.restarts``, printed on the driver).
 
     ``lost``: the failure's cause; ``kind``: ``"restart"`` (counted against ``max_restarts``),
-    ``"retry"`` (against ``max_retries``) or ``"preemption"`` (against ``max_preemptions``); ``attempt`` of
+    ``"retry"`` (against ``max_retries``), ``"preemption"`` (against ``max_preemptions``) or ``"mesh"`` (gloo did not
+    connect the ranks while they built their process group: relaunched twice at most, apart from the others); ``attempt`` of
     ``attempts``: this relaunch's attempt of its kind (2 is the first) and the most there can be (None: no limit); ``commit``: the plain fields (epoch, batch) of the
     commit the ranks resumed from, None where they started from the beginning; ``seconds``: from the
     driver seeing the failure to rank 0 loading that commit (to the new ranks' start where the
@@ -86,6 +87,9 @@ class RestartEvent:
         if self.kind == "preemption":
             most = "" if self.attempts is None else f" of {self.attempts - 1}"
             return f"preempted: relaunch {self.attempt - 1}{most} (max_preemptions) after {self.lost}"
+        if self.kind == "mesh":
+            return (f"relaunch {self.attempt - 1} of {self.attempts - 1} (not one of max_restarts) after gloo did not "
+                    f"connect the ranks while they built their process group: {self.lost}")
         what = "retry" if self.kind == "retry" else "restart"
         return f"{what} {self.attempt - 1} of {self.attempts - 1} after {self.lost}"
 

@@ -23,6 +23,16 @@ COLLATERAL_TYPES = frozenset({"MeshError", "DistBackendError", "DistNetworkError
 
 HEADLINE_CHARS = 400  # a longer one-line summary of an error is cut to this
 
+#: gloo's words when a process group could not connect its ranks while it was being built (``hvd.init()``,
+#: ``dist.init_process_group()``): before any collective ran. Under load gloo sometimes drops a connection there
+#: ("Connection closed by peer" on a rank whose peer is alive and waiting); a relaunch costs only the start-up.
+MESH_SETUP = "connectFullMesh failed"
+
+
+def in_mesh_setup(type_name: str, message: str) -> bool:
+    """Whether a collateral error is gloo's failure to connect the ranks of a process group being built."""
+    return MESH_SETUP in message and is_collateral(type_name, message)
+
 
 def is_collateral(type_name: str, message: str) -> bool:
     """Whether an error is what a lost peer causes (a closed control link, gloo's read error), also where

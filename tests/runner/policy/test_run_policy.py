@@ -606,7 +606,7 @@ def test_a_preempted_run_leaves_at_a_commit_and_relaunches_without_using_max_res
     assert event.kind == "preemption" and event.attempts is None and (event.np_before, event.np_after) == (2, 2)
     assert event.what() == f"preempted: relaunch 1 (max_preemptions) after a preemption: {NOTICE}"
     assert event.failed_at == pytest.approx(1001.0, abs=_supervise.PREEMPT_CHECK_S)  # the notice, not the leaving
-    assert policy.used == {"restart": 0, "retry": 0, "preemption": 1} and policy.errors == []
+    assert policy.used == {"restart": 0, "retry": 0, "preemption": 1, "mesh": 0} and policy.errors == []
     assert cluster.restart_asks == [(2, None, 10.0)]  # the slots Spark keeps, as after a failure
     first = cluster.launchers[0]
     assert cluster.services[0].preemptions == 1 and cluster.services[0].aborted is None and first.stopped == 0
@@ -622,7 +622,7 @@ def test_max_preemptions_bounds_the_relaunches_and_the_error_says_so(run):
     assert str(error) == (f"HorovodRunner run r1 failed: a preemption: {NOTICE}; every rank left at its last commit, "
                           "and max_preemptions=1 relaunches were used up: raise max_preemptions, or pass "
                           "max_preemptions=None for no limit.")
-    assert error.retryable and policy.used == {"restart": 0, "retry": 0, "preemption": 1}
+    assert error.retryable and policy.used == {"restart": 0, "retry": 0, "preemption": 1, "mesh": 0}
     assert policy.restarts[0].what() == f"preempted: relaunch 1 of 1 (max_preemptions) after a preemption: {NOTICE}"
 
     policy, cluster, error = run([preempted()], np=2, max_preemptions=0)
@@ -642,7 +642,7 @@ def test_a_preempted_executor_lost_before_the_commit_counts_as_a_preemption(run)
 
 def test_without_a_notice_a_lost_executor_is_a_restart(run):
     policy, cluster, status = run([killed(), ok()], np=2, max_restarts=1)
-    assert policy.restarts[0].kind == "restart" and policy.used == {"restart": 1, "retry": 0, "preemption": 0}
+    assert policy.restarts[0].kind == "restart" and policy.used == {"restart": 1, "retry": 0, "preemption": 0, "mesh": 0}
 
 
 # ---- the snapshot ---------------------------------------------------------------------------------------
@@ -780,3 +780,42 @@ def test_restarts_run_out_apart_from_retries(run):
     assert str(error).splitlines()[0] == ("HorovodRunner run r1 failed: its max_restarts=1 restarts after "
                                           "infrastructure failures were used up; in order:")
     assert [e.kind for e in policy.restarts] == ["retry", "restart"]
+
+
+# gloo's words when the ranks' mesh did not connect while their process group was built (the testbed's flake)
+MESH_TEXT = ("Gloo connectFullMesh failed with [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+             "Connection closed by peer [198.18.0.2]:37553. This is typically caused by a remote worker crashing. "
+             "Check the logs of the remote worker before reporting an error. GLHF! 🏖️")
+
+
+def mesh_not_connected():
+    """An attempt whose rank 1 gets gloo's connectFullMesh error in hvd.init(); the others wait, say nothing, and
+    are stopped by the driver."""
+    return {"script": lambda n: [(0.1, register()), (0.5, fails(1, "RuntimeError", MESH_TEXT))]}
+
+
+def test_a_mesh_that_did_not_connect_is_relaunched_apart_from_max_restarts(run, capsys):
+    policy, cluster, status = run([mesh_not_connected(), ok()])  # max_restarts=0
+    assert policy.history[-1] is S.DONE
+    [event] = policy.restarts
+    assert (event.kind, event.attempt, event.attempts) == ("mesh", 2, 3)
+    assert event.what().startswith("relaunch 1 of 2 (not one of max_restarts) after gloo did not connect the ranks "
+                                   "while they built their process group: rank 1: RuntimeError: Gloo connectFullMesh "
+                                   "failed with"), event.what()
+    assert policy.used["restart"] == 0
+
+
+def test_a_mesh_that_never_connects_fails_after_two_relaunches_and_the_restarts(run):
+    policy, cluster, error = run([mesh_not_connected()] * 4, max_restarts=1)
+    assert [e.kind for e in policy.restarts] == ["mesh", "mesh", "restart"]
+    assert str(error).splitlines()[0] == (
+        "HorovodRunner run r1 failed: every one of its 4 attempts (max_restarts=1, and 2 relaunches after gloo did "
+        "not connect the ranks) ended in a failure; in order:")
+
+
+def test_a_mesh_error_after_a_killed_rank_is_the_kills_consequence_not_a_relaunch_of_its_own(run):
+    killed_in_setup = {"script": lambda n: [(0.1, register()), (0.5, exits(0, -9)),
+                                            (0.6, fails(1, "RuntimeError", MESH_TEXT))]}
+    policy, cluster, error = run([killed_in_setup])
+    assert policy.history[-1] is S.FAILED and policy.restarts == []
+    assert "rank 0's process was killed by signal 9" in str(error)
