@@ -22,8 +22,9 @@ def to_tensor(column: np.ndarray) -> Any:
     if column.dtype == object:
         return column
     try:
-        # Arrow's zero-copy arrays are read-only; torch wants writable memory, so copy those.
-        return torch.from_numpy(column) if column.flags.writeable else torch.tensor(column)
+        # Arrow's zero-copy arrays are read-only; torch wants writable memory, so copy those (NumPy's copy, then
+        # torch's view of it: about 3x faster than torch.tensor(column), bench/reader.py --torch)
+        return torch.from_numpy(column if column.flags.writeable else column.copy())
     except TypeError:
         return column
 
