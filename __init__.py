@@ -5,8 +5,8 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["Checkpoint", "HorovodRunner", "HorovodRunError", "MirroredStrategyRunner", "RunResult", "TorchDistributor",
-           "get_checkpoint", "log_to_driver", "report", "__version__"]
+__all__ = ["Checkpoint", "DeepspeedTorchDistributor", "HorovodRunner", "HorovodRunError", "MirroredStrategyRunner",
+           "RunResult", "TorchDistributor", "get_checkpoint", "log_to_driver", "report", "__version__"]
 
 _LAZY = {
     "HorovodRunner": "sparkhvd.runner",
@@ -17,6 +17,7 @@ _LAZY = {
     "get_checkpoint": "sparkhvd.runner",
     "Checkpoint": "sparkhvd.runner",
     "TorchDistributor": "sparkhvd.runner",  # pyspark's, on HorovodRunner
+    "DeepspeedTorchDistributor": "sparkhvd.runner",  # pyspark's, on the TorchDistributor above
     "MirroredStrategyRunner": "sparkhvd.runner",  # spark-tensorflow-distributor's, on HorovodRunner
 }
 

@@ -8,6 +8,7 @@ import importlib
 
 __all__ = [
     "Checkpoint",
+    "DeepspeedTorchDistributor",
     "HorovodRunner",
     "HorovodRunError",
     "JavaNotFoundError",
@@ -38,6 +39,7 @@ _WHERE = {
     "Placement": ".._common.topology",
     "assign_ranks": ".._common.topology",
     "TorchDistributor": "._dropins.torch_distributor",  # pyspark's TorchDistributor, on HorovodRunner
+    "DeepspeedTorchDistributor": "._dropins.deepspeed_distributor",  # pyspark's, a TorchDistributor of ours
     "MirroredStrategyRunner": "._dropins.mirrored_strategy_runner",  # spark-tensorflow-distributor's, on HorovodRunner
     "horovod_spark_run": "._dropins.horovod_spark",  # Horovod's horovod.spark.run, on HorovodRunner
 }

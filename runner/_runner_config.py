@@ -22,7 +22,8 @@ class RunnerConfig:
     ``layout``, the torchrun variables' layout (runner/_shared/framework_env.py); ``use_gpu`` False, tasks ask for no
     GPU and ranks see none; ``warn_unencrypted`` False, the caller checked Spark's encryption itself;
     ``one_rank_per_task`` True, a Spark task holding k GPUs runs one rank that has all k (MirroredStrategyRunner's
-    worker), not k ranks of one each;
+    worker), not k ranks of one each; ``dataframe``, a Spark DataFrame whose partition ``i`` the stage's task ``i``
+    hands its ranks (TorchDistributor._train_on_dataframe);
     ``stall_tasks``, tasks whose agents never register (fault tests only). ``HorovodRunner._from_config`` runs one.
     """
 
@@ -46,6 +47,7 @@ class RunnerConfig:
     use_gpu: bool = field(default=True, kw_only=True)
     warn_unencrypted: bool = field(default=True, kw_only=True)
     one_rank_per_task: bool = field(default=False, kw_only=True)
+    dataframe: object = field(default=None, kw_only=True, compare=False, repr=False)
     stall_tasks: frozenset = field(default=frozenset(), kw_only=True, repr=False)
 
     def __post_init__(self):

@@ -42,10 +42,12 @@ PUMP_MAX_S = 300.0  # and a pump still forwarding this long after the rank exite
 
 
 def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[str] | None = None,
-             on_spawn: Callable[[subprocess.Popen], None] | None = None, spark_task: tuple | None = None) -> dict:
+             on_spawn: Callable[[subprocess.Popen], None] | None = None, spark_task: tuple | None = None,
+             env: dict | None = None) -> dict:
     """Run rank ``task``'s process to the end; returns a small status row. ``spark_task``: ``(stage id, task id)``
     of the Spark task it runs in, by which the driver finds its executor in Spark's status store; given, the rank also
-    gets that task's pyspark ``TaskContext`` (runner/_agent/task_context.py).
+    gets that task's pyspark ``TaskContext`` (runner/_agent/task_context.py). ``env``: variables of this task's own
+    for the rank (where its partition's rows are: TorchDistributor._train_on_dataframe).
 
     Never raises for the user's failure: that reaches the driver through the service, so a
     Spark barrier stage never retries a training run on its own.
@@ -84,20 +86,21 @@ def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[s
     try:
         if unusable is not None:
             raise unusable
-        env = rank_env(spec, placement, host_gpus, endpoints=endpoints, node=node,
-                       task=read_task() if spark_task is not None else None)
+        rank_variables = rank_env(spec, placement, host_gpus, endpoints=endpoints, node=node,
+                                  task=read_task() if spark_task is not None else None)
+        rank_variables.update(env or {})
     except ValueError as exc:  # the executor's GPU settings: the rank's error, not a Spark task failure
         _report(client, dm.Error(rank=rank, type="ValueError", message=str(exc)))
         _report(client, dm.Exit(rank=rank, code=1))
         client.close()
         return {"task": task, "rank": rank, "exit": 1, "note": str(exc)}
-    code = _run_rank(client, spec, rank, env, on_spawn)
+    code = _run_rank(client, spec, rank, rank_variables, on_spawn)
     _report(client, dm.Exit(rank=rank, code=code))
     client.close()
     return {"task": task, "rank": rank, "exit": code, "note": ""}
 
 
-def run_tasks(spec: TaskSpec, tasks: list, *, spark_task: tuple | None = None) -> list:
+def run_tasks(spec: TaskSpec, tasks: list, *, spark_task: tuple | None = None, env: dict | None = None) -> list:
     """Run the agents of ``tasks`` (``(task index, its GPUs)``) side by side in this Spark task's Python worker;
     their status rows, once every one has ended. An agent that raised (sparkhvd's own fault: the user's failures
     reach the driver through the service) re-raises here after the others ended, as a one-agent task would."""
@@ -106,7 +109,7 @@ def run_tasks(spec: TaskSpec, tasks: list, *, spark_task: tuple | None = None) -
 
     def agent(i: int, task: int, gpus: list) -> None:
         try:
-            rows[i] = run_task(spec, task, gpus=gpus, spark_task=spark_task)
+            rows[i] = run_task(spec, task, gpus=gpus, spark_task=spark_task, env=env)
         except BaseException as exc:  # noqa: BLE001 - raised in the task's own thread below
             errors.append(exc)
 

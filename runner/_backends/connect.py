@@ -260,4 +260,9 @@ class ConnectBackend(Backend):
 def backend_for(config) -> ConnectBackend | None:
     """For ``np > 0`` where the user has an active Spark Connect session: never an embedded session then."""
     remote = remote_session()
+    if remote is not None and config.dataframe is not None:
+        raise RuntimeError("TorchDistributor._train_on_dataframe runs its barrier stage over the DataFrame through "
+                           "the SparkContext, which a Spark Connect session does not have; call it on a classic "
+                           "SparkSession (on the cluster's driver), or read the data in the function with "
+                           "sparkhvd.data.make_torch_loader.")
     return None if remote is None else ConnectBackend(remote)

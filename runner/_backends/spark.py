@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import re
+import shutil
 import socket
 import sys
 import threading
@@ -331,7 +333,7 @@ class SparkLauncher(JobLauncher):
     """
 
     def __init__(self, sc, np: int, *, replaced: set | None = None, status: "SparkStatus | None" = None,
-                 gpus: bool = True, per_task: int = 1, gpus_per_task: int | None = None):
+                 gpus: bool = True, per_task: int = 1, gpus_per_task: int | None = None, dataframe=None):
         super().__init__()
         self.sc = sc
         self.np = np
@@ -339,6 +341,7 @@ class SparkLauncher(JobLauncher):
         self.per_task = per_task  # ranks in each Spark task: ranks_per_task, or 1 (one_rank_per_task)
         self.gpus_per_task = per_task if gpus_per_task is None else gpus_per_task  # what each task asks for
         self.tasks = np // per_task
+        self.dataframe = dataframe  # task i hands its ranks partition i's rows (np // per_task partitions)
         self.description = f"a Spark barrier stage on {sc.master}"
         self.status = status if status is not None else SparkStatus(sc)
         self.replaced = replaced if replaced is not None else set()
@@ -374,11 +377,18 @@ class SparkLauncher(JobLauncher):
         try:
             attempt = f", restart {spec.attempt}" if spec.attempt else ""
             sc.setJobGroup(self._group, f"sparkhvd run {spec.run_id} (np={self.np}{attempt})", interruptOnCancel=True)
+            profile = None
+            if self.gpus and _gpu_amount(sc) > 0:
+                profile = gpu_task_profile(int(sc.getConf().get("spark.task.cpus", "1")), self.gpus_per_task)
+            if self.dataframe is not None:  # a task per partition, as pyspark's _train_on_dataframe runs them
+                schema = json.dumps(self.dataframe.schema.jsonValue())
+                self.dataframe.mapInArrow(functools.partial(_partition_task, spec, self.per_task, schema),
+                                          "chunk binary", barrier=True, profile=profile).collect()
+                return
             rdd = sc.parallelize(range(self.tasks), self.tasks).barrier().mapPartitions(
                 functools.partial(_barrier_task, spec, self.per_task))
-            if self.gpus and _gpu_amount(sc) > 0:
-                rdd = rdd.withResources(gpu_task_profile(int(sc.getConf().get("spark.task.cpus", "1")),
-                                                         self.gpus_per_task))
+            if profile is not None:
+                rdd = rdd.withResources(profile)
             rdd.collect()  # the outcome arrives through the driver service
         except Exception as exc:  # noqa: BLE001 - reported through failure()
             if _stopped(sc) or _says_stopped(exc):
@@ -506,6 +516,49 @@ def _barrier_task(spec: TaskSpec, per_task: int, _partition):
     yield from run_tasks(spec, [(first + j, addresses[j:j + 1]) for j in range(per_task)], spark_task=spark_task)
 
 
+#: The variables naming a task's partition and the DataFrame's schema, which pyspark's
+#: ``pyspark.ml.torch.distributor._get_spark_partition_data_loader`` reads in a rank (pyspark's names).
+PARTITION_FILE, SCHEMA_FILE = "SPARK_PARTITION_ARROW_DATA_FILE", "SPARK_DATAFRAME_SCHEMA_FILE"
+
+
+def _partition_task(spec: TaskSpec, per_task: int, schema: str, batches):
+    """A barrier task over a DataFrame's partition: its rows as an Arrow stream in a file of the task's (under
+    Spark's working folder for the application, as pyspark's), named to its ranks by pyspark's variables, then
+    ``_barrier_task``'s agents. Removed when they end."""
+    import tempfile
+
+    import pyarrow as pa
+    from pyspark import BarrierTaskContext, SparkFiles
+
+    folder = tempfile.mkdtemp(prefix="sparkhvd-partition-", dir=SparkFiles.getRootDirectory())
+    try:
+        data, schema_file = os.path.join(folder, "data.arrow"), os.path.join(folder, "schema.json")
+        writer = None
+        with open(data, "wb") as f:
+            for batch in batches:
+                if writer is None:
+                    writer = pa.ipc.new_stream(f, batch.schema)
+                writer.write_batch(batch)
+            if writer is not None:
+                writer.close()
+        if writer is None:  # pyspark's sentence
+            raise ValueError("Empty Spark partition is not allowed in TorchDistributor.train_on_dataframe.")
+        with open(schema_file, "w", encoding="utf-8") as f:
+            f.write(schema)
+        ctx = BarrierTaskContext.get()
+        gpu = ctx.resources().get("gpu")
+        addresses = list(gpu.addresses) if gpu is not None else []
+        first, env = ctx.partitionId() * per_task, {PARTITION_FILE: data, SCHEMA_FILE: schema_file}
+        spark_task = (ctx.stageId(), ctx.taskAttemptId())
+        if per_task == 1:
+            run_task(spec, first, gpus=addresses, spark_task=spark_task, env=env)
+        else:
+            run_tasks(spec, [(first + j, addresses[j:j + 1]) for j in range(per_task)], spark_task=spark_task, env=env)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    yield from ()
+
+
 def _says_stopped(exc: BaseException) -> bool:
     """Whether a failed job's exception says the SparkContext was stopped under it (Spark gives no type for it)."""
     return says(read_text(type(exc).__name__, str(exc)), SPARK_STOPPED) is not None
@@ -573,8 +626,9 @@ class SparkBackend(Backend):
 
     name = "spark"
 
-    def __init__(self, *, warn_unencrypted: bool = True, one_rank_per_task: bool = False):
+    def __init__(self, *, warn_unencrypted: bool = True, one_rank_per_task: bool = False, dataframe=None):
         self.sc = None  # set by prepare
+        self.dataframe = dataframe  # whose partitions the tasks hand their ranks (RunnerConfig's), or None
         self.one_rank_per_task = one_rank_per_task  # a task of k GPUs runs one rank with all k (RunnerConfig's)
         self.gpus_per_task = 1
         self.run_id, self.verbose = "", True
@@ -593,7 +647,7 @@ class SparkBackend(Backend):
 
     def launcher(self, n: int, *, gpus: bool) -> Launcher:
         return SparkLauncher(self.sc, n, replaced=self.replaced, gpus=gpus, per_task=self.per_task,
-                             gpus_per_task=self.gpus_per_task)
+                             gpus_per_task=self.gpus_per_task, dataframe=self.dataframe)
 
     def free_slots(self) -> int:
         """Free task slots, in ranks: ``per_task`` in each."""
@@ -612,7 +666,8 @@ class SparkBackend(Backend):
 
 def backend_for(config) -> SparkBackend:
     """For ``np > 0`` where no Spark Connect session is active (registry.py asks it after connect's)."""
-    return SparkBackend(warn_unencrypted=config.warn_unencrypted, one_rank_per_task=config.one_rank_per_task)
+    return SparkBackend(warn_unencrypted=config.warn_unencrypted, one_rank_per_task=config.one_rank_per_task,
+                        dataframe=config.dataframe)
 
 
 def free_slots(sc) -> int:

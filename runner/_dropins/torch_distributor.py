@@ -120,6 +120,29 @@ class TorchDistributor:
             return runner.run(train_object, *args)
         return runner.run(functools.partial(train_object, *args) if args else train_object, **kwargs)
 
+    def _train_on_dataframe(self, train_function, spark_dataframe, *args, **kwargs):
+        """Run ``train_function(*args, **kwargs)`` in a barrier stage over ``spark_dataframe``, task ``i`` on its
+        partition ``i`` (pyspark's semantics, which ``pyspark.ml.connect``'s estimators use): inside the function,
+        ``pyspark.ml.torch.distributor._get_spark_partition_data_loader(num_samples, batch_size)`` loads that
+        partition's rows. Returns rank 0's value. The DataFrame needs one partition per task (``num_tasks``)."""
+        if self.local_mode:
+            raise ValueError("TorchDistributor.train_on_dataframe requires setting TorchDistributor.local_mode to "
+                             "False.")
+        if not callable(train_function):
+            raise TypeError(f"TorchDistributor._train_on_dataframe needs a function, got "
+                            f"{type(train_function).__name__}.")
+        partitions = spark_dataframe.rdd.getNumPartitions()
+        if partitions != self.num_tasks:
+            raise ValueError(f"The DataFrame has {partitions} partition{'s' if partitions != 1 else ''}, but "
+                             f"TorchDistributor(num_processes={self.num_processes}) runs {self.num_tasks} Spark "
+                             f"task{'s' if self.num_tasks != 1 else ''}, each training on one partition; pass "
+                             f"spark_dataframe.repartition({self.num_tasks}).")
+        self._check_encryption()
+        runner = HorovodRunner._from_config(RunnerConfig(
+            self.num_processes, layout=NODE_PER_TASK, use_gpu=self.use_gpu, warn_unencrypted=False,
+            dataframe=spark_dataframe))
+        return runner.run(functools.partial(train_function, *args) if args else train_function, **kwargs)
+
     def _check_encryption(self) -> None:
         """Refuse, as pyspark does, where Spark encrypts its traffic and the user has not said to go on."""
         refuse_unencrypted(_active_conf(), self.ssl_conf, "TorchDistributor's processes", "gloo and NCCL")

@@ -18,7 +18,7 @@ def test_the_drop_in_fields_are_keyword_only_with_the_runners_defaults():
     assert (config.layout, config.use_gpu, config.warn_unencrypted, config.one_rank_per_task, config.stall_tasks) == (
         "torchrun", True, True, False, frozenset())
     assert {f.name for f in dataclasses.fields(RunnerConfig) if f.kw_only} == {
-        "layout", "use_gpu", "warn_unencrypted", "one_rank_per_task", "stall_tasks"}
+        "layout", "use_gpu", "warn_unencrypted", "one_rank_per_task", "dataframe", "stall_tasks"}
     assert HorovodRunner(np=2).config == config
 
 

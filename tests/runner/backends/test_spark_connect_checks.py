@@ -65,3 +65,13 @@ def test_spark_remote_without_the_connect_client_says_what_to_install(monkeypatc
     assert str(info.value).startswith("this process is set up for Spark Connect (SPARK_REMOTE='sc://db.example:443') "
                                       "but pyspark's Connect client cannot be imported (")
     assert str(info.value).endswith("); pip install 'pyspark[connect]', or unset SPARK_REMOTE to use a classic session.")
+
+
+def test_train_on_dataframe_under_a_connect_session_is_refused_with_the_way(monkeypatch):
+    from sparkhvd.runner._runner_config import RunnerConfig
+
+    monkeypatch.setattr(_spark_connect, "remote_session", lambda: object())  # a Connect session is active
+    with pytest.raises(RuntimeError, match=r"^TorchDistributor\._train_on_dataframe runs its barrier stage over the "
+                                           r"DataFrame through the SparkContext, which a Spark Connect session does "
+                                           r"not have; call it on a classic SparkSession"):
+        _spark_connect.backend_for(RunnerConfig(2, dataframe=object()))

@@ -17,36 +17,6 @@ class _Conf(dict):
         return self.get(key, default)
 
 
-@pytest.fixture
-def pysparks():
-    """``pysparks(conf, gpus=(), **arguments)``: pyspark's own TorchDistributor, over a session that is only its conf
-    (and the driver's GPU addresses), to say what sparkhvd's must match. Its logger's level and handlers, which
-    pyspark sets, are put back afterwards."""
-    distributor = pytest.importorskip("pyspark.ml.torch.distributor")
-    logger = logging.getLogger("TorchDistributor")
-    level, handlers = logger.level, list(logger.handlers)
-
-    class _Gpus:
-        def __init__(self, addresses):
-            self.addresses = list(addresses)
-
-    class _Session:  # what pyspark reads: spark.conf.get(key, default) and spark.sparkContext.resources
-        def __init__(self, conf, gpus):
-            self.conf = conf  # a dict: the test's later changes reach it
-            self.sparkContext = self
-            self.resources = {"gpu": _Gpus(gpus)} if gpus else {}
-
-    def make(conf, gpus=(), **arguments):
-        session = _Session(conf, gpus)
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(distributor.SparkSession, "active", staticmethod(lambda: session))
-            return distributor.TorchDistributor(**arguments)
-
-    yield make
-    logger.setLevel(level)
-    logger.handlers[:] = handlers
-
-
 @pytest.mark.unit
 @pytest.mark.parametrize("bad", [0, -2, 1.5, "2", True])
 def test_num_processes_must_be_a_positive_integer(bad):
