@@ -103,7 +103,8 @@ def run_task(spec: TaskSpec, task: int, *, host: str | None = None, gpus: list[s
 def run_tasks(spec: TaskSpec, tasks: list, *, spark_task: tuple | None = None, env: dict | None = None) -> list:
     """Run the agents of ``tasks`` (``(task index, its GPUs)``) side by side in this Spark task's Python worker;
     their status rows, once every one has ended. An agent that raised (sparkhvd's own fault: the user's failures
-    reach the driver through the service) re-raises here after the others ended, as a one-agent task would."""
+    reach the driver through the service) re-raises here at once, failing the Spark task as a one-agent task would:
+    the barrier stage ends, and the driver stops the others' ranks."""
     rows: list = [None] * len(tasks)
     errors: list = []
 
@@ -117,11 +118,13 @@ def run_tasks(spec: TaskSpec, tasks: list, *, spark_task: tuple | None = None, e
                for i, (task, gpus) in enumerate(tasks)]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return rows
+    while True:
+        alive = [thread for thread in threads if thread.is_alive()]
+        if errors:
+            raise errors[0]
+        if not alive:
+            return rows
+        alive[0].join(0.1)
 
 
 def _endpoint(spec: TaskSpec) -> tuple[list | None, list]:

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Stage:
-    """One running barrier stage: the SparkContext's application, the run and Spark job group, its task count."""
+    """One running barrier stage: the SparkContext's application, the run and Spark job group, its task count and
+    the ranks in each task."""
 
     app: str
     run_id: str
     group: str
     tasks: int
+    per_task: int = 1
 
 
 _lock = threading.Lock()
@@ -39,7 +41,7 @@ def hold(stage: Stage, *, slots: int | None = None, master: str = "") -> None:
     with _lock:
         if slots is not None:
             others = [s for s in _stages.values() if s.app == stage.app and s.run_id != stage.run_id]
-            problem = refusal(stage.tasks, slots, master, others)
+            problem = refusal(stage.tasks, slots, master, others, stage.per_task)
             if problem is not None:
                 raise RuntimeError(problem)
         _stages[stage.group] = stage
@@ -56,10 +58,10 @@ def free(slots: int, stages: list[Stage]) -> int:
     return max(0, slots - sum(s.tasks for s in stages))
 
 
-def refusal(np: int, slots: int, master: str, stages: list[Stage]) -> str | None:
+def refusal(np: int, slots: int, master: str, stages: list[Stage], per_task: int = 1) -> str | None:
     """Why np tasks cannot all start on a cluster of ``slots`` task slots (``master``) while ``stages`` run, as
     one sentence with the numbers and the fix; None where they can (or where ``slots`` alone is short: the
-    slot check's own sentence says that)."""
+    slot check's own sentence says that). ``per_task``: the ranks of each task, which the sentence counts np in."""
     left, taken = free(slots, stages), sum(s.tasks for s in stages)
     if np <= left or np > slots:
         return None
@@ -67,8 +69,9 @@ def refusal(np: int, slots: int, master: str, stages: list[Stage]) -> str | None
     for s in stages:
         runs[s.run_id] = runs.get(s.run_id, 0) + s.tasks
     each = ", ".join(f"run {run_id}: {n} task{'s' if n != 1 else ''}" for run_id, n in sorted(runs.items()))
-    fewer = f"use np<={left}, " if left > 0 else ""
-    return (f"np={np} needs {np} task slot{'s' if np != 1 else ''} but the cluster has {slots} ({master}) and "
+    fewer = f"use np<={left * per_task}, " if left > 0 else ""
+    return (f"np={np * per_task} needs {np} task slot{'s' if np != 1 else ''} but the cluster has {slots} ({master}) and "
             f"{len(runs)} sparkhvd run{'s' if len(runs) != 1 else ''} of this driver still running hold "
             f"{taken} of them ({each}), leaving {left} free; {fewer}start this run once "
-            f"{'one of them has' if len(runs) != 1 else 'it has'} ended, or use np=-{np} to run on the driver.")
+            f"{'one of them has' if len(runs) != 1 else 'it has'} ended, or use np=-{np * per_task} to run on the "
+            "driver.")

@@ -205,7 +205,7 @@ def check_slots(sc, np: int, *, verbose: bool = False, per_task: int = 1) -> Non
             f"{f', at most {bound} by its configuration' if capped else ''}); "
             f"use np<={max(bound if capped else slots, 1) * per_task}, add executors or cores, or use np=-{ranks} to "
             "run on the driver.")
-    problem = running.refusal(np, slots, sc.master, running.held(application(sc)))
+    problem = running.refusal(np, slots, sc.master, running.held(application(sc)), per_task)
     if problem is not None:
         raise RuntimeError(problem)
 
@@ -358,7 +358,7 @@ class SparkLauncher(JobLauncher):
         spec = dataclasses.replace(spec, per_task=self.per_task)
         app = application(self.sc)  # "": stopped, which the job itself reports
         first = spec.attempt == 0 and bool(app)  # a restart's slots were waited for (slots_for_restart): no second check
-        running.hold(running.Stage(app, spec.run_id, self._group, self.tasks),
+        running.hold(running.Stage(app, spec.run_id, self._group, self.tasks, self.per_task),
                      slots=task_slots(self.sc) if first else None, master=self.sc.master)
         try:
             self._submit(spec, "sparkhvd-job")
@@ -541,8 +541,10 @@ def _partition_task(spec: TaskSpec, per_task: int, schema: str, batches):
                 writer.write_batch(batch)
             if writer is not None:
                 writer.close()
-        if writer is None:  # pyspark's sentence
-            raise ValueError("Empty Spark partition is not allowed in TorchDistributor.train_on_dataframe.")
+        if writer is None:  # pyspark's sentence, then the partition and the fix
+            raise ValueError(f"Empty Spark partition is not allowed in TorchDistributor.train_on_dataframe: partition "
+                             f"{BarrierTaskContext.get().partitionId()} has no rows; repartition the DataFrame so that "
+                             "every one of its partitions has rows (df.repartition(n) with n at most its rows).")
         with open(schema_file, "w", encoding="utf-8") as f:
             f.write(schema)
         ctx = BarrierTaskContext.get()

@@ -41,7 +41,7 @@ def failure_error(service, logs, failures: list[Failure], dead: dict, launch_fai
     # Only gloo's mesh that did not connect while the ranks built their process group: no rank died, no executor was
     # lost; what a relaunch outlives (RunPolicy's own budget for it, apart from max_restarts). The ranks that said
     # nothing were waiting in that mesh, not lost.
-    mesh_setup = (not lines and bool(collateral) and not launcher.fatal
+    mesh_setup = (not lines and bool(collateral) and not launcher.fatal and not status.vanished()
                   and all(_collateral.in_mesh_setup(f.type, f.message) for f in collateral))
     silent = [] if lines or mesh_setup else sorted(set(status.silent_ranks(also_done={f.rank for f in failures} | set(dead)))
                                      | set(status.vanished()))

@@ -11,8 +11,9 @@ Where a Trainer's ``devices * num_nodes`` is the world size but its ``devices`` 
 the rank's variables become that Trainer's view when its launcher checks them (``validate_settings``, before
 Lightning reads any of them): node ``RANK // devices``, local rank ``RANK % devices``, as torchrun would number ranks
 on nodes of ``devices`` processes. Global ranks, the world size and the rendezvous do not change. The strategy's
-device stays the rank's own GPU (the one ``hvd.init()`` would select: its placement's ``cuda_devices[0]``), not
-entry ``LOCAL_RANK`` of the host's list. A product that is not the world size is left to Lightning's own
+device stays the rank's own GPU (the one ``hvd.init()`` would select: its placement's ``cuda_devices[0]``, or where
+none is pinned, on the driver, ``LOCAL_RANK % device_count`` of the layout's own LOCAL_RANK), not entry ``LOCAL_RANK``
+of the host's list. A product that is not the world size is left to Lightning's own
 ``ValueError``.
 
 Installed in every rank (runner/_rank/worker.py); it imports nothing until the user's code imports Lightning.
@@ -35,6 +36,7 @@ STRATEGIES = tuple((f"{package}.strategies.{module}", name)
 
 _regrouped = False  # whether this rank's variables were made a Trainer's nodes (regroup)
 _own_gpu: int | None = None  # the rank's own GPU among its CUDA_VISIBLE_DEVICES, where the runner pinned one
+_local_rank: int | None = None  # LOCAL_RANK before regroup: where none is pinned, the GPU hvd.init() would take
 
 
 def install(placement: Placement) -> None:
@@ -60,6 +62,9 @@ def regroup(devices: int, nodes: int, environ=os.environ) -> bool:
         return False  # Lightning's validate_settings says so, with both numbers
     if local_size == devices and local_rank < devices and groups == nodes:
         return False
+    global _local_rank
+    if environ is os.environ:
+        _local_rank = local_rank
     node = str(rank // devices)
     environ.update({"LOCAL_RANK": str(rank % devices), "LOCAL_WORLD_SIZE": str(devices), "GROUP_RANK": node,
                     "NODE_RANK": node, "GROUP_WORLD_SIZE": str(nodes)})
@@ -91,10 +96,13 @@ def _wrap_root_device(cls) -> None:
 
     def root_device(self):
         device = original(self)
-        if _regrouped and _own_gpu is not None and device.type == "cuda":
+        if _regrouped and device.type == "cuda":
             import torch
 
-            return torch.device("cuda", _own_gpu)  # cuda:LOCAL_RANK would be another rank's GPU on this host
+            if _own_gpu is not None:  # cuda:LOCAL_RANK would be another rank's GPU on this host
+                return torch.device("cuda", _own_gpu)
+            if _local_rank is not None:  # none pinned (on the driver, np<0): as hvd.init() selects one
+                return torch.device("cuda", _local_rank % max(1, torch.cuda.device_count()))
         return device
 
     root_device._sparkhvd = True

@@ -63,8 +63,13 @@ def _context_of(module, task: SparkTask, placement: Placement):
     ctx._localProperties = dict(task.local_properties)
     if task.barrier:
         ctx._sparkhvd_task = task
-        ctx._sparkhvd_sync = SparkBarrier(_new_client, stage=task.stage_id, partition=task.partition_id,
-                                          tasks=placement.size)
+        tasks = len([a for a in task.addresses if a]) or placement.size  # the stage's tasks, one address each
+        if tasks == placement.size:  # a rank per task: Spark's own sync of the stage's tasks, by partition
+            ctx._sparkhvd_sync = SparkBarrier(_new_client, stage=task.stage_id, partition=task.partition_id,
+                                              tasks=tasks)
+        else:  # k ranks in each task (k GPUs each): every rank takes part, its message in rank order
+            ctx._sparkhvd_sync = SparkBarrier(_new_client, stage=task.stage_id, partition=placement.rank,
+                                              tasks=placement.size)
     return ctx
 
 

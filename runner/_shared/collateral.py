@@ -27,11 +27,15 @@ HEADLINE_CHARS = 400  # a longer one-line summary of an error is cut to this
 #: ``dist.init_process_group()``): before any collective ran. Under load gloo sometimes drops a connection there
 #: ("Connection closed by peer" on a rank whose peer is alive and waiting); a relaunch costs only the start-up.
 MESH_SETUP = "connectFullMesh failed"
+#: the words of that flake: a connection the peer dropped. Not "Connection refused" or a timeout, which a firewall or
+#: a wrong interface between hosts gives every time.
+MESH_DROPPED = ("Connection closed by peer", "Connection reset by peer")
 
 
 def in_mesh_setup(type_name: str, message: str) -> bool:
-    """Whether a collateral error is gloo's failure to connect the ranks of a process group being built."""
-    return MESH_SETUP in message and is_collateral(type_name, message)
+    """Whether a collateral error is gloo's mesh, being built, losing a connection its peer dropped."""
+    return (MESH_SETUP in message and any(words in message for words in MESH_DROPPED)
+            and is_collateral(type_name, message))
 
 
 def is_collateral(type_name: str, message: str) -> bool:

@@ -69,3 +69,16 @@ def test_pyspark_ml_connects_logistic_regression_fits_on_the_drop_in(spark, monk
     model = classification.LogisticRegression(numTrainWorkers=2, batchSize=8, maxIter=20, learningRate=0.5).fit(df)
     predicted = model.transform(df).select("label", "prediction").collect()
     assert all(int(r["prediction"]) == r["label"] for r in predicted)
+
+
+@pytest.mark.timeout(180)
+def test_an_empty_partition_fails_with_pysparks_sentence_the_partition_and_the_fix(spark):
+    from sparkhvd import HorovodRunError
+
+    one_row = spark.range(1).repartition(2).selectExpr("CAST(id AS DOUBLE) AS x", "CAST(id AS INT) AS p")
+    with pytest.raises(HorovodRunError, match=r"Empty Spark partition is not allowed in "
+                                              r"TorchDistributor\.train_on_dataframe: partition [01] has no rows; "
+                                              r"repartition the DataFrame so that every one of its partitions has "
+                                              r"rows"):
+        TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)._train_on_dataframe(
+            _rows_seen, one_row, num_samples=1)

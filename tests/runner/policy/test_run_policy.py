@@ -819,3 +819,12 @@ def test_a_mesh_error_after_a_killed_rank_is_the_kills_consequence_not_a_relaunc
     policy, cluster, error = run([killed_in_setup])
     assert policy.history[-1] is S.FAILED and policy.restarts == []
     assert "rank 0's process was killed by signal 9" in str(error)
+
+
+def test_a_mesh_refused_or_timed_out_is_no_flake_and_fails_as_before(run):
+    """gloo's connectFullMesh with "Connection refused" (a firewall, a wrong interface) fails the same way each time:
+    not relaunched."""
+    refused = MESH_TEXT.replace("Connection closed by peer", "Connection refused")
+    attempt = {"script": lambda n: [(0.1, register()), (0.5, fails(1, "RuntimeError", refused))]}
+    policy, cluster, error = run([attempt])
+    assert policy.history[-1] is S.FAILED and policy.restarts == []

@@ -38,3 +38,27 @@ def test_a_trainer_that_matches_the_layout_or_not_the_world_size_is_left_alone()
     before = dict(wrong)
     assert not regroup(1, 3, wrong) and wrong == before  # 1 * 3 != 2: Lightning's own ValueError says so
     assert not regroup(1, 2, {"RANK": "0"})  # not torchrun's variables: not a rank of a run
+
+
+def test_a_regrouped_rank_keeps_its_own_gpu_pinned_or_not(monkeypatch):
+    """The strategy's device after regrouping: the runner's pinned GPU, else (on the driver) LOCAL_RANK % GPUs as
+    hvd.init() selects it; never cuda:<the Trainer's LOCAL_RANK>, another rank's on this host."""
+    import torch
+
+    from sparkhvd.runner._rank import lightning_nodes
+
+    class Strategy:
+        @property
+        def root_device(self):
+            return torch.device("cuda", 0)  # parallel_devices[LOCAL_RANK] after regroup(1, n): LOCAL_RANK 0
+
+    lightning_nodes._wrap_root_device(Strategy)
+    monkeypatch.setattr(lightning_nodes, "_regrouped", True)
+    monkeypatch.setattr(lightning_nodes, "_own_gpu", 3)
+    assert Strategy().root_device == torch.device("cuda", 3)
+    monkeypatch.setattr(lightning_nodes, "_own_gpu", None)
+    monkeypatch.setattr(lightning_nodes, "_local_rank", 3)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert Strategy().root_device == torch.device("cuda", 1)
+    monkeypatch.setattr(lightning_nodes, "_regrouped", False)
+    assert Strategy().root_device == torch.device("cuda", 0)  # the layout was the Trainer's: Lightning's own choice

@@ -163,6 +163,17 @@ def test_the_context_answers_with_the_tasks_values_and_allgather_wants_a_string(
         ctx.barrier()  # this process has joined no run
 
 
+def test_with_k_ranks_in_each_task_every_rank_takes_part_in_a_sync_by_rank():
+    """Two Spark tasks of two GPUs, four ranks: the four sync (the tasks' partitions alone would count each twice)."""
+    taskcontext = pytest.importorskip("pyspark.taskcontext")
+    placements = assign_ranks(["a", "a", "b", "b"])
+    one = rank_task._context_of(taskcontext, TASK, assign_ranks(["a", "b"])[1])
+    assert (one._sparkhvd_sync.partition, one._sparkhvd_sync.tasks) == (1, 2)  # a rank per task: by partition
+    shared = rank_task._context_of(taskcontext, TASK, placements[3])  # partition 1's second rank
+    assert (shared._sparkhvd_sync.partition, shared._sparkhvd_sync.tasks) == (3, 4)
+    assert shared.partitionId() == 1
+
+
 def test_on_the_driver_barriertaskcontext_get_says_what_to_call_instead(monkeypatch):
     taskcontext = pytest.importorskip("pyspark.taskcontext")
     monkeypatch.setattr(taskcontext.BarrierTaskContext, "get", taskcontext.BarrierTaskContext.__dict__["get"])
