@@ -32,6 +32,18 @@ def whoami():
                     "local_size": hvd.local_size(), "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size()}}
 
 
+def barrier_gather():
+    """pyspark's BarrierTaskContext in the rank: a barrier(), then allGather() of the rank's own number."""
+    from pyspark import BarrierTaskContext
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    ctx = BarrierTaskContext.get()
+    ctx.barrier()
+    return ctx.allGather(str(hvd.rank()))
+
+
 def torchrun_env():
     """Every process's torchrun variables and GPUs, gathered through its own env:// process group (rank 0's)."""
     import torch.distributed as dist

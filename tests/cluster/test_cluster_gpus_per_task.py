@@ -56,6 +56,10 @@ def test_two_ranks_run_in_each_task_of_two_gpus_with_the_hosts_layout(two_gpus_p
     assert not refused.ok and refused.error == (
         "np=3 is not a multiple of spark.task.resource.gpu.amount=2: each Spark task holds 2 GPUs and runs one rank "
         "on each; use np=2 or np=4, or set spark.task.resource.gpu.amount=1 for one rank per task."), refused.error
+    # BarrierTaskContext's barrier() and allGather() with two ranks in each task: every rank takes part, by rank
+    gathered = cluster.driver.run("barrier_gather", NP)
+    _assert_ok(gathered)
+    assert gathered.values == [[str(r) for r in range(NP)]] * NP, gathered.values
     # training gives the weights of one process on all the data, as in the one-GPU-per-task layout
     shards = _shards()
     trained = cluster.driver.run("train", NP, shards=shards)
