@@ -28,6 +28,14 @@ noise hits both alike. Prints the table, then ours/theirs for the warm launch (g
 (the ``bench`` extra), as bench/launch.py's peer does.
 
     python bench/vs_torchdistributor.py [--rounds 5] [--steps 500] [--warmup 20] [--cap 90] [--verbose]
+
+``--testbed`` (bench/vs_torchdistributor_testbed.py): the warm launch only, on tests/cluster's 2-host namespace
+testbed (root, iproute2, Java; skipped with the reason where it cannot be built) with
+``spark.task.resource.gpu.amount=2``: both sides' ``TorchDistributor(num_processes=4, local_mode=False,
+use_gpu=True)`` as 2 tasks of 2 processes (torchrun nodes of 2) over fake GPUs, each run's torchrun variables
+checked; goal ours/theirs <= 0.05. ``--rounds`` warm runs (``--steps``, ``--warmup`` and ``--cap`` unused).
+
+    python bench/vs_torchdistributor.py --testbed [--rounds 3] [--verbose]
 """
 
 from __future__ import annotations
@@ -127,6 +135,35 @@ def ddp_train(steps, warmup, fault=None, stamp=None, pg_timeout_s=None):
             "params": sum(p.numel() for p in net.parameters())}
 
 
+#: What ddp_launch_layout's allreduce carries from each process, a row per rank (-1: unset or not a number).
+LAYOUT_FIELDS = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "host", "gpus", "gpu0", "gpu1")
+
+
+def ddp_launch_layout():
+    """ddp_launch for --testbed, whose one allreduce also carries each process's torchrun variables, a checksum of
+    its hostname and its CUDA_VISIBLE_DEVICES (how many ids, the first two); returns the rows, the same on every
+    rank. CPU tensors only: the testbed's GPUs are fake."""
+    import os
+    import socket
+    import zlib
+
+    import torch
+    import torch.distributed as dist
+
+    def number(text):
+        return int(text) if text.isdigit() else -1
+
+    dist.init_process_group("gloo")
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    row = [number(os.environ.get(name, "")) for name in LAYOUT_FIELDS[:5]]
+    row += [zlib.crc32(socket.gethostname().encode()), len(visible)] + [number(d) for d in (visible + ["", ""])[:2]]
+    table = torch.zeros(dist.get_world_size(), len(LAYOUT_FIELDS), dtype=torch.float64)  # exact below 2**53
+    table[dist.get_rank()] = torch.tensor(row, dtype=torch.float64)
+    dist.all_reduce(table)
+    dist.destroy_process_group()
+    return [dict(zip(LAYOUT_FIELDS, map(int, r))) for r in table.tolist()]
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -213,10 +250,17 @@ def main() -> int:
     parser.add_argument("--cap", type=float, default=90.0,
                         help="seconds the driver waits for an error after a fault (default 90)")
     parser.add_argument("--verbose", action="store_true", help="print each fault's full error and captured output")
+    parser.add_argument("--testbed", action="store_true",
+                        help="the warm launch on tests/cluster's 2-host testbed, 2 GPUs per task, num_processes=4 "
+                             "(bench/vs_torchdistributor_testbed.py; needs root, iproute2, Java)")
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
         parser.error("--rounds and --steps must be >= 1, --warmup >= 0")
     pandas = launch.require_pandas()
+    if args.testbed:
+        import vs_torchdistributor_testbed
+
+        return vs_torchdistributor_testbed.main(args, ddp_launch_layout)
     wall = time.perf_counter()
 
     scratch = tempfile.mkdtemp(prefix="sparkhvd-bench-vs-td-")
