@@ -5,6 +5,7 @@ are the fast tier (unit); an ``s3://`` table's are not: they start moto's S3 ser
 from __future__ import annotations
 
 import datetime
+import os
 import logging
 import warnings
 from collections import Counter
@@ -81,8 +82,11 @@ def test_shards_are_exact_and_balanced_and_filters_take_partition_columns(table)
 def test_time_travel_by_version_and_by_timestamp(table):
     assert _rows(make_delta_reader(table, version=0)) == _delta_rs(table, version=0)
     assert len(_rows(make_delta_reader(table, version=0))) == 40
-    history = {entry["version"]: entry["timestamp"] for entry in deltalake.DeltaTable(table).history()}
-    at = datetime.datetime.fromtimestamp(history[1] / 1000, tz=datetime.timezone.utc)
+    # Delta's time travel by timestamp takes the version whose commit file was last written at or before it (delta-rs
+    # reads the log files' modification times): version 1's file time, not its commitInfo "timestamp" (set before
+    # the file is written, a few ms earlier, or more on a loaded machine, which then still names version 0)
+    commit = os.path.join(table, "_delta_log", f"{1:020d}.json")
+    at = datetime.datetime.fromtimestamp(os.path.getmtime(commit), tz=datetime.timezone.utc)
     assert [r["id"] for r in _rows(make_delta_reader(table, timestamp=at))] == list(range(40)) + list(range(100, 110))
     assert len(_rows(make_delta_reader(table, timestamp=at.isoformat()))) == 50
     with pytest.raises(ValueError, match=r"make_delta_reader got version=0 and timestamp='2026-01-01'; pass one of them"):
