@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 BASE_OPTS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC -XX:+UnlockDiagnosticVMOptions -XX:-BytecodeVerificationRemote"
 ARCHIVE_ENV = "SPARKHVD_TEST_JVM_ARCHIVE"  # the archive's path, for the processes the suite starts
@@ -37,8 +38,11 @@ def build(path: str) -> None:
     its JVM writes the classes it loaded to ``path`` as it exits (to ``path.part``, then renamed: a JVM never
     maps half a file)."""
     part = path + ".part"
-    os.environ["PYSPARK_SUBMIT_ARGS"] = (f"--driver-java-options '{BASE_OPTS} -XX:ArchiveClassesAtExit={part} "
-                                         "-Xlog:cds=off -Xlog:cds+dynamic=off' pyspark-shell")
+    # java.io.tmpdir: the session's temp dir (TMPDIR), so that a JVM a short run kills (pytest_unconfigure) leaves its
+    # spark-*/blockmgr-* folders there, removed with it, and not in /tmp
+    os.environ["PYSPARK_SUBMIT_ARGS"] = (f"--driver-java-options '{BASE_OPTS} -Djava.io.tmpdir={tempfile.gettempdir()} "
+                                         f"-XX:ArchiveClassesAtExit={part} -Xlog:cds=off -Xlog:cds+dynamic=off' "
+                                         "pyspark-shell")
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ.pop("SPARK_SUBMIT_OPTS", None)
     from pyspark.sql import SparkSession
