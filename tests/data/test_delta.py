@@ -5,8 +5,8 @@ are the fast tier (unit); an ``s3://`` table's are not: they start moto's S3 ser
 from __future__ import annotations
 
 import datetime
-import os
 import logging
+import os
 import warnings
 from collections import Counter
 
