@@ -503,6 +503,12 @@ def application(sc) -> str:
 def _barrier_task(spec: TaskSpec, per_task: int, _partition):
     """Runs inside the barrier task on an executor: the agents of its ``per_task`` ranks (tasks ``partition *
     per_task + j``), each with the task's ``j``-th GPU where it holds ``per_task`` of them."""
+    yield from _task_agents(spec, per_task)
+
+
+def _task_agents(spec: TaskSpec, per_task: int, env: dict | None = None) -> list:
+    """The status rows of this barrier task's agents, run to their end: ``run_task`` alone, or ``run_tasks``'
+    ``per_task`` side by side; ``env``: variables of the task's own for its ranks."""
     from pyspark import BarrierTaskContext
 
     ctx = BarrierTaskContext.get()
@@ -511,9 +517,9 @@ def _barrier_task(spec: TaskSpec, per_task: int, _partition):
     spark_task = (ctx.stageId(), ctx.taskAttemptId())
     first = ctx.partitionId() * per_task
     if per_task == 1:
-        yield run_task(spec, first, gpus=addresses, spark_task=spark_task)
-        return
-    yield from run_tasks(spec, [(first + j, addresses[j:j + 1]) for j in range(per_task)], spark_task=spark_task)
+        return [run_task(spec, first, gpus=addresses, spark_task=spark_task, env=env)]
+    return run_tasks(spec, [(first + j, addresses[j:j + 1]) for j in range(per_task)], spark_task=spark_task,
+                     env=env)
 
 
 #: The variables naming a task's partition and the DataFrame's schema, which pyspark's
@@ -547,15 +553,7 @@ def _partition_task(spec: TaskSpec, per_task: int, schema: str, batches):
                              "every one of its partitions has rows (df.repartition(n) with n at most its rows).")
         with open(schema_file, "w", encoding="utf-8") as f:
             f.write(schema)
-        ctx = BarrierTaskContext.get()
-        gpu = ctx.resources().get("gpu")
-        addresses = list(gpu.addresses) if gpu is not None else []
-        first, env = ctx.partitionId() * per_task, {PARTITION_FILE: data, SCHEMA_FILE: schema_file}
-        spark_task = (ctx.stageId(), ctx.taskAttemptId())
-        if per_task == 1:
-            run_task(spec, first, gpus=addresses, spark_task=spark_task, env=env)
-        else:
-            run_tasks(spec, [(first + j, addresses[j:j + 1]) for j in range(per_task)], spark_task=spark_task, env=env)
+        _task_agents(spec, per_task, env={PARTITION_FILE: data, SCHEMA_FILE: schema_file})
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     yield from ()

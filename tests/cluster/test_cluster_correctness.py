@@ -120,13 +120,10 @@ def _shards(steps=3, rows=4):
             for _ in range(NP)]
 
 
-def test_distributed_optimizer_gives_every_rank_the_single_process_weights(cluster, no_leftover_ranks):
+def _assert_single_process_weights(outcome, shards) -> None:
+    """Every rank of a ``train`` run ends with rank 0's weights, those of one process on all the shards."""
     from . import _jobs
 
-    shards = _shards()
-    outcome = cluster.driver.run("train", NP, shards=shards)
-    _print_seconds("DistributedOptimizer np=4", outcome)
-    _assert_ok(outcome)
     together = _jobs.train_single([(torch.cat([s[k][0] for s in shards]), torch.cat([s[k][1] for s in shards]))
                                    for k in range(len(shards[0]))])
     first = outcome.values[0]
@@ -134,6 +131,14 @@ def test_distributed_optimizer_gives_every_rank_the_single_process_weights(clust
         for got, ref0, want in zip(weights, first, together):
             assert torch.equal(got, ref0), f"rank {rank}'s weights differ from rank 0's"
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_distributed_optimizer_gives_every_rank_the_single_process_weights(cluster, no_leftover_ranks):
+    shards = _shards()
+    outcome = cluster.driver.run("train", NP, shards=shards)
+    _print_seconds("DistributedOptimizer np=4", outcome)
+    _assert_ok(outcome)
+    _assert_single_process_weights(outcome, shards)
 
 
 def test_lightning_one_device_per_node_trains_on_an_uneven_placement(cluster, no_leftover_ranks):

@@ -11,9 +11,15 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from .test_cluster_correctness import NP, _assert_ok, _check_gpu_lists, _print_seconds, _shards
+from .test_cluster_correctness import (
+    NP,
+    _assert_ok,
+    _assert_single_process_weights,
+    _check_gpu_lists,
+    _print_seconds,
+    _shards,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -32,8 +38,6 @@ def two_gpus_per_task(cluster):
 
 
 def test_two_ranks_run_in_each_task_of_two_gpus_with_the_hosts_layout(two_gpus_per_task, no_leftover_ranks):
-    from . import _jobs
-
     cluster = two_gpus_per_task
     outcome = cluster.driver.run("whoami", NP)
     _print_seconds("whoami np=4, 2 GPUs per task", outcome)
@@ -65,12 +69,7 @@ def test_two_ranks_run_in_each_task_of_two_gpus_with_the_hosts_layout(two_gpus_p
     trained = cluster.driver.run("train", NP, shards=shards)
     _print_seconds("DistributedOptimizer np=4, 2 GPUs per task", trained)
     _assert_ok(trained)
-    together = _jobs.train_single([(torch.cat([s[k][0] for s in shards]), torch.cat([s[k][1] for s in shards]))
-                                   for k in range(len(shards[0]))])
-    for rank, weights in enumerate(trained.values):
-        for got, ref0, want in zip(weights, trained.values[0], together):
-            assert torch.equal(got, ref0), f"rank {rank}'s weights differ from rank 0's"
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    _assert_single_process_weights(trained, shards)
     # pyspark 4.3's TorchDistributor in such tasks: num_processes/k tasks, each a torchrun node of k processes
     # (LOCAL_RANK 0..k-1, indexing the task's GPUs), which the drop-in's processes see as it
     nodes = cluster.driver.run("torchrun_env", NP, runner="TorchDistributor")
