@@ -333,6 +333,22 @@ SPARK_CONNECT_MODE_ENABLED = Setting("SPARK_CONNECT_MODE_ENABLED", None, text,
                                      internal=True)
 
 
+def _service_place(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("auto", "client", "task"):
+        raise Invalid("is not auto, client or task",
+                      "use auto (the default), client (the ranks reach this process) or task (rank 0's task hosts "
+                      "the run's service).")
+    return value
+
+
+CONNECT_SERVICE = Setting("SPARKHVD_CONNECT_SERVICE", "auto", _service_place,
+                          "Under Spark Connect, where a run's driver service runs: `client` (this process, which the "
+                          "executors must reach), `task` (rank 0's Spark task; the ranks' output comes when each "
+                          "attempt ends), or `auto`: `client` where spark.driver.host is an address of this machine, "
+                          "else `task`.")
+
+
 section("MLflow (runner/_payload/mlflow.py)")
 # Every MLFLOW_* variable of the driver goes to the ranks of a run started inside an active MLflow run, and:
 

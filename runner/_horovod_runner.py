@@ -21,6 +21,7 @@ from ._payload.frameworks import warm_imports
 from ._payload.function import pickle_function, size
 from ._payload.mlflow import shared_run
 from ._payload.script import as_payload
+from ._policy.hosted import HostedAttempt, RemoteService
 from ._policy.policy import RunPolicy
 from ._policy.result import RestartEvent, RunResult
 from ._rank.log import log_to_driver  # noqa: F401 - its path before it moved to the rank's room
@@ -199,20 +200,39 @@ class _Cluster:
         if not attempt and self.verbose:
             print(f"[sparkhvd] run {self.run_id}: np={cfg.np} on {launcher.description}; function pickled to "
                   f"{size(len(self.payload))}; logs in {self.logs.log_dir}", flush=True)
+        if self.backend.hosts_service:
+            return self._start_hosted(launcher, n, attempt, on_restore)
         service = DriverService(np=n, secret=self.secret, payload=self.payload, bind_host=self.bind_host,
                                 on_log=self.logs, run_id=self.run_id, commits=self.commits, attempt=attempt,
                                 on_restore=on_restore)
         try:
-            launcher.start(TaskSpec(address=service.address, secret=self.secret, run_id=self.run_id,
-                                    stall_tasks=cfg.stall_tasks, network_interface=cfg.network_interface,
-                                    every_value=self.every_value, attempt=attempt, commit_dir=self.commits.commit_dir,
-                                    layout=cfg.layout, max_restarts=cfg.max_restarts, use_gpu=cfg.use_gpu,
-                                    env=self.env, warm_preload=self.preload))
+            launcher.start(self._spec(service.address, attempt))
         except BaseException:
             launcher.stop()  # whatever it started before the exception (Ctrl-C in the middle of the launch)
             service.close()
             raise
         return service, launcher
+
+    def _start_hosted(self, launcher, n: int, attempt: int, on_restore):
+        """An attempt whose driver service rank 0's task hosts (runner/_policy/hosted.py)."""
+        cfg = self.cfg
+        hosted = HostedAttempt(task=self._spec(("", 0), attempt), payload=self.payload, np=n,
+                               start_timeout=cfg.start_timeout, log_dir=self.logs.log_dir,
+                               verbosity=cfg.driver_log_verbosity, retry_on=cfg.retry_names(),
+                               description=launcher.description, commits=tuple(self.commits.newest_each()))
+        try:
+            launcher.start(hosted)
+        except BaseException:
+            launcher.stop()
+            raise
+        return RemoteService(hosted, launcher, self.logs, self.commits, on_restore), launcher
+
+    def _spec(self, address: tuple, attempt: int) -> TaskSpec:
+        cfg = self.cfg
+        return TaskSpec(address=address, secret=self.secret, run_id=self.run_id, stall_tasks=cfg.stall_tasks,
+                        network_interface=cfg.network_interface, every_value=self.every_value, attempt=attempt,
+                        commit_dir=self.commits.commit_dir, layout=cfg.layout, max_restarts=cfg.max_restarts,
+                        use_gpu=cfg.use_gpu, env=self.env, warm_preload=self.preload)
 
     def free_slots(self) -> int:
         return self.backend.free_slots()

@@ -161,6 +161,50 @@ def case_backend_contract(spark, folder):
     return check_backend(registry.backend_for(RunnerConfig(np=2)), 2)
 
 
+def chatty():
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    print(f"hello from rank {hvd.rank()} of {hvd.size()}", flush=True)
+    return sum_of_ranks()
+
+
+class _TaskHosted:
+    """Within it, rank 0's task hosts each run's service (SPARKHVD_CONNECT_SERVICE=task), as for a client the
+    executors cannot reach."""
+
+    def __enter__(self):
+        os.environ["SPARKHVD_CONNECT_SERVICE"] = "task"
+
+    def __exit__(self, *exc):
+        os.environ.pop("SPARKHVD_CONNECT_SERVICE", None)
+
+
+def case_hosted(spark, folder):
+    from sparkhvd import HorovodRunError, HorovodRunner
+
+    with _TaskHosted():
+        runner = HorovodRunner(np=2, log_dir=os.path.join(folder, "hosted-logs"))
+        every = runner.run_all(chatty)
+        logs = {rank: open(path).read() for rank, path in every.log_paths.items()}
+        try:
+            HorovodRunner(np=2).run(rank_one_fails)
+            error = None
+        except HorovodRunError as exc:
+            error = str(exc)
+        marks = os.path.join(folder, "hosted-restart")
+        os.makedirs(marks)
+        restarting = HorovodRunner(np=2, max_restarts=1)
+        weights = restarting.run(elastic, marks=marks)
+    once = os.path.join(folder, "hosted-reference")
+    os.makedirs(once)
+    open(os.path.join(once, "killed"), "w").close()  # the reference run is never killed, nor hosted
+    reference = HorovodRunner(np=2).run(elastic, marks=once)
+    return {"every": every.values, "logs": logs, "hosts": every.hosts, "error": error,
+            "restarts": [{"lost": e.lost, "commit": e.commit, "kind": e.kind} for e in restarting.last_result.restarts],
+            "same": len(weights) == len(reference) and all(a.equal(b) for a, b in zip(weights, reference))}
+
+
 def main(url: str, folder: str) -> None:
     from pyspark.sql import SparkSession
 

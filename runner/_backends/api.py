@@ -84,6 +84,10 @@ class Backend(abc.ABC):
     #: Ranks in each of its tasks, known once ``prepare`` has run: k where a Spark task holds k GPUs, one rank on each
     #: (spark.py: ranks_per_task). Every attempt's rank count is a multiple of it.
     per_task: int = 1
+    #: Known once ``prepare`` has run: True where the ranks cannot reach this process (a Spark Connect client off the
+    #: cluster), so that rank 0's task hosts each attempt's driver service (runner/_policy/hosted.py); ``launcher``'s
+    #: launchers then start a ``HostedAttempt``, and ``prepare`` returns no address.
+    hosts_service: bool = False
 
     def check_sizes(self, **sizes) -> None:
         """Refuse, after ``prepare``, an elastic bound (``min_np=``, ``max_np=``; None: unset) that is not a multiple

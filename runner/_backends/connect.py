@@ -18,9 +18,12 @@ import functools
 import ipaddress
 import re
 import socket
+import threading
 
 from ..._common import settings
 from .._agent.agent import TaskSpec, run_task
+from .._shared.signed import expected_size
+from . import connect_hosted
 from .api import Backend, Launcher
 from .job import JobLauncher
 from .spark import check_barrier_conf, gpu_task_profile, max_slots
@@ -71,9 +74,10 @@ def slots_bound(master: str, conf: Conf) -> int | None:
     return max_slots(master, conf)
 
 
-def check(spark, np: int) -> str:
+def check(spark, np: int, service: str = "auto") -> str | None:
     """The pre-flight under Connect, failing in seconds with one sentence: dynamic allocation, the slots the
-    configuration allows, and whether this process can serve the executors. Returns the address to bind."""
+    configuration allows, and whether this process can serve the executors. Returns the address to bind; None where
+    rank 0's task hosts the run's service instead (``service``: SPARKHVD_CONNECT_SERVICE's auto, client or task)."""
     _reachable(spark)
     conf = Conf(spark)
     try:
@@ -88,7 +92,14 @@ def check(spark, np: int) -> str:
         raise RuntimeError(f"np={np} needs {np} task slots but the Spark Connect server's cluster has at most "
                            f"{bound} ({master}, spark.task.cpus={conf.get('spark.task.cpus', '1')}); use "
                            f"np<={max(bound, 1)}, add executors or cores, or use np=-{np} to run on the driver.")
-    return bind_host(master, conf.get("spark.driver.host"))
+    if service == "task":
+        return None
+    try:
+        return bind_host(master, conf.get("spark.driver.host"))
+    except NotOnDriver:
+        if service == "client":
+            raise
+        return None
 
 
 def reachable(spark, timeout: float = 10.0) -> bool:
@@ -115,22 +126,28 @@ def _reachable(spark, timeout: float = 10.0) -> None:
                            "remote URL).") from exc
 
 
+class NotOnDriver(RuntimeError):
+    """This process is not on the Spark driver's node: the executors cannot reach a service here."""
+
+
 def bind_host(master: str, driver_host: str | None) -> str:
     """Where this process's driver service listens: loopback for local masters, else ``spark.driver.host``,
     which must be an address of this machine (the executors reach the driver there, and so this process)."""
     if master.startswith("local"):
         return "127.0.0.1"
     if not driver_host:
-        raise RuntimeError("under Spark Connect the ranks reach this process at the Spark driver's address, but the "
-                           "server's spark.driver.host is not set; run the notebook on the cluster's driver node, or "
-                           "use np<0 to run on this machine.")
+        raise NotOnDriver("under Spark Connect the ranks reach this process at the Spark driver's address, but the "
+                          "server's spark.driver.host is not set; run the notebook on the cluster's driver node, unset "
+                          f"{settings.CONNECT_SERVICE.name} (now client) so that rank 0's task hosts the run's service, or "
+                          "use np<0 to run on this machine.")
     problem = _not_local(driver_host)
     if problem is not None:
-        raise RuntimeError(
+        raise NotOnDriver(
             f"under Spark Connect the ranks reach this process at the Spark driver's address, "
             f"spark.driver.host={driver_host}, but {problem}: this client does not run on the cluster's driver node "
             "(Databricks Connect from a laptop, say), and the executors cannot reach it. Run the notebook or "
-            "script on the cluster (a notebook attached to it, or a job), or use np<0 to run on this machine.")
+            f"script on the cluster (a notebook attached to it, or a job), unset {settings.CONNECT_SERVICE.name} "
+            "(now client) so that rank 0's task hosts the run's service, or use np<0 to run on this machine.")
     return driver_host
 
 
@@ -174,10 +191,10 @@ class ConnectLauncher(JobLauncher):
             spark.addTag(self._tag)  # this thread's operations carry it: interruptTag cancels the stage
             df = spark.range(0, self.np, 1, self.np)
             profile = _gpu_profile(spark) if spec.use_gpu else None
-            task = functools.partial(_arrow_task, spec)
-            stage = (df.mapInArrow(task, "task binary", barrier=True) if profile is None
-                     else df.mapInArrow(task, "task binary", barrier=True, profile=profile))
-            stage.collect()  # the outcome arrives through the driver service
+            task, schema = self._task(spec)
+            stage = (df.mapInArrow(task, schema, barrier=True) if profile is None
+                     else df.mapInArrow(task, schema, barrier=True, profile=profile))
+            self._consume(stage)
         except Exception as exc:  # noqa: BLE001 - reported through failure()
             if not self._stopped:
                 self._error = f"the Spark job failed: {spark_reason(exc)}"
@@ -187,6 +204,14 @@ class ConnectLauncher(JobLauncher):
             except Exception:  # noqa: BLE001 - the session is closing: nothing to untag
                 pass
 
+    def _task(self, spec: TaskSpec) -> tuple:
+        """The function each task of the stage runs, and the schema of its rows."""
+        return functools.partial(_arrow_task, spec), "task binary"
+
+    def _consume(self, stage) -> None:
+        """Run the stage to its end."""
+        stage.collect()  # the outcome arrives through the driver service
+
     def stop(self) -> None:
         self._stopped = True
         if self._tag is not None:
@@ -194,6 +219,36 @@ class ConnectLauncher(JobLauncher):
                 self.spark.interruptTag(self._tag)
             except Exception:  # noqa: BLE001 - the session was stopped: no stage left to cancel
                 pass
+
+
+class HostedLauncher(ConnectLauncher):
+    """Runs a ``HostedAttempt`` (runner/_policy/hosted.py) as one barrier stage through the Connect session, and
+    collects partition 0's rows."""
+
+    def __init__(self, spark, np: int):
+        super().__init__(spark, np)
+        self.description += ", rank 0's task hosting the run's service"
+        self._blob = bytearray()
+        self._size: int | None = None
+        self._complete = threading.Event()
+
+    def _task(self, spec) -> tuple:
+        """``spec``: a HostedAttempt, whose ``host`` runs in partition 0's task."""
+        return functools.partial(connect_hosted.hosting_task, spec), connect_hosted.SCHEMA
+
+    def _consume(self, stage) -> None:
+        for row in stage.toLocalIterator():
+            if not self._complete.is_set():
+                self._blob += row[0]
+                self._size = self._size or expected_size(bytes(self._blob[:64]))
+                if len(self._blob) >= self._size:
+                    self._complete.set()
+
+    def rows(self, wait: float) -> bytes | None:
+        """Partition 0's rows, once all have come (waiting up to ``wait`` seconds for them); None before."""
+        if not self._complete.wait(wait):
+            return None
+        return bytes(self._blob)
 
 
 def _where(spark, *, master: bool = True) -> str:
@@ -242,9 +297,21 @@ class ConnectBackend(Backend):
         self.spark = spark
 
     def prepare(self, np: int, *, run_id: str, verbose: bool, gpus: bool) -> str:
-        return check(self.spark, np)  # what the server's conf says, and where executors reach us
+        service = settings.CONNECT_SERVICE.get()
+        address = check(self.spark, np, service)  # what the server's conf says, and where executors reach us
+        self.hosts_service = address is None
+        if self.hosts_service and verbose:
+            driver_host = Conf(self.spark).get("spark.driver.host")
+            why = (f"{settings.CONNECT_SERVICE.name}=task" if service == "task" else
+                   f"this client is not on the Spark driver's node (spark.driver.host={driver_host}), so the "
+                   "executors cannot reach it")
+            print(f"[sparkhvd] run {run_id}: {why}: rank 0's Spark task hosts the run's service, and the ranks' "
+                  "output comes when each attempt ends.", flush=True)
+        return address or ""
 
     def launcher(self, n: int, *, gpus: bool) -> Launcher:
+        if self.hosts_service:
+            return HostedLauncher(self.spark, n)
         return ConnectLauncher(self.spark, n)
 
     def free_slots(self) -> int:

@@ -185,6 +185,8 @@ class RunPolicy:
     def _wait(self) -> RunState:
         """Poll until every task has registered (SUPERVISE, which reads the same snapshot first) or the attempt
         ended: a failure, or ``start_timeout``."""
+        if getattr(self.service, "hosted", False):
+            return self._hosted()
         with self._polling():
             while True:
                 self.status = self.service.status(_supervise.POLL_S)
@@ -194,6 +196,15 @@ class RunPolicy:
                 if ended is not None:
                     break
         return self._ended(ended)
+
+    def _hosted(self) -> RunState:
+        """An attempt whose driver service runs in rank 0's task (runner/_policy/hosted.py): that task applied the
+        WAIT and SUPERVISE rules; wait for what it reports in the stage's rows, then end the attempt on it."""
+        with self._polling():
+            while (outcome := self.service.outcome(_supervise.POLL_S)) is None:
+                pass
+        self.status, self.watch = outcome.status, outcome.watch
+        return self._ended(outcome.ended)
 
     def _supervise(self) -> RunState:
         """Poll until the attempt ended: every rank returned, left at a commit, or failed."""

@@ -183,6 +183,14 @@ class CommitStore:
         with self._lock:
             return self._commits.get(key)
 
+    def newest_each(self) -> list:
+        """``(meta, data, attempt)`` of each state's newest commit: what a hosted attempt's task 0 starts from
+        (runner/_policy/hosted.py)."""
+        with self._lock:
+            commits = list(self._commits.values())
+        return [({k: v for k, v in c.meta.items() if k not in ("at", "attempt")}, c.data(), c.meta.get("attempt", 0))
+                for c in commits]
+
     def newest(self) -> Commit | None:
         """The commit received last, of any state (what a restart resumes from, for its message)."""
         with self._lock:

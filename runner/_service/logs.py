@@ -95,9 +95,13 @@ class LogRouter:
         """The rank's log file, opened (and its tail started) at its first line; under the lock."""
         f = self._files.get(rank)
         if f is None:
-            f = self._files[rank] = open(self.path(rank), "a", encoding="utf-8")
+            f = self._files[rank] = open(self._file_path(rank), "a", encoding="utf-8")
             self._tails[rank] = collections.deque(maxlen=self._tail_lines)
         return f
+
+    def _file_path(self, rank: int) -> str:
+        """Where the rank's log file is written: ``path(rank)`` (runner/_policy/hosted.py writes elsewhere)."""
+        return self.path(rank)
 
     def _screen_lines(self, key: tuple, lines: list) -> list:
         """What the stream ``key`` = (rank, stream)'s new ``lines`` put on screen: the final state of its bar

@@ -92,6 +92,16 @@ def test_the_connect_backend_keeps_the_backend_contract(connect):
                    "description": f"a Spark barrier stage through Spark Connect ({connect[0]}, local[2])"}
 
 
+def test_with_rank_0s_task_hosting_the_service_values_output_errors_and_restarts_come_back_in_rows(connect):
+    got = result(connect, "hosted")  # SPARKHVD_CONNECT_SERVICE=task: what a client off the cluster gets
+    assert [v["rank"] for v in got["every"]] == [0, 1] and {v["sum"] for v in got["every"]} == {3.0}
+    assert "hello from rank 0 of 2" in got["logs"]["0"] and "hello from rank 1 of 2" in got["logs"]["1"], got["logs"]
+    assert got["error"].splitlines()[0].endswith("failed: rank 1: KeyError: 'no such column: label'"), got["error"]
+    (event,) = got["restarts"]  # rank 1 killed at step 4: relaunched from the commit that came back in the rows
+    assert event["lost"].startswith("rank 1's process") and event["commit"] == {"step": 4}, event
+    assert got["same"]  # bit for bit the run that was never killed
+
+
 def test_sparkhvd_run_remote_runs_a_script_on_the_connect_server(connect, tmp_path):
     url = connect[0]
     (tmp_path / "train.py").write_text("import sys\nimport sparkhvd.collective.torch as hvd\nhvd.init()\n"

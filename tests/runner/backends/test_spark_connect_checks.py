@@ -32,23 +32,36 @@ def test_local_masters_serve_on_loopback_and_others_on_the_drivers_own_address()
     assert bind_host("spark://m:7077", "127.0.0.1") == "127.0.0.1"
 
 
-def test_a_client_off_the_driver_node_is_told_so_with_the_address():
+def test_a_client_off_the_driver_node_told_to_serve_the_ranks_is_told_so_with_the_address():
+    # only where SPARKHVD_CONNECT_SERVICE=client: by default rank 0's task hosts the service then (test_spark_connect.py)
     with pytest.raises(RuntimeError) as info:
         bind_host("spark://m:7077", "198.18.0.77")  # the test range: never an address of this machine
     assert str(info.value) == (
         "under Spark Connect the ranks reach this process at the Spark driver's address, "
         "spark.driver.host=198.18.0.77, but 198.18.0.77 is not an address of this machine: this client does not run "
         "on the cluster's driver node (Databricks Connect from a laptop, say), and the executors cannot reach it. Run "
-        "the notebook or script on the cluster (a notebook attached to it, or a job), or use np<0 to run on this "
-        "machine.")
+        "the notebook or script on the cluster (a notebook attached to it, or a job), unset SPARKHVD_CONNECT_SERVICE "
+        "(now client) so that rank 0's task hosts the run's service, or use np<0 to run on this machine.")
 
 
 def test_a_server_without_a_driver_host_is_refused_with_the_fix():
     with pytest.raises(RuntimeError) as info:
         bind_host("yarn", None)
     assert str(info.value) == ("under Spark Connect the ranks reach this process at the Spark driver's address, but the "
-                               "server's spark.driver.host is not set; run the notebook on the cluster's driver node, or "
-                               "use np<0 to run on this machine.")
+                               "server's spark.driver.host is not set; run the notebook on the cluster's driver node, "
+                               "unset SPARKHVD_CONNECT_SERVICE (now client) so that rank 0's task hosts the run's "
+                               "service, or use np<0 to run on this machine.")
+
+
+def test_a_connect_service_place_other_than_auto_client_or_task_is_refused_with_the_choices(monkeypatch):
+    from sparkhvd._common import settings
+
+    monkeypatch.setenv("SPARKHVD_CONNECT_SERVICE", "laptop")
+    with pytest.raises(ValueError) as info:
+        settings.CONNECT_SERVICE.get()
+    assert str(info.value) == (
+        "SPARKHVD_CONNECT_SERVICE='laptop' is not auto, client or task; use auto (the default), client (the ranks "
+        "reach this process) or task (rank 0's task hosts the run's service).")
 
 
 def test_no_connect_session_and_no_spark_remote_means_a_classic_run(monkeypatch):
