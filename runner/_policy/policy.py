@@ -67,7 +67,9 @@ class RunState(enum.Enum):
 
 
 class Service(Protocol):
-    """What the policy asks of one attempt's driver service (runner/_service/service.py: DriverService)."""
+    """What the policy asks of one attempt's driver service (runner/_service/service.py: DriverService). A hosted
+    attempt's ``RemoteService`` (runner/_policy/hosted.py) has ``hosted = True`` and ``outcome(wait)``: rank 0's task
+    applied the rules, and WAIT hands over to ``RunPolicy._hosted``."""
 
     np: int
 
