@@ -125,6 +125,7 @@ class Progress:
     done: int = 0  # finished waits
     ops: list = dataclasses.field(default_factory=list)  # in flight, oldest first
     last: dict | None = None  # the latest finished collective
+    metrics: dict | None = None  # what the rank has done and where its time went (_common/metrics.py)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 
+from . import metrics as _metrics
 from . import torch_ops as _torch_ops
 from .op_names import JOIN
 
@@ -93,7 +94,9 @@ def end(entry: list) -> None:
     global _completed, _last
     _in_flight.pop(id(entry), None)
     _completed += 1  # a lost increment under threads only delays the count: it still moves
-    entry[6] = time.monotonic()  # from now on: when it finished (it is out of _in_flight)
+    now = time.monotonic()
+    _metrics.waited(entry[5], now - entry[6])
+    entry[6] = now  # from now on: when it finished (it is out of _in_flight)
     _last = entry
     _, op, nth = entry[4]
     if op is not None:

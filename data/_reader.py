@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from .._common import metrics as _metrics
 from . import _decode
 from ._arrow import batch_type, rebatch, table_to_batch
 from ._checks import _check_positive, _check_resume, _check_seed, _check_shard
@@ -400,6 +401,7 @@ class Reader:
                 if raise_if_stopped:
                     self._check_not_stopped()
                 raise StopIteration
+            started = time.perf_counter()
             try:
                 return next(batches)
             except CancelledError:
@@ -414,6 +416,8 @@ class Reader:
                 self._ended = True
                 self.stop()
                 raise
+            finally:
+                _metrics.loader_waited(time.perf_counter() - started)  # the training loop's wait: RunResult.metrics
 
     def _check_not_stopped(self) -> None:
         """Raise Petastorm's RuntimeError where the reader was stopped (``stop()``, or its ``with`` block left)

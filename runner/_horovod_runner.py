@@ -28,6 +28,7 @@ from ._rank.log import log_to_driver  # noqa: F401 - its path before it moved to
 from ._runner_config import RunnerConfig
 from ._service.commit_store import CommitStore
 from ._service.logs import LogRouter, end_run_logs, run_log_dir
+from ._service.metrics import MetricsLog
 from ._service.run_storage import RunStorage
 from ._service.service import DriverService
 from ._service.status import RunStatus
@@ -156,11 +157,13 @@ class HorovodRunner:
             raise
         log_dir = run_log_dir(run_id, cfg.log_dir)  # cfg.log_dir, or a new folder under the log root (_service/logs.py)
         logs = LogRouter(log_dir, cfg.driver_log_verbosity)
+        metrics = MetricsLog(started)
         try:
             if commits.inherited and cfg.driver_log_verbosity == "all":
                 print(_inherited_line(run_id, storage, commits.inherited), flush=True)
             cluster = _Cluster(backend, cfg, run_id=run_id, payload=payload, logs=logs, commits=commits,
-                               every_value=every_value, env=env, bind_host=bind_host, preload=preload)
+                               every_value=every_value, env=env, bind_host=bind_host, preload=preload,
+                               metrics=metrics)
             policy = RunPolicy(cluster, logs, np=np, start_timeout=cfg.start_timeout, run_id=run_id,
                                max_restarts=cfg.max_restarts, min_np=cfg.min_np, max_np=cfg.max_np,
                                retry_on=cfg.retry_names(), max_retries=cfg.max_retries,
@@ -173,6 +176,7 @@ class HorovodRunner:
             logs.close()
             end_run_logs(log_dir, given=cfg.log_dir is not None, succeeded=succeeded)
         result.commits = commits.kept()
+        result.metrics = metrics.series()
         self.last_result = result
         return result
 
@@ -183,7 +187,7 @@ class _Cluster:
 
     def __init__(self, backend: Backend, cfg: RunnerConfig, *, run_id: str, payload: bytes, logs: LogRouter,
                  commits: CommitStore, every_value: bool, env: dict | None, bind_host: str = "127.0.0.1",
-                 preload: tuple = ()):
+                 preload: tuple = (), metrics: MetricsLog | None = None):
         self.backend, self.cfg, self.run_id, self.payload = backend, cfg, run_id, payload
         self.logs, self.commits, self.every_value = logs, commits, every_value
         hidden = {} if cfg.use_gpu else {settings.CUDA_VISIBLE_DEVICES.name: ""}  # as TorchDistributor(use_gpu=False)
@@ -192,6 +196,7 @@ class _Cluster:
         self.secret = new_secret()  # one per run: every attempt's service and ranks share it
         self.bind_host = bind_host
         self.preload = preload  # what the ranks' warm process imports besides torch
+        self.metrics = metrics if metrics is not None else MetricsLog()  # every rank's heartbeats' metrics
 
     def start(self, n: int, attempt: int, on_restore):
         """A driver service for ``n`` ranks, and a launcher that has started them."""
@@ -204,7 +209,7 @@ class _Cluster:
             return self._start_hosted(launcher, n, attempt, on_restore)
         service = DriverService(np=n, secret=self.secret, payload=self.payload, bind_host=self.bind_host,
                                 on_log=self.logs, run_id=self.run_id, commits=self.commits, attempt=attempt,
-                                on_restore=on_restore)
+                                on_restore=on_restore, on_metrics=self.metrics.record)
         try:
             launcher.start(self._spec(service.address, attempt))
         except BaseException:
@@ -225,7 +230,7 @@ class _Cluster:
         except BaseException:
             launcher.stop()
             raise
-        return RemoteService(hosted, launcher, self.logs, self.commits, on_restore), launcher
+        return RemoteService(hosted, launcher, self.logs, self.commits, on_restore, self.metrics), launcher
 
     def _spec(self, address: tuple, attempt: int) -> TaskSpec:
         cfg = self.cfg

@@ -20,6 +20,7 @@ import queue
 
 from ..._common import commits as _commits
 from ..._common import context as _context
+from ..._common import metrics as _metrics
 from ..._common.commits import HostUpdateResult, RanksChanged
 from ._basics import init, shutdown, size
 
@@ -76,6 +77,7 @@ class State:
         A commit copies the state, from the GPU too: commit every few batches rather than every one.
         """
         self.save()
+        _metrics.committed()
         self._publish()
         self._check_host_updates(at_commit=True)
 

@@ -33,6 +33,7 @@ import cloudpickle
 from .._agent.spec import TaskSpec
 from .._service.commit_store import Commit
 from .._service.logs import LogRouter
+from .._service.metrics import MetricsLog
 from .._service.service import DriverService
 from .._service.status import RunStatus
 from .._shared.errors import HorovodRunError
@@ -82,12 +83,14 @@ class HostedAttempt:
         return the signed outcome for the stage's rows once the attempt has ended."""
         restored: list = []
         commits = _TaskCommits(self.commits)
+        metrics = MetricsLog()
         with tempfile.TemporaryDirectory(prefix=f"sparkhvd-{self.run_id}-hosted-") as folder:
             logs = _TaskLogs(self.log_dir, self.verbosity, folder)
             notes = io.StringIO()  # what the stall inspector prints: shown on the client
             service = DriverService(np=self.np, secret=self.task.secret, payload=self.payload, bind_host=bind_host,
                                     on_log=logs, run_id=self.run_id, commits=commits, attempt=self.attempt,
-                                    on_restore=lambda meta: restored.append((meta, time.monotonic())))
+                                    on_restore=lambda meta: restored.append((meta, time.monotonic())),
+                                    on_metrics=metrics.record)
             try:
                 share_address(service.address)
                 agent = _Agent(run_agent, service.address)
@@ -105,7 +108,7 @@ class HostedAttempt:
                    "preempted": (watch.preempted, watch.preempted_at), "stamps": dict(watch.stamps),
                    "milestones": dict(service.milestones), "restored": restored[:1], "output": logs.calls,
                    "dropped": logs.dropped, "notes": notes.getvalue(),
-                   "commits": list(commits.sent.values()), "now": time.monotonic()}
+                   "commits": list(commits.sent.values()), "metrics": metrics.points(), "now": time.monotonic()}
         return sign(self.task.secret, pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL))
 
 
@@ -262,9 +265,11 @@ class RemoteService:
 
     hosted = True
 
-    def __init__(self, attempt: HostedAttempt, launcher, logs: LogRouter, commits, on_restore: Callable | None):
+    def __init__(self, attempt: HostedAttempt, launcher, logs: LogRouter, commits, on_restore: Callable | None,
+                 metrics: MetricsLog | None = None):
         self.np, self.attempt, self.launcher = attempt.np, attempt, launcher
         self.logs, self.commits, self.on_restore = logs, commits, on_restore
+        self.metrics = metrics if metrics is not None else MetricsLog()
         self.milestones: dict = {}
 
     def outcome(self, wait: float):
@@ -300,6 +305,8 @@ class RemoteService:
             print(outcome["notes"], end="", flush=True)
         for meta, blob, attempt in outcome["commits"]:
             self.commits.put(meta, blob, attempt=attempt)
+        for rank, attempt, at, metrics in outcome["metrics"]:
+            self.metrics.record(rank, attempt, metrics, at=here(at))
         if outcome["restored"] and self.on_restore is not None:
             meta, at = outcome["restored"][0]
             self.on_restore(meta, at=here(at))

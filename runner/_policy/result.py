@@ -26,6 +26,9 @@ class RunResult:
     seconds: float
     restarts: list = field(default_factory=list)  # a RestartEvent per restart (HorovodRunner(max_restarts=))
     commits: list = field(default_factory=list)  # with storage: the commits the run left there (their metas)
+    #: every rank's metrics over the run, from its heartbeats: ``{rank: [row, ...]}``, each row's totals (steps,
+    #: seconds in collectives and data waits, CPU, memory, GPU) and rates since the row before (runner/_service/metrics.py)
+    metrics: dict = field(default_factory=dict)
 
     @property
     def value(self):

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Callable
 
+from ..._common import metrics as _metrics
 from ..._common import progress as _progress
 from ..._common import settings
 from ..._common.client import ServiceClient
@@ -65,8 +66,9 @@ class Heartbeat:
 
     def message(self) -> Progress:
         """One heartbeat."""
+        collectives = _progress.snapshot()
         return Progress(rank=self.rank, state=self.state, interval=self.interval, settings=self._settings,
-                        **_progress.snapshot())
+                        metrics=_metrics.snapshot(collectives["done"]), **collectives)
 
     def _run(self) -> None:
         client, failures = None, 0

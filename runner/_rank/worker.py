@@ -29,6 +29,7 @@ from .._shared.host import rank_address
 from . import aliases as _aliases
 from . import lightning_nodes as _lightning_nodes
 from . import startup
+from . import steps as _steps
 from . import task_context as _task_context
 from .exit import die_with_parent, end, finished, leave, watch
 from .failure import report_failure
@@ -51,6 +52,7 @@ def main() -> int:
     rank = placement.rank
     _task_context.install(placement)  # before the function is unpickled: it, or its module, may import pyspark
     _lightning_nodes.install(placement)  # Trainer(devices=, num_nodes=) on any placement, once Lightning is imported
+    _steps.count_optimizer_steps()  # RunResult.metrics' steps, once torch is imported
     client = ServiceClient(address, secret)
     threading.Thread(target=watch, args=(address, secret, rank), daemon=True, name="sparkhvd-watch").start()
     beat = Heartbeat.start(address, secret, rank,  # for the stall report and lost-rank check

@@ -28,7 +28,7 @@ class Failure:
 
 class ReportHandlers:
     """LOG, RESULT, ERROR, PROGRESS and EXIT. Uses ``DriverService``'s ``cv``, ``results``, ``failures``, ``exits``,
-    ``progress`` and ``_on_log``."""
+    ``progress``, ``attempt``, ``_on_log`` and ``_on_metrics``."""
 
     def _log(self, channel: AuthenticatedChannel, log: Log, blob: bytes, peer: str) -> None:
         """Lines of a rank's output (one-way: never answered)."""
@@ -52,6 +52,7 @@ class ReportHandlers:
         """A rank's heartbeat (one-way): kept as its meta for the stall report (``_policy/stall_report.py``)."""
         with self.cv:
             self.progress[beat.rank] = (encode(beat), time.monotonic())
+        self._on_metrics(beat.rank, self.attempt, beat.metrics)
 
     def _exit(self, channel: AuthenticatedChannel, exit: Exit, blob: bytes, peer: str) -> None:
         with self.cv:

@@ -72,7 +72,8 @@ class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers)
 
     def __init__(self, *, np: int, secret: bytes, payload: bytes, bind_host: str = "127.0.0.1",
                  on_log: LogSink | None = None, run_id: str | None = None, commits: CommitStore | None = None,
-                 on_restore: Callable[[dict | None], None] | None = None, attempt: int = 0):
+                 on_restore: Callable[[dict | None], None] | None = None, attempt: int = 0,
+                 on_metrics: Callable[[int, int, dict | None], None] | None = None):
         self.np = np
         self.run_id = run_id
         self._secret = secret
@@ -94,6 +95,7 @@ class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers)
         self.agents_gone: set[int] = set()  # tasks whose agent's connection closed: no exit will come from them
         # what the ranks report (_service/reports.py)
         self._on_log = on_log or (lambda rank, stream, lines, progress: None)
+        self._on_metrics = on_metrics or (lambda rank, attempt, metrics: None)  # each beat's (_service/metrics.py)
         self.bad_frames = 0  # one-way frames (LOG, PROGRESS) dropped as malformed (the first few are logged)
         self.results: dict[int, bytes] = {}
         self.failures: list[Failure] = []

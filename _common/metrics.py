@@ -1,0 +1,96 @@
+"""What this process has done and where its time went: the rank's side of ``RunResult.metrics``.
+
+Counted where it happens, at the cost of an add: torch optimizer steps (every ``Optimizer.step``, sparkhvd's
+``DistributedOptimizer`` included, through torch's global step hook: runner/_rank/steps.py), ``hvd.elastic``
+commits (``collective/_core/_elastic.py``), the seconds spent waiting in collectives by phase (the check
+before each op and the wait for its data: ``progress.end``) and the seconds the training loop waited on
+sparkhvd's readers (``data/_reader.py``). ``snapshot`` adds what the process can tell of itself (CPU seconds,
+resident memory) and, where NVML (``nvidia-ml-py``) and a GPU are there, the GPU's use, memory and temperature.
+The heartbeat sends it each beat (runner/_rank/heartbeat.py); the driver keeps each rank's series
+(runner/_service/metrics.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from . import settings
+
+_counts = {"optimizer_steps": 0, "commits": 0}
+_seconds = {"check": 0.0, "data": 0.0, "loader": 0.0}
+_gpu: list = []  # [handle] once NVML has one for this rank's GPU; [None] where it has none
+
+
+def optimizer_step() -> None:
+    _counts["optimizer_steps"] += 1
+
+
+def committed() -> None:
+    _counts["commits"] += 1
+
+
+def waited(phase: str, seconds: float) -> None:
+    """A collective's wait of ``phase`` (``progress.CHECK`` or ``progress.DATA``) took ``seconds``."""
+    _seconds[phase] = _seconds.get(phase, 0.0) + seconds
+
+
+def loader_waited(seconds: float) -> None:
+    """The training loop waited ``seconds`` for a batch from a sparkhvd reader."""
+    _seconds["loader"] += seconds
+
+
+def snapshot(collectives: int) -> dict:
+    """Totals so far: ``collectives`` (finished waits, torch.distributed's included) and the counts above, the
+    seconds in collectives by phase and in the readers, CPU seconds, resident bytes, and ``gpu`` where NVML has it."""
+    return {"optimizer_steps": _counts["optimizer_steps"], "commits": _counts["commits"],
+            "collectives": collectives, "negotiation_s": round(_seconds["check"], 6),
+            "transfer_s": round(_seconds["data"], 6), "data_wait_s": round(_seconds["loader"], 6),
+            "cpu_s": round(time.process_time(), 3), "rss_bytes": _rss(), "gpu": _gpu_now()}
+
+
+def _rss() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _gpu_now() -> dict | None:
+    """This rank's GPU (CUDA_VISIBLE_DEVICES's entry at LOCAL_RANK: runner/_agent/env.py) as NVML sees it, or None
+    without NVML or a GPU."""
+    if not _gpu:
+        _gpu.append(_gpu_handle())
+    handle = _gpu[0]
+    if handle is None:
+        return None
+    try:
+        import pynvml
+
+        use = pynvml.nvmlDeviceGetUtilizationRates(handle)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        return {"util_pct": use.gpu, "memory_bytes": memory.used,
+                "temperature_c": pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)}
+    except Exception:  # noqa: BLE001 - a GPU NVML cannot read now: left out, never the heartbeat's failure
+        _gpu[0] = None
+        return None
+
+
+def _gpu_handle():
+    devices = [d.strip() for d in (settings.CUDA_VISIBLE_DEVICES.get() or "").split(",") if d.strip()]
+    try:
+        visible = devices[int(settings.LOCAL_RANK.get() or 0) % len(devices)] if devices else None
+    except ValueError:
+        visible = devices[0]
+    if visible is None:
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        if visible.isdigit():
+            return pynvml.nvmlDeviceGetHandleByIndex(int(visible))
+        return pynvml.nvmlDeviceGetHandleByUUID(visible)
+    except Exception:  # noqa: BLE001 - no nvidia-ml-py, no driver, or a device it does not know: no GPU metrics
+        return None
