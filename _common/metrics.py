@@ -42,11 +42,13 @@ def loader_waited(seconds: float) -> None:
 
 def snapshot(collectives: int) -> dict:
     """Totals so far: ``collectives`` (finished waits, torch.distributed's included) and the counts above, the
-    seconds in collectives by phase and in the readers, CPU seconds, resident bytes, and ``gpu`` where NVML has it."""
+    seconds in collectives by phase and in the readers, CPU seconds, resident bytes, ``gpu`` where NVML has it, and
+    ``clock_s``, this process's monotonic clock, which times the deltas between two snapshots of one rank."""
     return {"optimizer_steps": _counts["optimizer_steps"], "commits": _counts["commits"],
             "collectives": collectives, "negotiation_s": round(_seconds["check"], 6),
             "transfer_s": round(_seconds["data"], 6), "data_wait_s": round(_seconds["loader"], 6),
-            "cpu_s": round(time.process_time(), 3), "rss_bytes": _rss(), "gpu": _gpu_now()}
+            "cpu_s": round(time.process_time(), 3), "rss_bytes": _rss(), "gpu": _gpu_now(),
+            "clock_s": round(time.monotonic(), 6)}
 
 
 def _rss() -> int | None:

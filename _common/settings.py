@@ -306,6 +306,17 @@ HEARTBEAT_TIMEOUT = Setting("SPARKHVD_HEARTBEAT_TIMEOUT_SECONDS", 60.0, seconds(
     "Seconds without a heartbeat after which a rank's host is taken for lost and the run fails (0: never).")
 
 
+
+section("Stragglers (runner/_policy/stragglers.py)")
+
+STRAGGLER_FACTOR = Setting("SPARKHVD_STRAGGLER_FACTOR", 1.5, seconds(
+    "set it to a factor such as 1.5, or 0 to turn the straggler line off.", need="a number >= 0"),
+    "A rank whose own work per step (its time outside collectives) stays above this many times the other ranks' "
+    "median for a window is named on the driver, once per episode (0: never).")
+STRAGGLER_WINDOW = Setting("SPARKHVD_STRAGGLER_WINDOW_SECONDS", 30.0, seconds(
+    "set it to a number of seconds such as 30.", positive=True),
+    "The window over which a straggler's work per step is measured against the others'.")
+
 section("Horovod's Spark API (runner/_dropins/horovod_spark.py)")
 
 HOROVOD_SPARK_START_TIMEOUT = Setting("HOROVOD_SPARK_START_TIMEOUT", 600.0, seconds(

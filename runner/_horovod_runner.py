@@ -7,6 +7,7 @@ a launcher); the run's policy (``_policy/policy.py``) decides what happens after
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 
@@ -24,6 +25,7 @@ from ._payload.script import as_payload
 from ._policy.hosted import HostedAttempt, RemoteService
 from ._policy.policy import RunPolicy
 from ._policy.result import RestartEvent, RunResult
+from ._policy.stragglers import Stragglers, straggler_settings
 from ._rank.log import log_to_driver  # noqa: F401 - its path before it moved to the rank's room
 from ._runner_config import RunnerConfig
 from ._service.commit_store import CommitStore
@@ -167,7 +169,8 @@ class HorovodRunner:
             policy = RunPolicy(cluster, logs, np=np, start_timeout=cfg.start_timeout, run_id=run_id,
                                max_restarts=cfg.max_restarts, min_np=cfg.min_np, max_np=cfg.max_np,
                                retry_on=cfg.retry_names(), max_retries=cfg.max_retries,
-                               max_preemptions=cfg.max_preemptions)
+                               max_preemptions=cfg.max_preemptions,
+                               stragglers=functools.partial(Stragglers, run_id=run_id, **straggler_settings()))
             status = policy.run()
             result = _result(status, logs, run_id, payload, started, every_value, policy.restarts)
             succeeded = True

@@ -41,6 +41,7 @@ from .._shared.signed import sign, verified
 from .._shared.stall_settings import FORWARDED_SETTINGS
 from .failure_report import _rebuilt, failure_error
 from .stall_inspector import StallInspector
+from .stragglers import Stragglers, straggler_settings
 from .supervise import FAILED, POLL_S, STOP_WAIT_S, Ended, Watch
 
 #: Output lines rank 0's task keeps for the client, in characters: past it, the rest is counted, not kept.
@@ -63,6 +64,8 @@ class HostedAttempt:
     #: the client's stall and heartbeat settings, (name, value), as the driver's stall inspector reads them
     driver_env: tuple = field(default_factory=lambda: tuple((s.name, s.raw()) for s in FORWARDED_SETTINGS
                                                             if s.raw() is not None))
+    #: the client's straggler settings (stragglers.py): task 0 names stragglers as the driver would
+    stragglers: dict = field(default_factory=straggler_settings)
 
     @property
     def run_id(self) -> str:
@@ -98,7 +101,8 @@ class HostedAttempt:
                 stalls = StallInspector(np=self.np, run_id=self.run_id, log_dir=self.log_dir,
                                         driver_env=dict(self.driver_env), out=notes)
                 watch = Watch(service, stage, logs, np=self.np, start_timeout=self.start_timeout,
-                              run_id=self.run_id, stalls=stalls, retry_on=self.retry_on)
+                              run_id=self.run_id, stalls=stalls, retry_on=self.retry_on,
+                              stragglers=Stragglers(run_id=self.run_id, out=notes, **self.stragglers))
                 ended, status = watch_attempt(service, watch)
                 agent.join(STOP_WAIT_S)
             finally:
