@@ -17,6 +17,9 @@ import time
 
 from . import settings
 
+#: SPARKHVD_METRICS: whether this process counts anything; a rank sets it from its own environment as it starts
+#: (runner/_rank/steps.py), since a rank forked from the warm process inherits that process's modules
+ON = True
 _counts = {"optimizer_steps": 0, "commits": 0}
 _seconds = {"check": 0.0, "data": 0.0, "loader": 0.0}
 _gpu: list = []  # [handle] once NVML has one for this rank's GPU; [None] where it has none

@@ -95,7 +95,8 @@ def end(entry: list) -> None:
     _in_flight.pop(id(entry), None)
     _completed += 1  # a lost increment under threads only delays the count: it still moves
     now = time.monotonic()
-    _metrics.waited(entry[5], now - entry[6])
+    if _metrics.ON:
+        _metrics.waited(entry[5], now - entry[6])
     entry[6] = now  # from now on: when it finished (it is out of _in_flight)
     _last = entry
     _, op, nth = entry[4]

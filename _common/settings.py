@@ -306,6 +306,11 @@ HEARTBEAT_TIMEOUT = Setting("SPARKHVD_HEARTBEAT_TIMEOUT_SECONDS", 60.0, seconds(
     "Seconds without a heartbeat after which a rank's host is taken for lost and the run fails (0: never).")
 
 
+METRICS = Setting("SPARKHVD_METRICS", True, flag(
+    "set it to 1 (the default) or 0."),
+    "`0`: ranks count no metrics and send none with their heartbeats (`RunResult.metrics` is empty, no straggler "
+    "line); read by each rank.", shown="`1`")
+
 
 section("Stragglers (runner/_policy/stragglers.py)")
 

@@ -417,7 +417,8 @@ class Reader:
                 self.stop()
                 raise
             finally:
-                _metrics.loader_waited(time.perf_counter() - started)  # the training loop's wait: RunResult.metrics
+                if _metrics.ON:  # the training loop's wait: RunResult.metrics
+                    _metrics.loader_waited(time.perf_counter() - started)
 
     def _check_not_stopped(self) -> None:
         """Raise Petastorm's RuntimeError where the reader was stopped (``stop()``, or its ``with`` block left)

@@ -43,8 +43,10 @@ class Stragglers:
             return
         for rank, (meta, at) in status.progress.items():
             metrics = meta.get("metrics") if isinstance(meta, dict) else None
+            if not isinstance(metrics, dict):
+                continue  # SPARKHVD_METRICS=0 in that rank
             history = self._history.setdefault(rank, [])
-            if isinstance(metrics, dict) and (not history or history[-1][0] != at):
+            if not history or history[-1][0] != at:
                 history.append((at, metrics))
                 while len(history) > 2 and history[1][0] <= at - 2 * self.window:
                     history.pop(0)

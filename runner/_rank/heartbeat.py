@@ -68,7 +68,7 @@ class Heartbeat:
         """One heartbeat."""
         collectives = _progress.snapshot()
         return Progress(rank=self.rank, state=self.state, interval=self.interval, settings=self._settings,
-                        metrics=_metrics.snapshot(collectives["done"]), **collectives)
+                        metrics=_metrics.snapshot(collectives["done"]) if _metrics.ON else None, **collectives)
 
     def _run(self) -> None:
         client, failures = None, 0

@@ -8,11 +8,15 @@ inner optimizer's included), Lightning's and Hugging Face's loops alike. A rank 
 from __future__ import annotations
 
 from ..._common import metrics as _metrics
+from ..._common import settings
 from .after_import import when_imported
 
 
 def count_optimizer_steps() -> None:
-    when_imported("torch", _register)
+    """Count (or, with SPARKHVD_METRICS=0, count nothing at all) from this rank's own environment."""
+    _metrics.ON = settings.METRICS.get()
+    if _metrics.ON:
+        when_imported("torch", _register)
 
 
 def _register(torch) -> None:

@@ -62,7 +62,7 @@ def _status(np: int, beats: dict):
     registrations = {r: Registration(task=r, host=f"host-{r}", pid=1, gpus=[str(r)], peer="10.0.0.1")
                      for r in range(np)}
     return RunStatus(np=np, at=0.0, registrations=registrations, placements=placements,
-                     progress={r: ({"metrics": m}, at) for r, (m, at) in beats.items()})
+                     progress={r: ({"metrics": m} if m is not None else {}, at) for r, (m, at) in beats.items()})
 
 
 def _beat(steps: int, clock: float, waits: float, data: float = 0.0) -> dict:
@@ -93,3 +93,12 @@ def test_a_rank_waiting_on_its_reader_is_named_for_its_data_and_again_only_after
     assert len(watch.lines) == 2, watch.lines
     assert "rank 2 (host host-2, GPU 2) is a straggler" in watch.lines[0]
     assert "the extra time is waiting for data:" in watch.lines[0] and "sparkhvd's readers" in watch.lines[0]
+
+
+def test_ranks_that_send_no_metrics_are_left_out():
+    from sparkhvd.runner._policy.stragglers import Stragglers
+
+    watch = Stragglers(run_id="r1", factor=1.5, window=1.0, out=open("/dev/null", "w"), clock=lambda: 10.0)
+    status = _status(2, {0: (None, 1.0), 1: (None, 1.0)})  # SPARKHVD_METRICS=0: beats without metrics
+    watch.check(status)
+    assert watch.lines == []
