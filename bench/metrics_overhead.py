@@ -1,18 +1,18 @@
 """Benchmark (not a test): what the per-rank metrics cost training (issue 40: goal >= 0.99 of the steps/s without).
 
-Each run is ``HorovodRunner(np=-2)`` of a function that imports torch, calls ``hvd.init()`` and trains with
-``hvd.DistributedOptimizer`` for ``--steps`` timed steps after a warm-up; its steps/s is rank 0's. Runs with metrics
-on (the default) and off (``SPARKHVD_METRICS=0``: nothing counted, nothing sent) alternate, ``--rounds`` of each,
-for two jobs: a small MLP, whose fast steps feel a per-step cost most, and the ResNet-style conv net of
-bench/train_synthetic.py. Heartbeats at their default 5 s, as users run. Prints the medians and their ratio.
+One ``HorovodRunner(np=-2)`` run per job, of a function that imports torch, calls ``hvd.init()`` and trains with
+``hvd.DistributedOptimizer``. Inside the ranks, blocks of ``--steps`` steps with the counters on and off alternate
+(``--rounds`` of each, the order swapped every other round; off: ``metrics.ON`` false and torch's step hook removed,
+what ``SPARKHVD_METRICS=0`` gives a rank), so that both sides share the processes and the machine's drift: separate
+runs differ by +-10% here on their own. The heartbeat, every 5 s as users run, sends its snapshot in both. Two jobs:
+a small MLP, whose fast steps feel a per-step cost most, and the ResNet-style conv net of bench/train_synthetic.py.
+Prints rank 0's steps/s medians, the paired ratios, and one whole run's metrics rows.
 
-    python bench/metrics_overhead.py [--rounds 5] [--steps 300]
+    python bench/metrics_overhead.py [--rounds 15] [--steps 200] [--conv-steps 20]
 """
-
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -32,11 +32,13 @@ def _conv():
         nn.Flatten(), nn.Linear(64 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, 10))
 
 
-def train(job: str, steps: int, warmup: int = 20) -> float:
-    """Rank's steps/s over ``steps`` steps of ``job`` ("mlp" or "conv")."""
+def train(job: str, steps: int, rounds: int, warmup: int = 20) -> dict:
+    """Rank's steps/s per block of ``steps`` steps of ``job`` ("mlp" or "conv"), with the counters on and off."""
     import torch
 
     import sparkhvd.collective.torch as hvd
+    from sparkhvd._common import metrics
+    from sparkhvd.runner._rank import steps as counted
 
     hvd.init()
     torch.set_num_threads(1)
@@ -53,47 +55,52 @@ def train(job: str, steps: int, warmup: int = 20) -> float:
         torch.nn.functional.cross_entropy(model(data), target).backward()
         opt.step()
 
+    def counters(on: bool) -> None:
+        metrics.ON = on
+        if on and counted.hook is None:
+            counted._register(torch)
+        elif not on and counted.hook is not None:
+            counted.hook.remove()
+            counted.hook = None
+
     for _ in range(warmup):
         step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return steps / (time.perf_counter() - start)
+    rates: dict = {True: [], False: []}
+    for i in range(rounds):
+        for on in ((True, False) if i % 2 == 0 else (False, True)):
+            counters(on)
+            hvd.barrier()  # both ranks switch together
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            rates[on].append(steps / (time.perf_counter() - start))
+    counters(True)
+    return rates
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--conv-steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--conv-steps", type=int, default=20)
     args = parser.parse_args()
     from sparkhvd import HorovodRunner
 
-    rates: dict = {}
-    rows_seen: dict = {}
-    pairs: dict = {}  # each round's on / off: the two runs next to each other
+    rows = []
     for job, steps in (("mlp", args.steps), ("conv", args.conv_steps)):
-        for i in range(args.rounds):
-            for on in ((True, False) if i % 2 == 0 else (False, True)):  # the order swapped every other round
-                os.environ["SPARKHVD_METRICS"] = "1" if on else "0"
-                result = HorovodRunner(np=-2, driver_log_verbosity="log_callback_only").run_all(train, job=job,
-                                                                                              steps=steps)
-                rates.setdefault((job, on), []).append(result.values[0])
-                rows_seen.setdefault((job, on), []).append(sum(len(r) for r in result.metrics.values()))
-            pairs.setdefault(job, []).append(rates[(job, True)][-1] / rates[(job, False)][-1])
-    os.environ.pop("SPARKHVD_METRICS", None)
-    print("| job | metrics | steps/s (median) | runs | metrics rows per run | on / off, medians | on / off, paired "
-          "rounds (median, range) |")
+        result = HorovodRunner(np=-2, driver_log_verbosity="log_callback_only").run_all(
+            train, job=job, steps=steps, rounds=args.rounds)
+        rates = result.values[0]
+        pairs = [a / b for a, b in zip(rates[True], rates[False])]
+        rows.append((job, statistics.median(rates[True]), statistics.median(rates[False]), pairs,
+                     sum(len(r) for r in result.metrics.values())))
+    print("| job | steps/s on (median) | steps/s off (median) | on / off, medians | on / off, paired blocks "
+          "(median, range) | blocks | metrics rows in the run |")
     print("|---|---|---|---|---|---|---|")
-    for job in ("mlp", "conv"):
-        on, off = statistics.median(rates[(job, True)]), statistics.median(rates[(job, False)])
-        for flag, rate in ((True, on), (False, off)):
-            ratio = f"{on / off:.3f}" if flag else ""
-            paired = (f"{statistics.median(pairs[job]):.3f} ({min(pairs[job]):.3f}-{max(pairs[job]):.3f})"
-                      if flag else "")
-            print(f"| {job} | {'on' if flag else 'off'} | {rate:.1f} | {len(rates[(job, flag)])} | "
-                  f"{statistics.median(rows_seen[(job, flag)]):g} | {ratio} | {paired} |")
-    worst = min(statistics.median(pairs[j]) for j in ("mlp", "conv"))
+    for job, on, off, pairs, seen in rows:
+        print(f"| {job} | {on:.1f} | {off:.1f} | {on / off:.3f} | {statistics.median(pairs):.3f} "
+              f"({min(pairs):.3f}-{max(pairs):.3f}) | {len(pairs)} | {seen} |")
+    worst = min(statistics.median(pairs) for _, _, _, pairs, _ in rows)
     print(f"\nworst paired on / off: {worst:.3f}   goal >= 0.99: {'met' if worst >= 0.99 else 'not met'}")
 
 

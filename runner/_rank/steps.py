@@ -24,4 +24,8 @@ def _register(torch) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
     except ImportError:  # a torch without the global hook: steps are then commits or collectives
         return
-    register_optimizer_step_post_hook(lambda opt, args, kwargs: _metrics.optimizer_step())
+    global hook
+    hook = register_optimizer_step_post_hook(lambda opt, args, kwargs: _metrics.optimizer_step())
+
+
+hook = None  # torch's handle of the registered hook (bench/metrics_overhead.py removes it to time steps without)
