@@ -179,16 +179,19 @@ class Driver:
     def request(self, op: str, timeout: float, **fields) -> dict:
         return self._wait(self._send(op, **fields), timeout, f"{op} {fields.get('job', '')}".strip())
 
-    def submit(self, job: str, np: int, *, runner: dict | None = None, **kwargs) -> "PendingRun":
-        """Start ``HorovodRunner(np, **runner).run_all(_jobs.<job>, **kwargs)`` on the driver; returns at once."""
+    def submit(self, job: str, np: int, *, runner: dict | None = None, driver_env: dict | None = None,
+               **kwargs) -> "PendingRun":
+        """Start ``HorovodRunner(np, **runner).run_all(_jobs.<job>, **kwargs)`` on the driver, with ``driver_env`` in
+        the driver's environment meanwhile; returns at once."""
         with self._lock:
             start = len(self._lines)
-        request_id = self._send("run", job=job, np=np, kwargs=kwargs, runner=runner or {})
+        request_id = self._send("run", job=job, np=np, kwargs=kwargs, runner=runner or {}, driver_env=driver_env or {})
         return PendingRun(self, request_id, job, start)
 
-    def run(self, job: str, np: int, *, timeout: float = 120, runner: dict | None = None, **kwargs) -> Outcome:
+    def run(self, job: str, np: int, *, timeout: float = 120, runner: dict | None = None,
+            driver_env: dict | None = None, **kwargs) -> Outcome:
         """``HorovodRunner(np, **runner).run_all(_jobs.<job>, **kwargs)`` on the driver, to the end."""
-        return self.submit(job, np, runner=runner, **kwargs).result(timeout)
+        return self.submit(job, np, runner=runner, driver_env=driver_env, **kwargs).result(timeout)
 
     def output_since(self, start: int) -> str:
         with self._lock:

@@ -99,7 +99,16 @@ def run(request: dict) -> dict:
                 fn, **request.get("kwargs", {}))
             return {"ok": True, "seconds": time.monotonic() - started, "values": [value]}
         runner = HorovodRunner(np=request["np"], **request.get("runner", {}))
-        result = runner.run_all(fn, **request.get("kwargs", {}))
+        saved = {key: os.environ.get(key) for key in request.get("driver_env", {})}
+        os.environ.update(request.get("driver_env", {}))  # settings the driver reads (the straggler line's)
+        try:
+            result = runner.run_all(fn, **request.get("kwargs", {}))
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
     except BaseException as exc:  # noqa: BLE001 - the test reads the error
         return {"ok": False, "seconds": time.monotonic() - started, "error_type": type(exc).__name__,
                 "error": str(exc) or repr(exc)}

@@ -110,6 +110,28 @@ def train_single(batches, lr: float = 0.1):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def straggler(slow_rank: int, steps: int = 60, sleep: float = 0.1):
+    """Training where ``slow_rank`` sleeps ``sleep`` s in each step (the straggler line's test); returns where each
+    rank ran."""
+    import time
+
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    for _ in range(steps):
+        if hvd.rank() == slow_rank:
+            time.sleep(sleep)
+        opt.zero_grad()
+        model(torch.randn(4, 4)).sum().backward()
+        opt.step()
+    return {"rank": hvd.rank(), "host": socket.gethostname()}
+
+
 def allreduce_loop(steps: int = 1_000_000, numel: int = 1 << 16):
     """Fault probes: allreduce until stopped; prints each rank's pid first."""
     import torch
