@@ -6,13 +6,14 @@
 __version__ = "0.1.0"
 
 __all__ = ["Checkpoint", "DeepspeedTorchDistributor", "HorovodRunner", "HorovodRunError", "MirroredStrategyRunner",
-           "RunResult", "TorchDistributor", "get_checkpoint", "log_to_driver", "report", "__version__"]
+           "RunResult", "TorchDistributor", "get_checkpoint", "log_to_driver", "plot", "report", "__version__"]
 
 _LAZY = {
     "HorovodRunner": "sparkhvd.runner",
     "HorovodRunError": "sparkhvd.runner",
     "RunResult": "sparkhvd.runner",
     "log_to_driver": "sparkhvd.runner",
+    "plot": "sparkhvd.runner",  # a RunResult's metrics drawn (matplotlib: the plot extra)
     "report": "sparkhvd.runner",  # Ray Train's train.report, get_checkpoint and Checkpoint
     "get_checkpoint": "sparkhvd.runner",
     "Checkpoint": "sparkhvd.runner",

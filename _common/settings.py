@@ -368,6 +368,11 @@ CONNECT_SERVICE = Setting("SPARKHVD_CONNECT_SERVICE", "auto", _service_place,
 section("MLflow (runner/_payload/mlflow.py)")
 # Every MLFLOW_* variable of the driver goes to the ranks of a run started inside an active MLflow run, and:
 
+MLFLOW_METRICS_SECONDS = Setting("SPARKHVD_MLFLOW_METRICS_SECONDS", 10.0, seconds(
+    "set it to a number of seconds such as 10, or 0 to log none."),
+    "Inside an active MLflow run on the driver: each rank's metrics go into that run (`steps_per_s/rank_3`, ...) at "
+    "most this often per rank, and once more at the end (0: never).")
+
 MLFLOW_TRACKING_URI = Setting("MLFLOW_TRACKING_URI", None, text,
                               "The driver's tracking URI (made absolute), for the ranks.", internal=True)
 MLFLOW_RUN_ID = Setting("MLFLOW_RUN_ID", None, text, "The driver's active MLflow run, which the ranks log into.",

@@ -22,12 +22,14 @@ __all__ = [
     "get_checkpoint",
     "horovod_spark_run",
     "log_to_driver",
+    "plot",
     "report",
 ]
 
 _WHERE = {
     "HorovodRunner": "._horovod_runner",
     "RunResult": "._policy.result",
+    "plot": "._policy.plot",  # a RunResult's steps/s per rank, with matplotlib
     "log_to_driver": "._rank.log",
     "report": "._rank.report",  # Ray Train's report(metrics, checkpoint=), get_checkpoint() and Checkpoint
     "get_checkpoint": "._rank.report",

@@ -20,7 +20,7 @@ from ._backends.api import Backend
 from ._backends.registry import backend_for
 from ._payload.frameworks import warm_imports
 from ._payload.function import pickle_function, size
-from ._payload.mlflow import shared_run
+from ._payload.mlflow import metrics_to_mlflow, shared_run
 from ._payload.script import as_payload
 from ._policy.hosted import HostedAttempt, RemoteService
 from ._policy.policy import RunPolicy
@@ -159,7 +159,8 @@ class HorovodRunner:
             raise
         log_dir = run_log_dir(run_id, cfg.log_dir)  # cfg.log_dir, or a new folder under the log root (_service/logs.py)
         logs = LogRouter(log_dir, cfg.driver_log_verbosity)
-        metrics = MetricsLog(started)
+        to_mlflow = metrics_to_mlflow(env)
+        metrics = MetricsLog(started, sink=to_mlflow)
         try:
             if commits.inherited and cfg.driver_log_verbosity == "all":
                 print(_inherited_line(run_id, storage, commits.inherited), flush=True)
@@ -175,6 +176,8 @@ class HorovodRunner:
             result = _result(status, logs, run_id, payload, started, every_value, policy.restarts)
             succeeded = True
         finally:
+            if to_mlflow is not None:
+                to_mlflow.close()
             commits.close(succeeded=succeeded)
             logs.close()
             end_run_logs(log_dir, given=cfg.log_dir is not None, succeeded=succeeded)

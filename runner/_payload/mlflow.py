@@ -1,18 +1,29 @@
-"""The driver's active MLflow run, shared with the ranks.
+"""The driver's active MLflow run, shared with the ranks, and the ranks' metrics logged into it.
 
 Where the driver has an active run (``mlflow.start_run()``), every rank gets its tracking URI and
 run id (``MLFLOW_TRACKING_URI``, ``MLFLOW_RUN_ID``, ``MLFLOW_EXPERIMENT_ID``) and the driver's other
 ``MLFLOW_*`` settings, so ``mlflow.log_metric`` on a rank logs into that run instead of starting one
-per rank. mlflow is never imported here: a driver with an active run has imported it already.
+per rank. ``MetricsToMlflow`` logs every rank's metrics there too (docs/observability.md). mlflow is never imported
+here but by that writer's thread: a driver with an active run has imported it already.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import queue
 import sys
+import threading
+import time
+import warnings
 
 from ..._common import settings
+
+_QUEUE_ROWS = 4096  # rows waiting for a slow tracking server; past it, rows are dropped
+#: the row's numbers that go into MLflow, each as ``<name>/rank_<r>`` (runner/_service/metrics.py's rows)
+_MLFLOW_NAMES = ("steps", "steps_per_s", "negotiation_s_per_s", "transfer_s_per_s", "data_wait_s_per_s", "cpu_s_per_s",
+                 "rss_bytes")
 
 
 def _active_run():
@@ -69,3 +80,78 @@ def _absolute(uri: str) -> str:
     if ":" in uri or uri == "databricks":  # a URI (file:, sqlite:, http:, databricks://profile) or Databricks
         return uri
     return "file://" + os.path.abspath(uri)
+
+
+def metrics_to_mlflow(env: dict | None):
+    """The writer of the ranks' metrics into the driver's active MLflow run (``env``: ``tracking_env()``'s); None
+    without one, or with SPARKHVD_MLFLOW_METRICS_SECONDS=0."""
+    env = env or {}
+    run_id = env.get(settings.MLFLOW_RUN_ID.name)
+    interval = settings.MLFLOW_METRICS_SECONDS.get()
+    if not run_id or interval <= 0:
+        return None
+    return MetricsToMlflow(run_id, interval, env.get(settings.MLFLOW_TRACKING_URI.name))
+
+
+class MetricsToMlflow:
+    """Every rank's metrics into the driver's active MLflow run, one key per rank (``steps_per_s/rank_3``), at most
+    every ``interval`` seconds a rank, plus each rank's last row at the end. Written by a thread of its own, so a
+    slow tracking server never holds up the driver service; what it cannot write is dropped with one warning."""
+
+    def __init__(self, run_id: str, interval: float, tracking_uri: str | None = None):
+        self.run_id, self.interval, self.tracking_uri = run_id, interval, tracking_uri
+        self._queue: queue.Queue = queue.Queue(maxsize=_QUEUE_ROWS)
+        self._sent_at: dict = {}  # rank -> when its last row was queued
+        self._last: dict = {}  # rank -> its latest row, sent at close
+        self._warned = False
+        self._thread = threading.Thread(target=self._write, name="sparkhvd-mlflow-metrics", daemon=True)
+        self._thread.start()
+
+    def __call__(self, rank: int, row: dict) -> None:
+        """The latest row of ``rank`` (runner/_service/metrics.py); queued where its interval has passed."""
+        now = time.monotonic()
+        self._last[rank] = row
+        if now - self._sent_at.get(rank, -math.inf) < self.interval:
+            return
+        self._sent_at[rank] = now
+        self._put((rank, row))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Queue each rank's last row, and wait (bounded) for the writer to finish."""
+        for rank, row in sorted(self._last.items()):
+            self._put((rank, row))
+        self._put(None)
+        self._thread.join(timeout)
+
+    def _put(self, item) -> None:
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            pass  # the server is slower than the rows: drop, the next row says as much
+
+    def _write(self) -> None:
+        import mlflow
+        from mlflow.entities import Metric
+
+        client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
+        while (item := self._queue.get()) is not None:
+            rank, row = item
+            stamp = int(time.time() * 1000)
+            metrics = [Metric(f"{name}/rank_{rank}", float(value), stamp, int(row.get("steps") or 0))
+                       for name, value in mlflow_values(row).items()]
+            try:
+                client.log_batch(self.run_id, metrics=metrics)
+            except Exception as exc:  # noqa: BLE001 - the tracking server: never the run's failure
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(f"sparkhvd: could not log the ranks' metrics into MLflow run {self.run_id}: "
+                                  f"{type(exc).__name__}: {exc}; the run goes on, and RunResult.metrics has them.",
+                                  RuntimeWarning, stacklevel=1)
+
+
+def mlflow_values(row: dict) -> dict:
+    """The row's numbers MLflow gets, by name."""
+    values = {name: row.get(name) for name in _MLFLOW_NAMES}
+    gpu = row.get("gpu") or {}
+    values.update({f"gpu_{k}": v for k, v in gpu.items()})
+    return {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

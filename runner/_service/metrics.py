@@ -21,8 +21,9 @@ RATES = ("steps", "negotiation_s", "transfer_s", "data_wait_s", "cpu_s")
 class MetricsLog:
     """The run's metrics points; ``record`` is the driver service's ``on_metrics``. Thread-safe."""
 
-    def __init__(self, started: float | None = None):
+    def __init__(self, started: float | None = None, sink=None):
         self.started = time.monotonic() if started is None else started
+        self.sink = sink  # (rank, row) -> None: each new point's row as ``series`` makes it (the MLflow writer)
         self._points: dict = {}  # rank -> [(attempt, at, metrics)]
         self._lock = threading.Lock()
 
@@ -35,6 +36,9 @@ class MetricsLog:
             points.append((attempt, at, dict(metrics)))
             if len(points) > MAX_POINTS:
                 points[:] = points[::2] + ([points[-1]] if len(points) % 2 == 0 else [])
+            latest = points[-2:] if self.sink is not None else None
+        if latest:
+            self.sink(rank, _rows(latest, self.started)[-1])
 
     def points(self) -> list:
         """``(rank, attempt, at, metrics)`` of every point, for another log to take (runner/_policy/hosted.py)."""

@@ -178,7 +178,8 @@ def _check_ranks_log_into_the_driver_run(tmp_path, monkeypatch, np, **runner_kw)
             seen = client.get_run(run.info.run_id)
             assert seen.info.status == "RUNNING"  # a rank's exit did not end the driver's run
         assert values == [run.info.run_id] * abs(np)
-        assert seen.data.metrics == {"loss": 0.25}
+        assert {k: v for k, v in seen.data.metrics.items() if "/rank_" not in k} == {"loss": 0.25}  # besides the
+        # ranks' own metrics, which sparkhvd logs (tests/runner/payload/test_mlflow_metrics.py)
         assert seen.data.params == {"rank_env_run": run.info.run_id}
         assert [r.info.run_id for r in client.search_runs([run.info.experiment_id])] == [run.info.run_id]
         assert client.get_run(run.info.run_id).info.status == "FINISHED"

@@ -1,0 +1,53 @@
+"""Every rank's metrics into the driver's active MLflow run (runner/_payload/mlflow.py: MetricsToMlflow): real
+mlflow-skinny on a file store, real rank processes (np=-2), heartbeats every 0.3 s, a row per rank every 0.5 s."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparkhvd import HorovodRunner
+
+mlflow = pytest.importorskip("mlflow", reason="the mlflow extra: pip install 'sparkhvd[mlflow]'")
+
+STEPS = 15
+
+
+def _train(steps: int):
+    import time
+
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+
+    hvd.init()
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        time.sleep(0.1)
+    return hvd.rank()
+
+
+@pytest.mark.timeout(120)
+def test_each_ranks_metrics_go_into_the_drivers_run_keyed_by_rank_at_a_bounded_rate(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3 keeps the file store behind this switch
+    monkeypatch.setenv("SPARKHVD_HEARTBEAT_SECONDS", "0.3")
+    monkeypatch.setenv("SPARKHVD_MLFLOW_METRICS_SECONDS", "0.5")
+    mlflow.set_tracking_uri(f"file://{tmp_path}/mlruns")
+    try:
+        with mlflow.start_run() as run:
+            result = HorovodRunner(np=-2, driver_log_verbosity="log_callback_only").run_all(_train, steps=STEPS)
+        client = mlflow.MlflowClient()
+        keys = set(client.get_run(run.info.run_id).data.metrics)
+        for rank in (0, 1):
+            steps = client.get_metric_history(run.info.run_id, f"steps/rank_{rank}")
+            rows = len(result.metrics[rank])
+            assert 1 < len(steps) <= rows + 1, (len(steps), rows)  # bounded: not more than the heartbeats
+            assert steps[-1].value == STEPS and steps[-1].step == STEPS  # the last row, at the end
+            assert {f"steps_per_s/rank_{rank}", f"cpu_s_per_s/rank_{rank}", f"rss_bytes/rank_{rank}"} <= keys, keys
+        assert all(k.rsplit("/rank_", 1)[-1] in ("0", "1") for k in keys), keys
+    finally:
+        mlflow.set_tracking_uri(None)
