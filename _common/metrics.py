@@ -25,8 +25,14 @@ _seconds = {"check": 0.0, "data": 0.0, "loader": 0.0}
 _gpu: list = []  # [handle] once NVML has one for this rank's GPU; [None] where it has none
 
 
-def optimizer_step() -> None:
-    _counts["optimizer_steps"] += 1
+#: set on an optimizer while it steps a part of its parameters inside its own step (Adasum's per-parameter steps):
+#: those are not steps of their own
+INNER_STEP = "_sparkhvd_inner_step"
+
+
+def optimizer_step(optimizer=None) -> None:
+    if not getattr(optimizer, INNER_STEP, False):
+        _counts["optimizer_steps"] += 1
 
 
 def committed() -> None:

@@ -159,9 +159,10 @@ class HorovodRunner:
             raise
         log_dir = run_log_dir(run_id, cfg.log_dir)  # cfg.log_dir, or a new folder under the log root (_service/logs.py)
         logs = LogRouter(log_dir, cfg.driver_log_verbosity)
-        to_mlflow = metrics_to_mlflow(env)
-        metrics = MetricsLog(started, sink=to_mlflow)
+        to_mlflow = None
         try:
+            to_mlflow = metrics_to_mlflow(env)  # a bad SPARKHVD_MLFLOW_METRICS_SECONDS ends here, the lease released
+            metrics = MetricsLog(started, sink=to_mlflow)
             if commits.inherited and cfg.driver_log_verbosity == "all":
                 print(_inherited_line(run_id, storage, commits.inherited), flush=True)
             cluster = _Cluster(backend, cfg, run_id=run_id, payload=payload, logs=logs, commits=commits,

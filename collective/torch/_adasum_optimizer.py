@@ -18,6 +18,7 @@ import weakref
 
 import torch
 
+from ..._common import metrics as _metrics
 from .._core._allreduce import allreduce_async_
 from .._core._barrier import check
 from .._core._handles import synchronize
@@ -68,11 +69,13 @@ class _AdasumMixin(WrappedOptimizer):
         with torch.no_grad():
             start.copy_(p)
         stashed = [group["params"] for group in self.param_groups]
+        setattr(self, _metrics.INNER_STEP, True)  # not a step of its own (RunResult.metrics' optimizer steps)
         try:
             for group in self.param_groups:  # only want to step on p (Horovod's words)
                 group["params"] = [p] if any(p is v for v in group["params"]) else []
             super().step()
         finally:
+            setattr(self, _metrics.INNER_STEP, False)
             for group, params in zip(self.param_groups, stashed):
                 group["params"] = params
         with torch.no_grad():
@@ -105,6 +108,7 @@ class _AdasumMixin(WrappedOptimizer):
                 p.copy_(start)
         if failure is not None:
             raise failure
+        _metrics.optimizer_step()  # one step (torch's hooks ran per parameter, not for it: step.hooked below)
         return loss
 
     step.hooked = True  # torch.optim.Optimizer must not wrap it again: the base step runs its hooks per parameter

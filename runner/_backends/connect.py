@@ -19,6 +19,7 @@ import ipaddress
 import re
 import socket
 import threading
+import time
 
 from ..._common import settings
 from .._agent.agent import TaskSpec, run_task
@@ -231,6 +232,7 @@ class HostedLauncher(ConnectLauncher):
         self._blob = bytearray()
         self._size: int | None = None
         self._complete = threading.Event()
+        self.arrived_at: float | None = None  # time.monotonic() when partition 0's last row came
 
     def _task(self, spec) -> tuple:
         """``spec``: a HostedAttempt, whose ``host`` runs in partition 0's task."""
@@ -242,6 +244,7 @@ class HostedLauncher(ConnectLauncher):
                 self._blob += row[0]
                 self._size = self._size or expected_size(bytes(self._blob[:64]))
                 if len(self._blob) >= self._size:
+                    self.arrived_at = time.monotonic()  # what task 0's clock is shifted to (its "now" in the blob)
                     self._complete.set()
 
     def rows(self, wait: float) -> bytes | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from ..._common.network import local_address
 from .._agent.agent import run_task
 from .._shared.signed import chunks
 
@@ -40,7 +41,20 @@ def hosting_task(attempt, batches):
     if partition:
         run_agent(json.loads(ctx.allGather("")[0]))
         return
-    host = ctx.getTaskInfos()[partition].address.rsplit(":", 1)[0]  # where Spark reaches this executor
-    blob = attempt.host(host, lambda address: ctx.allGather(json.dumps(list(address))), run_agent)
+    blob = attempt.host(_serving_address(ctx), lambda address: ctx.allGather(json.dumps(list(address))), run_agent)
     for chunk in chunks(blob):
         yield pa.RecordBatch.from_pydict({"chunk": [chunk]}, schema=pa.schema([("chunk", pa.binary())]))
+
+
+def _serving_address(ctx) -> str:
+    """Where partition 0's task serves: its address toward another task's executor (a hostname may resolve to
+    loopback on its own host, as Debian's 127.0.1.1), or its executor's address where every task shares it."""
+    hosts = [info.address.rsplit(":", 1)[0] for info in ctx.getTaskInfos()]
+    own = hosts[ctx.partitionId()]
+    other = next((h for h in hosts if h != own), None)
+    if other is None:
+        return own
+    try:
+        return local_address(other)
+    except OSError:  # no route this host can tell: Spark's name for the executor, as before
+        return own

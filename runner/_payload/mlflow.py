@@ -101,7 +101,7 @@ class MetricsToMlflow:
     def __init__(self, run_id: str, interval: float, tracking_uri: str | None = None):
         self.run_id, self.interval, self.tracking_uri = run_id, interval, tracking_uri
         self._queue: queue.Queue = queue.Queue(maxsize=_QUEUE_ROWS)
-        self._sent_at: dict = {}  # rank -> when its last row was queued
+        self._sent_at: dict = {}  # rank -> the ``t`` of its last row queued
         self._last: dict = {}  # rank -> its latest row, sent at close
         self._warned = False
         self._thread = threading.Thread(target=self._write, name="sparkhvd-mlflow-metrics", daemon=True)
@@ -109,11 +109,11 @@ class MetricsToMlflow:
 
     def __call__(self, rank: int, row: dict) -> None:
         """The latest row of ``rank`` (runner/_service/metrics.py); queued where its interval has passed."""
-        now = time.monotonic()
+        at = row.get("t", 0.0)  # the row's own time: a hosted attempt's rows come all at once, at its end
         self._last[rank] = row
-        if now - self._sent_at.get(rank, -math.inf) < self.interval:
+        if at - self._sent_at.get(rank, -math.inf) < self.interval:
             return
-        self._sent_at[rank] = now
+        self._sent_at[rank] = at
         self._put((rank, row))
 
     def close(self, timeout: float = 10.0) -> None:

@@ -31,7 +31,7 @@ from typing import Callable
 import cloudpickle
 
 from .._agent.spec import TaskSpec
-from .._service.commit_store import Commit
+from .._service.commit_store import Commit, remove_commit
 from .._service.logs import LogRouter
 from .._service.metrics import MetricsLog
 from .._service.service import DriverService
@@ -113,7 +113,14 @@ class HostedAttempt:
                    "milestones": dict(service.milestones), "restored": restored[:1], "output": logs.calls,
                    "dropped": logs.dropped, "notes": notes.getvalue(),
                    "commits": list(commits.sent.values()), "metrics": metrics.points(), "now": time.monotonic()}
-        return sign(self.task.secret, pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL))
+        return sign(self.task.secret, pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL),
+                    label=outcome_label(self))
+
+
+def outcome_label(attempt: HostedAttempt) -> bytes:
+    """What the outcome's signature covers besides its body: which run and attempt it is, so that no other signed
+    bytes of the run (another attempt's outcome, say) pass for it."""
+    return f"sparkhvd hosted outcome {attempt.run_id} {attempt.attempt}".encode()
 
 
 def watch_attempt(service, watch: Watch) -> tuple[Ended, RunStatus]:
@@ -158,8 +165,8 @@ class _TaskLogs(LogRouter):
 
 class _TaskCommits:
     """Task 0's commits: the newest of each state from earlier attempts (from the client), and the newest that rank
-    0 sends now, kept for the client (``sent``). It never removes a file: the client's ``CommitStore`` does that, as
-    it takes them."""
+    0 sends now, kept for the client (``sent``). A commit file this attempt made and a newer one replaced is removed
+    here (the client never hears of it); the rest are the client's ``CommitStore``'s to keep or remove."""
 
     def __init__(self, seeded):
         self._lock = threading.Lock()
@@ -174,7 +181,10 @@ class _TaskCommits:
             if old is not None and old.meta.get("attempt") == attempt and old.meta.get("seq", 0) >= seq:
                 return False
             self._commits[key] = Commit(meta=dict(meta, attempt=attempt, at=time.monotonic()), blob=blob)
+            replaced = self.sent.get(key)
             self.sent[key] = (dict(meta), blob, attempt)
+        if replaced is not None and replaced[0].get("path") and replaced[0].get("path") != meta.get("path"):
+            remove_commit(replaced[0])  # this attempt's own older commit in commit_dir: no one else knows of it
         return True
 
     def get(self, key: str) -> Commit | None:
@@ -218,7 +228,8 @@ class _Stage:
 
     def failure(self) -> str | None:
         error = self.agent.error
-        return None if error is None else f"rank 0's task agent failed: {type(error).__name__}: {error}"
+        return None if error is None else (f"rank 0's task agent failed: {type(error).__name__}: {error}; its "
+                                           "traceback is in the Spark executor log of the stage's partition 0")
 
     def lost(self, unfinished: list) -> str | None:
         return None
@@ -282,20 +293,24 @@ class RemoteService:
         failure, as the driver service's watch would report it."""
         blob = self.launcher.rows(wait)
         if blob is None:
-            failure = self.launcher.failure()
-            if failure is None and not self.launcher.join(0):
+            failure, ended = self.launcher.failure(), self.launcher.join(0)
+            blob = self.launcher.rows(0)  # the rows may have come meanwhile: they win over the stage's end
+        if blob is None:
+            if failure is None and not ended:
                 return None
-            failure = failure or "the stage ended, but rank 0's task reported nothing"
+            failure = failure or ("the stage ended, but rank 0's task sent back nothing; look in the Spark executor "
+                                  "log of the stage's partition 0 for why it ended")
             error = failure_error(self, self.logs, [], {}, failure, None, self.attempt.run_id, self.launcher)
             return SimpleNamespace(ended=Ended(FAILED, error), status=self.status(),
                                    watch=SimpleNamespace(preempted=None, preempted_at=None, stamps={}))
         if not self.launcher.join(STOP_WAIT_S):  # a task outlived its ranks: cancel the stage before going on
             self.launcher.stop()
             self.launcher.join(STOP_WAIT_S)
-        return self._taken(pickle.loads(verified(self.attempt.task.secret, blob)))  # verified: the run's own
+        body = verified(self.attempt.task.secret, blob, label=outcome_label(self.attempt))
+        return self._taken(pickle.loads(body), arrived=getattr(self.launcher, "arrived_at", None))  # verified
 
-    def _taken(self, outcome: dict):
-        shift = time.monotonic() - outcome["now"]  # task 0's clock to this one's
+    def _taken(self, outcome: dict, arrived: float | None = None):
+        shift = (arrived or time.monotonic()) - outcome["now"]  # task 0's clock to this one's, when its rows came
 
         def here(t):
             return None if t is None else t + shift

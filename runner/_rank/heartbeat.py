@@ -43,6 +43,8 @@ class Heartbeat:
         self._secret = secret
         self._settings = {s.name: s.raw() for s in FORWARDED_SETTINGS if s.raw() is not None}
         self._wake = threading.Event()  # a change of state is sent at once, not at the next beat
+        self._sent = threading.Condition()
+        self._sent_state: str | None = None  # the state of the latest beat the driver has
         self._thread = threading.Thread(target=self._run, name="sparkhvd-heartbeat", daemon=True)
 
     @classmethod
@@ -60,9 +62,13 @@ class Heartbeat:
         self.state = RUNNING
         self._wake.set()
 
-    def finishing(self) -> None:
+    def finishing(self, timeout: float = 0.0) -> None:
+        """The function returned: send a beat at once, and wait up to ``timeout`` s until it is sent, so that the
+        driver has the rank's final metrics before its result."""
         self.state = FINISHING
         self._wake.set()
+        with self._sent:
+            self._sent.wait_for(lambda: self._sent_state == FINISHING, timeout)
 
     def message(self) -> Progress:
         """One heartbeat."""
@@ -76,8 +82,12 @@ class Heartbeat:
             try:
                 if client is None:
                     client = ServiceClient(self._address, self._secret, connect_timeout=_RECONNECT_TIMEOUT_S)
-                client.tell(self.message())
+                beat = self.message()
+                client.tell(beat)
                 failures = 0
+                with self._sent:
+                    self._sent_state = beat.state
+                    self._sent.notify_all()
             except (OSError, ConnectionError) as exc:  # evicted by a flooded listener, or the driver is gone
                 if client is not None:
                     client.close()

@@ -25,7 +25,7 @@ def _register(torch) -> None:
     except ImportError:  # a torch without the global hook: steps are then commits or collectives
         return
     global hook
-    hook = register_optimizer_step_post_hook(lambda opt, args, kwargs: _metrics.optimizer_step())
+    hook = register_optimizer_step_post_hook(lambda opt, args, kwargs: _metrics.optimizer_step(opt))
 
 
 hook = None  # torch's handle of the registered hook (bench/metrics_overhead.py removes it to time steps without)

@@ -80,7 +80,7 @@ def main() -> int:
     except BaseException as exc:  # noqa: BLE001 - the user's failure, reported whole
         _failed(client, rank, exc)
         return FAILED_EXIT_CODE
-    beat.finishing()
+    beat.finishing(timeout=1.0)  # its final metrics reach the driver before its result
     _context.before_exit()
     _commits.flush(_FINISHED_FLUSH_S)  # should another rank still fail, the restart resumes from the newest commit
     return _ship(client, rank, value)

@@ -127,7 +127,7 @@ class CommitStore:
         elif old is not None:
             _remove_file(old.spilled)
             if old.meta.get("path") and old.meta.get("path") != meta.get("path"):
-                _remove_commit(old.meta)
+                remove_commit(old.meta)
         return True
 
     def _record(self, key: str, old: Commit | None) -> None:
@@ -148,7 +148,7 @@ class CommitStore:
                         "an older commit.", self.run_id, self.storage.url, type(exc).__name__, exc)
             return
         for meta in dropped:
-            _remove_commit(meta)
+            remove_commit(meta)
 
     def _retained(self, metas: list, n: int) -> tuple[list, list]:
         """Of one state's commits (newest first): the newest ``n`` and the best by ``keep_best``, and the rest."""
@@ -233,7 +233,7 @@ class CommitStore:
             for key in kept:
                 kept[key], dropped = self._retained(kept[key], self.keep)
                 for meta in dropped:
-                    _remove_commit(meta)
+                    remove_commit(meta)
             self.storage.record(kept)
         except Exception as exc:  # noqa: BLE001 - a store the driver cannot reach: say so, keep going
             log.warning("sparkhvd: could not end run %s's folder in %s: %s", self.run_id, self.storage.url, exc)
@@ -260,7 +260,7 @@ def _remove_file(path: str | None) -> None:
             pass
 
 
-def _remove_commit(meta: dict) -> None:
+def remove_commit(meta: dict) -> None:
     """Remove a commit's file and, for a sharded state, its folder of shards."""
     _remove_path(meta["path"])
     remove_shards(meta.get("shards"))

@@ -5,7 +5,7 @@ Each beat's totals are kept with the attempt and the time they arrived, up to ``
 every other point of that rank is dropped, so a long run keeps its whole span at a coarser grain. ``series`` turns
 them into plain rows per rank: the totals, ``steps`` (the rank's optimizer steps where it made any, else its
 ``hvd.elastic`` commits, else its finished collectives) and the rates since the rank's previous row of the same
-attempt.
+attempt, over the rank's own clock (``clock_s``).
 """
 
 from __future__ import annotations
@@ -67,11 +67,16 @@ def _rows(points: list, started: float) -> list:
     rows, previous = [], None
     for attempt, at, metrics in points:
         row = {"t": round(at - started, 3), "attempt": attempt, **metrics, "steps": metrics.get(source) or 0}
-        same = previous is not None and previous["attempt"] == attempt and row["t"] > previous["t"]
+        elapsed = None
+        if previous is not None and previous["attempt"] == attempt:
+            clocks = (row.get("clock_s"), previous.get("clock_s"))  # the rank's own clock, where it sends one
+            elapsed = (clocks[0] - clocks[1] if all(isinstance(c, (int, float)) for c in clocks)
+                       else row["t"] - previous["t"])
         for name in RATES:
             rate = None
-            if same and isinstance(row.get(name), (int, float)) and isinstance(previous.get(name), (int, float)):
-                rate = round((row[name] - previous[name]) / (row["t"] - previous["t"]), 6)
+            if elapsed and elapsed > 0 and isinstance(row.get(name), (int, float)) \
+                    and isinstance(previous.get(name), (int, float)):
+                rate = round((row[name] - previous[name]) / elapsed, 6)
             row[f"{name}_per_s"] = rate
         rows.append(row)
         previous = row

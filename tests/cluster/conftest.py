@@ -44,7 +44,10 @@ def cluster():
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"no cluster testbed here: {reason}")
-    testbed = Cluster(HOSTS, python=sys.executable, host_env={1: {"CUDA_VISIBLE_DEVICES": HOST_B_VISIBLE_DEVICES}})
+    # 3 cores a worker: the driver's executor takes 2 (and both GPUs), which leaves one for a second application's
+    # executor beside it (test_cluster_connect.py's Spark Connect server) without stopping the driver
+    testbed = Cluster(HOSTS, cores=3, python=sys.executable,
+                      host_env={1: {"CUDA_VISIBLE_DEVICES": HOST_B_VISIBLE_DEVICES}})
     atexit.register(testbed.close)
     previous = {}
     if threading.current_thread() is threading.main_thread():

@@ -5,8 +5,8 @@ running a real Spark Connect server whose executors run on the testbed's hosts. 
 "laptop" (198.18.0.201), linked to the driver node alone by a veth pair: the client reaches the server, and no
 host has a route to the client. sparkhvd's pre-flight sees that spark.driver.host is not an address of the
 client, and rank 0's task hosts the run's service. Each rank checks it cannot reach the client's address; the
-values, the ranks' output and a rank's own error come back through the stage's rows. The testbed's own driver is
-stopped for the test (its executors hold the hosts' cores) and started again after it.
+values, the ranks' output and a rank's own error come back through the stage's rows. The server's executors take
+the core each worker has beside the testbed driver's executor (conftest.py), one executor a host.
 """
 
 from __future__ import annotations
@@ -111,18 +111,17 @@ def _connect_server(cluster, node: str, folder: str):
 
 @pytest.fixture
 def connect_off_the_cluster(cluster):
-    """(the server's URL, the laptop's namespace, the server's log); the testbed's driver back afterwards."""
-    from .conftest import FAULT_SETTINGS
-
-    cluster.driver.close()
-    cluster.driver = None
+    """(the server's URL, the laptop's namespace, the server's log); its executors gone afterwards, so that the
+    next tests find one executor a host."""
     folder = tempfile.mkdtemp(prefix="sparkhvd-connect-node-", dir=cluster.base_dir)
     try:
         with _namespaces(cluster) as (node, laptop), _connect_server(cluster, node, folder) as (url, log_path):
             yield url, laptop, log_path
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-        cluster.restart_driver(executor_env=FAULT_SETTINGS)
+        deadline = time.monotonic() + 30
+        while any(len(cluster.executor_pids(h)) > 1 for h in cluster.hosts) and time.monotonic() < deadline:
+            time.sleep(0.2)
 
 
 def test_a_connect_client_the_executors_cannot_reach_runs_with_rank_0s_task_hosting_the_service(

@@ -11,7 +11,7 @@ from sparkhvd.runner._service.metrics import MAX_POINTS, MetricsLog
 STEPS = 12
 
 
-def _train_with_the_distributed_optimizer(steps: int):
+def _train_with_the_distributed_optimizer(steps: int, adasum: bool = False):
     import time
 
     import torch
@@ -21,7 +21,7 @@ def _train_with_the_distributed_optimizer(steps: int):
     hvd.init()
     model = torch.nn.Linear(8, 1)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                   named_parameters=model.named_parameters())
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum if adasum else hvd.Average)
     for _ in range(steps):
         opt.zero_grad()
         model(torch.randn(4, 8)).sum().backward()
@@ -31,9 +31,10 @@ def _train_with_the_distributed_optimizer(steps: int):
 
 
 @pytest.mark.timeout(120)
-def test_each_ranks_steps_collective_time_cpu_and_memory_come_back_with_no_user_code(monkeypatch):
+@pytest.mark.parametrize("adasum", [False, True], ids=["average", "adasum"])  # Adasum steps each parameter inside
+def test_each_ranks_steps_collective_time_cpu_and_memory_come_back_with_no_user_code(monkeypatch, adasum):
     monkeypatch.setenv("SPARKHVD_HEARTBEAT_SECONDS", "0.3")
-    result = HorovodRunner(np=-2).run_all(_train_with_the_distributed_optimizer, steps=STEPS)
+    result = HorovodRunner(np=-2).run_all(_train_with_the_distributed_optimizer, steps=STEPS, adasum=adasum)
     assert sorted(result.metrics) == [0, 1], result.metrics
     for rank, rows in result.metrics.items():
         assert len(rows) >= 2, rows  # beats while it ran, and the last as it finished
