@@ -5,7 +5,8 @@ running a real Spark Connect server whose executors run on the testbed's hosts. 
 "laptop" (198.18.0.201), linked to the driver node alone by a veth pair: the client reaches the server, and no
 host has a route to the client. sparkhvd's pre-flight sees that spark.driver.host is not an address of the
 client, and rank 0's task hosts the run's service. Each rank checks it cannot reach the client's address; the
-values, the ranks' output and a rank's own error come back through the stage's rows. The server's executors take
+values and the ranks' output come back through the stage's rows (errors and restarts through them:
+tests/runner/backends/test_spark_connect.py's hosted case). The server's executors take
 the core each worker has beside the testbed driver's executor (conftest.py), one executor a host.
 """
 
@@ -132,7 +133,7 @@ def test_a_connect_client_the_executors_cannot_reach_runs_with_rank_0s_task_host
     started = time.monotonic()
     done = subprocess.run(["ip", "netns", "exec", laptop, sys.executable, os.path.join(HERE, "_connect_client.py"),
                            url, CLIENT], env=env, capture_output=True, text=True, timeout=240, cwd=cluster.base_dir)
-    print(f"\n[cluster] the client off the cluster: {time.monotonic() - started:.1f} s for both runs", flush=True)
+    print(f"\n[cluster] the client off the cluster: {time.monotonic() - started:.1f} s for its run", flush=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}\n{_tail(log_path, 30)}"
     got = json.loads(lines[-1][len("RESULT "):])
@@ -146,4 +147,3 @@ def test_a_connect_client_the_executors_cannot_reach_runs_with_rank_0s_task_host
     for rank, v in enumerate(values):
         assert f"rank {rank} on {v['host']}" in got["logs"][str(rank)], got["logs"]  # the output, in the rows
         assert f"[{rank}] rank {rank} on {v['host']}" in done.stdout  # and printed on the client
-    assert got["error"].splitlines()[0].endswith("failed: rank 1: KeyError: 'no such column: label'"), got["error"]
