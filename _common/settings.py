@@ -312,6 +312,19 @@ METRICS = Setting("SPARKHVD_METRICS", True, flag(
     "line); read by each rank.", shown="`1`")
 
 
+def _live_view(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("auto", "off"):
+        raise Invalid("is not auto or off", "use auto (the default: a live view in a notebook or a terminal) or off.")
+    return value
+
+
+LIVE_VIEW = Setting("SPARKHVD_LIVE_VIEW", "auto", _live_view,
+                    "`auto`: while a run goes on, a notebook shows a table of its ranks updated in place, and a "
+                    "terminal one status line (not under driver_log_verbosity=\"log_callback_only\", nor where output "
+                    "is neither); `off`: neither. Read on the driver.")
+
+
 section("Stragglers (runner/_policy/stragglers.py)")
 
 STRAGGLER_FACTOR = Setting("SPARKHVD_STRAGGLER_FACTOR", 1.5, seconds(

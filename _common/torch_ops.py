@@ -40,7 +40,9 @@ def snapshot() -> tuple[list, int]:
     moves, only each group's counts are read (cheap); the unfinished ops, only once it stands still."""
     global _last_done
     dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
+    if dist is None or getattr(getattr(dist, "__spec__", None), "_initializing", False):
+        return [], 0  # not imported, or being imported on the main thread now: not yet in use either
+    if not dist.is_available() or not dist.is_initialized():
         return [], 0
     try:
         import torch._C._distributed_c10d as c10d

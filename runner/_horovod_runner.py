@@ -23,6 +23,7 @@ from ._payload.function import pickle_function, size
 from ._payload.mlflow import metrics_to_mlflow, shared_run
 from ._payload.script import as_payload
 from ._policy.hosted import HostedAttempt, RemoteService
+from ._policy.live import HEARTBEAT_S, live_view
 from ._policy.policy import RunPolicy
 from ._policy.result import RestartEvent, RunResult
 from ._policy.stragglers import Stragglers, straggler_settings
@@ -159,24 +160,28 @@ class HorovodRunner:
             raise
         log_dir = run_log_dir(run_id, cfg.log_dir)  # cfg.log_dir, or a new folder under the log root (_service/logs.py)
         logs = LogRouter(log_dir, cfg.driver_log_verbosity)
-        to_mlflow = None
+        to_mlflow = live = None
         try:
+            live = live_view(run_id, cfg.driver_log_verbosity, logs)  # a notebook's table, a terminal's status line
             to_mlflow = metrics_to_mlflow(env)  # a bad SPARKHVD_MLFLOW_METRICS_SECONDS ends here, the lease released
             metrics = MetricsLog(started, sink=to_mlflow)
             if commits.inherited and cfg.driver_log_verbosity == "all":
                 print(_inherited_line(run_id, storage, commits.inherited), flush=True)
             cluster = _Cluster(backend, cfg, run_id=run_id, payload=payload, logs=logs, commits=commits,
                                every_value=every_value, env=env, bind_host=bind_host, preload=preload,
-                               metrics=metrics)
+                               metrics=metrics, live=live is not None)
             policy = RunPolicy(cluster, logs, np=np, start_timeout=cfg.start_timeout, run_id=run_id,
                                max_restarts=cfg.max_restarts, min_np=cfg.min_np, max_np=cfg.max_np,
                                retry_on=cfg.retry_names(), max_retries=cfg.max_retries,
                                max_preemptions=cfg.max_preemptions,
-                               stragglers=functools.partial(Stragglers, run_id=run_id, **straggler_settings()))
+                               stragglers=functools.partial(Stragglers, run_id=run_id, **straggler_settings()),
+                               live=live)
             status = policy.run()
             result = _result(status, logs, run_id, payload, started, every_value, policy.restarts)
             succeeded = True
         finally:
+            if live is not None:
+                live.close(ok=succeeded)
             if to_mlflow is not None:
                 to_mlflow.close()
             commits.close(succeeded=succeeded)
@@ -194,11 +199,13 @@ class _Cluster:
 
     def __init__(self, backend: Backend, cfg: RunnerConfig, *, run_id: str, payload: bytes, logs: LogRouter,
                  commits: CommitStore, every_value: bool, env: dict | None, bind_host: str = "127.0.0.1",
-                 preload: tuple = (), metrics: MetricsLog | None = None):
+                 preload: tuple = (), metrics: MetricsLog | None = None, live: bool = False):
         self.backend, self.cfg, self.run_id, self.payload = backend, cfg, run_id, payload
         self.logs, self.commits, self.every_value = logs, commits, every_value
         hidden = {} if cfg.use_gpu else {settings.CUDA_VISIBLE_DEVICES.name: ""}  # as TorchDistributor(use_gpu=False)
-        self.env = tuple({**_forwarded_settings(), **hidden, **(env or {})}.items())
+        # a live view redraws every second: the ranks' heartbeats bring its figures that often, unless set otherwise
+        beat = {settings.HEARTBEAT.name: f"{HEARTBEAT_S:g}"} if live and settings.HEARTBEAT.raw() is None else {}
+        self.env = tuple({**_forwarded_settings(), **hidden, **beat, **(env or {})}.items())
         self.verbose = cfg.driver_log_verbosity == "all"
         self.secret = new_secret()  # one per run: every attempt's service and ranks share it
         self.bind_host = bind_host

@@ -9,9 +9,11 @@ burst when the run returned.
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import shutil
+import struct
 import sys
 import tempfile
 
@@ -104,7 +106,7 @@ def test_quickstart_torch(jupyter_env):
     assert len(losses(debug, r"^\[0\] epoch \d loss (\S+)$")) == 2
     assert "returned 4 tensors: ['0.weight', '0.bias', '2.weight', '2.bias']" in debug
 
-    index = cell_with(nb, "HorovodRunner(np=2).run(train,")
+    index = cell_with(nb, "runner.run(train, lr=0.05")
     out = texts(nb.cells[index])
     epoch_losses = losses(out, r"^\[0\] epoch \d loss (\S+)$")
     assert len(epoch_losses) == 5 and epoch_losses[-1] < epoch_losses[0] and epoch_losses[-1] < 0.05, out
@@ -127,6 +129,35 @@ def test_quickstart_torch(jupyter_env):
     assert first["header"]["date"] < messages[carrying[-1]]["header"]["date"] < messages[reply]["header"]["date"]
     last_output = max(i for i, kind in enumerate(kinds) if kind == "stream")
     assert "checkpoints:" in messages[last_output]["content"]["text"] and carrying[0] < last_output
+
+    # The live view (runner/_policy/live.py): one output area of the cell, created while the run went on and
+    # updated in place, a row per rank; its last state says the run finished.
+    shown = [m for m in messages if m["msg_type"] in ("display_data", "update_display_data")
+             and "sparkhvd run" in m["content"]["data"].get("text/plain", "")]
+    assert shown and shown[0]["msg_type"] == "display_data", kinds
+    display_id = shown[0]["content"]["transient"]["display_id"]
+    updates = [m for m in shown[1:] if m["msg_type"] == "update_display_data"]
+    assert len(updates) >= 2 and all(m["content"]["transient"]["display_id"] == display_id for m in updates)
+    assert messages.index(updates[0]) < carrying[-1] < reply  # drawn before the last epoch's line: live
+    final = shown[-1]["content"]["data"]
+    table = final["text/plain"].splitlines()
+    assert re.fullmatch(r"sparkhvd run \w+: 2 ranks, finished, \d+ s", table[0]), table
+    assert table[1].split()[:4] == ["rank", "host", "steps", "steps/s"]
+    assert [row.split()[0] for row in table[2:]] == ["0", "1"], table
+    assert re.search(r"^0 .*\s160\s.*epoch 4 loss", table[2]), table  # 5 epochs of 32 steps; rank 0's last line
+    assert "<table" in final["text/html"] and final["text/html"].count("<tr>") == 3
+    assert not [out for out in nb.cells[index].outputs if out.output_type == "display_data"
+                and "sparkhvd run" not in out["data"].get("text/plain", "")]
+
+    metrics_cell = nb.cells[cell_with(nb, "sparkhvd.plot(result)")]
+    summary = texts(metrics_cell)
+    assert re.search(r"^rank 0: 160 steps, [\d.]+ CPU-s, \d+ MiB, \d+ heartbeats$", summary, re.M), summary
+    assert re.search(r"^rank 1: 160 steps, ", summary, re.M), summary
+    pngs = [out for out in metrics_cell.outputs if "image/png" in out.get("data", {})]
+    assert len(pngs) == 1, metrics_cell.outputs
+    png = base64.b64decode(pngs[0]["data"]["image/png"])
+    width, height = struct.unpack(">II", png[16:24])  # sparkhvd.plot's 800x400, cropped to what it drew (inline)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and 600 <= width <= 800 and 300 <= height <= 400 and len(png) > 10_000
 
     evaluation = texts(nb.cells[cell_with(nb, "model.load_state_dict(state)")])
     test_mse, baseline = map(float, re.search(r"test MSE (\S+) \(predicting the mean: (\S+)\)", evaluation).groups())

@@ -125,7 +125,7 @@ class RunPolicy:
     def __init__(self, cluster: Cluster, logs, *, np: int, start_timeout: float, run_id: str, max_restarts: int = 0,
                  min_np: int | None = None, max_np: int | None = None, stalls=StallInspector, clock=time.monotonic,
                  retry_on: tuple = (), max_retries: int = 0, max_preemptions: int | None = None,
-                 stragglers=None):
+                 stragglers=None, live=None):
         self.cluster, self.logs, self.run_id = cluster, logs, run_id
         self.np, self.min_np, self.start_timeout = np, min_np, start_timeout
         self.attempts = max_restarts + 1
@@ -136,6 +136,7 @@ class RunPolicy:
         self.used = {RESTARTS: 0, RETRIES: 0, PREEMPTIONS: 0, MESH: 0}
         self.stalls = stalls  # (np=, run_id=, log_dir=) -> a stall inspector for one attempt
         self.stragglers = stragglers  # () -> the straggler line's watcher for one attempt (stragglers.py); None: none
+        self.live = live  # the run's live view (live.py), drawn from every attempt's polls; None: none
         self.clock = clock
         self.state = RunState.START
         self.history: list[RunState] = [self.state]  # every state entered, in order
@@ -183,7 +184,9 @@ class RunPolicy:
         self.watch = Watch(self.service, self.launcher, self.logs, np=self.n, start_timeout=self.start_timeout,
                            run_id=self.run_id, can_grow=can_grow, clock=self.clock, retry_on=self.retry_on,
                            stalls=self.stalls(np=self.n, run_id=self.run_id, log_dir=self.logs.log_dir),
-                           stragglers=None if self.stragglers is None else self.stragglers())
+                           stragglers=None if self.stragglers is None else self.stragglers(),
+                           live=None if self.live is None else functools.partial(self.live.check,
+                                                                                   attempt=self.attempt))
         self.status = None
         return RunState.WAIT
 

@@ -54,11 +54,12 @@ class Watch:
     """The rules of one attempt, applied to one ``RunStatus`` at a time; keeps the times they need."""
 
     def __init__(self, service, launcher, logs, *, np: int, start_timeout: float, run_id: str, stalls,
-                 can_grow=None, clock=time.monotonic, retry_on: tuple = (), stragglers=None):
+                 can_grow=None, clock=time.monotonic, retry_on: tuple = (), stragglers=None, live=None):
         self.service, self.launcher, self.logs = service, launcher, logs
         self.np, self.start_timeout, self.run_id = np, start_timeout, run_id
         self.stalls = stalls  # the stall report and lost ranks (_stall_inspector.StallInspector)
         self.stragglers = stragglers  # the straggler line (stragglers.Stragglers); None: none
+        self.live = live  # (status) -> None: the run's live view (live.py) drawn from each poll; None: none
         self.can_grow = can_grow  # () -> whether Spark has task slots for more ranks; None: the run cannot grow
         self.retry_on = retry_on  # module.qualname of the exception classes the run retries (failure_report.retried)
         self.clock = clock
@@ -90,7 +91,7 @@ class Watch:
 
     def running(self, status: RunStatus) -> Ended | None:
         """One poll once every rank has its place (the SUPERVISE state): how the attempt ended, or None."""
-        self._check_stragglers(status)
+        self._observe(status)
         launch_failure = self.launcher.failure()
         dead = status.dead()
         if status.finished():
@@ -127,16 +128,19 @@ class Watch:
             return self._exiting(status)
         return None
 
-    def _check_stragglers(self, status: RunStatus) -> None:
-        if self.stragglers is None:
-            return
-        try:
-            self.stragglers.check(status)
-        except Exception as exc:  # noqa: BLE001 - a diagnostic must not take the run down
-            self.stragglers = None
-            warnings.warn(f"sparkhvd run {self.run_id}: the straggler check failed ({type(exc).__name__}: {exc}) "
-                          "and is off for the rest of this attempt; please report it with the run's logs.",
-                          RuntimeWarning, stacklevel=2)
+    def _observe(self, status: RunStatus) -> None:
+        """The straggler check and the live view read the poll's status; one that fails is off from then on."""
+        for name, what in (("stragglers", "the straggler check"), ("live", "the live view")):
+            observer = getattr(self, name)
+            if observer is None:
+                continue
+            try:
+                observer.check(status) if name == "stragglers" else observer(status)
+            except Exception as exc:  # noqa: BLE001 - a diagnostic must not take the run down
+                setattr(self, name, None)
+                warnings.warn(f"sparkhvd run {self.run_id}: {what} failed ({type(exc).__name__}: {exc}) and is off "
+                              "for the rest of this attempt; please report it with the run's logs.",
+                              RuntimeWarning, stacklevel=2)
 
     def interrupted(self) -> None:
         """Ctrl-C on the driver: stop every rank before the KeyboardInterrupt goes on."""

@@ -154,6 +154,15 @@ class LogRouter:
         with self._lock:
             return list(self._tails.get(rank, ()))
 
+    def last_line(self, rank: int) -> str:
+        """What the rank printed last: the state of a progress bar it is drawing, else its last line ("" before any)."""
+        with self._lock:
+            bars = [state for (r, _), state in self._bars.items() if r == rank]
+            if bars:
+                return bars[-1]
+            tail = self._tails.get(rank)
+            return tail[-1] if tail else ""
+
     def paths(self) -> dict:
         with self._lock:
             return {rank: self.path(rank) for rank in sorted(self._files)}

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 def test_a_rank_slowed_on_one_host_is_named_with_its_host_and_gpu(cluster, no_leftover_ranks):
     slow = NP - 1
-    outcome = cluster.driver.run("straggler", NP, slow_rank=slow, steps=40, sleep=0.1, timeout=180,
+    outcome = cluster.driver.run("straggler", NP, slow_rank=slow, steps=80, sleep=0.1, timeout=180,
                                  driver_env={"SPARKHVD_STRAGGLER_WINDOW_SECONDS": "2"})
     _assert_ok(outcome)
     _print_seconds("a straggler named", outcome)
