@@ -23,6 +23,10 @@ ON = True
 _counts = {"optimizer_steps": 0, "commits": 0}
 _seconds = {"check": 0.0, "data": 0.0, "loader": 0.0}
 _gpu: list = []  # [handle] once NVML has one for this rank's GPU; [None] where it has none
+#: SPARKHVD_MLFLOW_SYSTEM_METRICS: whether each snapshot carries MLflow's own system metrics of this host (the
+#: driver's active MLflow run logs them); set per rank as ``ON`` is
+SYSTEM = False
+_system: list = []  # [(psutil, the network's first counts)] once read; [None] without psutil
 
 
 #: set on an optimizer while it steps a part of its parameters inside its own step (Adasum's per-parameter steps):
@@ -57,7 +61,38 @@ def snapshot(collectives: int) -> dict:
             "collectives": collectives, "negotiation_s": round(_seconds["check"], 6),
             "transfer_s": round(_seconds["data"], 6), "data_wait_s": round(_seconds["loader"], 6),
             "cpu_s": round(time.process_time(), 3), "rss_bytes": _rss(), "gpu": _gpu_now(),
-            "clock_s": round(time.monotonic(), 6)}
+            "clock_s": round(time.monotonic(), 6), **({"system": _system_now()} if SYSTEM else {})}
+
+
+def _system_now() -> dict | None:
+    """This host's system metrics now, by the names and in the units of MLflow's own (``mlflow.system_metrics``' CPU,
+    disk and network monitors), read with psutil as they are: importing mlflow in a rank would take seconds of its
+    CPU (8 s on the 2-core test machine under load). The network's bytes count from the rank's first reading. None
+    without psutil."""
+    if not _system:
+        try:
+            import psutil
+
+            net = psutil.net_io_counters()
+            _system.append((psutil, net.bytes_recv, net.bytes_sent))
+        except Exception:  # noqa: BLE001 - no psutil where this rank runs
+            _system.append(None)
+    if _system[0] is None:
+        return None
+    psutil, received, sent = _system[0]
+    try:
+        memory, disk, net = psutil.virtual_memory(), psutil.disk_usage(os.sep), psutil.net_io_counters()
+        values = {"cpu_utilization_percentage": psutil.cpu_percent(),
+                  "system_memory_usage_megabytes": memory.used / 1e6,
+                  "system_memory_usage_percentage": memory.used / memory.total * 100,
+                  "disk_usage_percentage": disk.percent, "disk_usage_megabytes": disk.used / 1e6,
+                  "disk_available_megabytes": disk.free / 1e6,
+                  "network_receive_megabytes": (net.bytes_recv - received) / 1e6,
+                  "network_transmit_megabytes": (net.bytes_sent - sent) / 1e6}
+    except Exception:  # noqa: BLE001 - a reading that fails now: none from now on, never the heartbeat's failure
+        _system[0] = None
+        return None
+    return {name: round(float(value), 3) for name, value in values.items()}
 
 
 def _rss() -> int | None:

@@ -325,6 +325,13 @@ LIVE_VIEW = Setting("SPARKHVD_LIVE_VIEW", "auto", _live_view,
                     "is neither); `off`: neither. Read on the driver.")
 
 
+MLFLOW_SYSTEM_METRICS = Setting("SPARKHVD_MLFLOW_SYSTEM_METRICS", False, flag(
+    "set it to 1 or 0 (the driver sets it for its ranks)."),
+    "Set by the driver for its ranks where its active MLflow run logs system metrics: each rank then sends MLflow's "
+    "own system metrics of its host with its heartbeats (runner/_payload/mlflow.py logs them as "
+    "`system/rank_<r>/...`); read by each rank.", shown="`0`")
+
+
 section("Stragglers (runner/_policy/stragglers.py)")
 
 STRAGGLER_FACTOR = Setting("SPARKHVD_STRAGGLER_FACTOR", 1.5, seconds(

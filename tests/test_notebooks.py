@@ -291,3 +291,60 @@ def test_lightning_and_ddp(jupyter_env):
         weights = [float(w) for w in re.search(r"weights: \[([^\]]+)\]", cell).group(1).split(",")]
         assert len(weights) == 8 and all(abs(w - 1) < 0.1 for w in weights), cell
 
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-headless-shell") or shutil.which("google-chrome")
+#: as root, on a closed network: no sandbox, no GPU, and none of Chromium's own connections
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--hide-scrollbars")
+
+
+def _cell_page(cell) -> str:
+    """One code cell as a notebook page shows it: its source, then each output (a stream as text, HTML as itself,
+    a PNG as an image)."""
+    import html
+
+    parts = [f"<pre style='background:#f5f5f5'>{html.escape(cell.source)}</pre>"]
+    for out in cell.outputs:
+        data = out.get("data", {})
+        if out.output_type == "stream":
+            parts.append(f"<pre>{html.escape(out.text)}</pre>")
+        elif "text/html" in data:
+            parts.append(data["text/html"])
+        elif "image/png" in data:
+            parts.append(f"<img src='data:image/png;base64,{data['image/png']}'>")
+    return f"<!doctype html><html><body style='font-family:sans-serif'>{''.join(parts)}</body></html>"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (Debian: apt-get install chromium)")
+def test_the_live_views_cell_renders_in_a_headless_chromium(tmp_path):
+    """The quickstart's np=2 cell, as committed (notebooks/execute.py), rendered by a real headless Chromium: its DOM
+    has the live view's table with a row per rank, and its screenshot shows it (not a blank page)."""
+    import subprocess
+
+    from matplotlib import image
+
+    nb = nbformat.read(os.path.join(NOTEBOOKS, "01_quickstart_torch.ipynb"), as_version=4)
+    page = tmp_path / "cell.html"
+    page.write_text(_cell_page(nb.cells[cell_with(nb, "runner.run(train, lr=0.05")]))
+    profile = tmp_path / "profile"
+
+    def chromium(*args):
+        return subprocess.run([CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, page.as_uri()],
+                              capture_output=True, text=True, timeout=90, cwd=tmp_path)
+
+    dom = chromium("--dump-dom").stdout
+    rows = re.findall(r"<tr>(.*?)</tr>", dom)
+    assert len(rows) == 3 and re.search(r"<th[^>]*>steps/s</th>", rows[0]), dom[-2000:]  # the header, rank 0, rank 1
+    cells = [re.findall(r"<td[^>]*>([^<]*)</td>", row) for row in rows[1:]]
+    assert [(c[0], c[2]) for c in cells] == [("0", "160"), ("1", "160")], rows  # rank, steps: 5 epochs of 32
+    shot = tmp_path / "cell.png"
+    done = chromium(f"--screenshot={shot}", "--window-size=1000,420")
+    assert shot.exists(), done.stderr[-2000:]
+    pixels = image.imread(str(shot))
+    assert pixels.shape[:2] == (420, 1000)
+    ink = (pixels[..., :3].mean(axis=2) < 0.5).mean()  # the share of dark pixels: the text of the cell and table
+    assert 0.005 < ink < 0.5, ink

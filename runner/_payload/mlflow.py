@@ -45,7 +45,20 @@ def tracking_env() -> dict:
     env.update({settings.MLFLOW_TRACKING_URI.name: _absolute(mlflow.get_tracking_uri()),
                 settings.MLFLOW_RUN_ID.name: run.info.run_id,
                 settings.MLFLOW_EXPERIMENT_ID.name: str(run.info.experiment_id)})
+    if _logs_system_metrics(run.info.run_id):
+        env[settings.MLFLOW_SYSTEM_METRICS.name] = "1"  # each rank sends its host's, logged per rank
     return env
+
+
+def _logs_system_metrics(run_id: str) -> bool:
+    """Whether the driver's active MLflow run logs system metrics (``mlflow.start_run(log_system_metrics=True)``,
+    or ``mlflow.enable_system_metrics_logging()`` before it): MLflow keeps a monitor per such run."""
+    try:
+        from mlflow.tracking import fluent
+
+        return run_id in getattr(fluent, "run_id_to_system_metrics_monitor", {})
+    except Exception:  # noqa: BLE001 - an MLflow that keeps them elsewhere: no system metrics from the ranks
+        return False
 
 
 @contextlib.contextmanager
@@ -137,8 +150,12 @@ class MetricsToMlflow:
         while (item := self._queue.get()) is not None:
             rank, row = item
             stamp = int(time.time() * 1000)
-            metrics = [Metric(f"{name}/rank_{rank}", float(value), stamp, int(row.get("steps") or 0))
+            step = int(row.get("steps") or 0)
+            metrics = [Metric(f"{name}/rank_{rank}", float(value), stamp, step)
                        for name, value in mlflow_values(row).items()]
+            # MLflow's own naming of a node's system metrics, the node being the rank: system/rank_3/cpu_...
+            metrics += [Metric(f"system/rank_{rank}/{name}", float(value), stamp, step)
+                        for name, value in system_values(row).items()]
             try:
                 client.log_batch(self.run_id, metrics=metrics)
             except Exception as exc:  # noqa: BLE001 - the tracking server: never the run's failure
@@ -155,3 +172,9 @@ def mlflow_values(row: dict) -> dict:
     gpu = row.get("gpu") or {}
     values.update({f"gpu_{k}": v for k, v in gpu.items()})
     return {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def system_values(row: dict) -> dict:
+    """The row's MLflow system metrics (the rank's host's, ``_common/metrics.py``), by MLflow's names."""
+    system = row.get("system") or {}
+    return {k: v for k, v in system.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

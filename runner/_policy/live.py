@@ -209,12 +209,15 @@ class NotebookView(LiveView):
         return "\n".join([self.title(rows, ending)] + [line.rstrip() for line in lines])
 
     def html(self, rows: list, ending: str | None) -> str:
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
-        body = "".join("<tr>" + "".join(f'<td style="text-align:{"right" if i in _NUMBERS else "left"}">'
-                                        f"{html.escape(c[:LINE_CHARS] if i == len(COLUMNS) - 1 else c)}</td>"
-                                        for i, c in enumerate(cells(row))) + "</tr>" for row in rows)
-        return (f'<div class="sparkhvd-live"><b>{html.escape(self.title(rows, ending))}</b>'
-                f'<table style="font-family:monospace"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+        def style(i: int) -> str:  # inline: a notebook's sanitizer may drop a <style> block
+            return f'style="padding:0 0.7em;text-align:{"right" if i in _NUMBERS else "left"}"'
+
+        head = "".join(f"<th {style(i)}>{html.escape(c)}</th>" for i, c in enumerate(COLUMNS))
+        body = "".join("<tr>" + "".join(f"<td {style(i)}>{html.escape(c[:LINE_CHARS] if i == len(COLUMNS) - 1 else c)}"
+                                        "</td>" for i, c in enumerate(cells(row))) + "</tr>" for row in rows)
+        return (f'<div class="sparkhvd-live" style="font-family:monospace;font-size:0.9em">'
+                f"<b>{html.escape(self.title(rows, ending))}</b>"
+                f'<table style="border-collapse:collapse"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
                 "</div>")
 
     def draw(self, rows: list, ending: str | None) -> None:

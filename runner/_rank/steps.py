@@ -15,6 +15,7 @@ from .after_import import when_imported
 def count_optimizer_steps() -> None:
     """Count (or, with SPARKHVD_METRICS=0, count nothing at all) from this rank's own environment."""
     _metrics.ON = settings.METRICS.get()
+    _metrics.SYSTEM = _metrics.ON and settings.MLFLOW_SYSTEM_METRICS.get()
     if _metrics.ON:
         when_imported("torch", _register)
 

@@ -119,7 +119,7 @@ def test_the_notebooks_table_has_a_row_per_rank_in_html_and_in_text():
     assert row1.endswith("x" * live.LINE_CHARS) and "x" * (live.LINE_CHARS + 1) not in row1
     page = view.html(rows, ending="failed")
     assert "<b>sparkhvd run r3: 2 ranks, failed, 4 s</b>" in page
-    assert page.count("<tr>") == 3 and "<th>steps/s</th>" in page
+    assert page.count("<tr>") == 3 and re.search(r"<th [^>]*text-align:right[^>]*>steps/s</th>", page)
     assert "loss &lt;0.5&gt; &amp; falling" in page and "<0.5>" not in page
 
 
