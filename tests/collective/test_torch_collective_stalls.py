@@ -31,6 +31,21 @@ DUMP = {
 
 
 @pytest.mark.unit
+def test_a_heartbeat_while_the_main_thread_imports_torch_distributed_reads_nothing_of_it(monkeypatch):
+    """A heartbeat in the middle of ``import torch`` once failed on the partly imported module ("partially initialized
+    module 'torch.distributed' has no attribute 'is_initialized'"): a module still importing is not in use yet."""
+    import importlib.machinery
+    import sys
+    import types
+
+    half = types.ModuleType("torch.distributed")  # as the import system holds it while it runs: no functions yet
+    half.__spec__ = importlib.machinery.ModuleSpec("torch.distributed", None)
+    half.__spec__._initializing = True
+    monkeypatch.setitem(sys.modules, "torch.distributed", half)
+    assert torch_ops.snapshot() == ([], 0)
+
+
+@pytest.mark.unit
 def test_the_flight_recorders_unfinished_collectives_become_the_reports_records():
     ops, done = torch_ops.parse(DUMP, now_ns=5_000_000_000)
     assert done == 7  # every group's finished collectives: progress while the count moves
