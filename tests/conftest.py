@@ -167,7 +167,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (``make test`` runs ``-n 3``): each test file runs whole on one worker, so its module
+    """Under pytest-xdist (``make test`` runs ``-n 4``): each test file runs whole on one worker, so its module
     fixtures run once, and the files of tests/cluster all on one worker, which builds the testbed once; the files
     are handed out in the workers' collection order (longest first, above)."""
     from xdist.scheduler import LoadScopeScheduling

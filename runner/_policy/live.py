@@ -67,6 +67,7 @@ class Rates:
     def __init__(self, window: float = WINDOW_S):
         self.window = window
         self._history: dict = {}  # rank -> [(clock, metrics)], oldest first
+        self._first: dict = {}  # rank -> its first point with a step: the whole run's rates (``of(whole=True)``)
 
     def update(self, status) -> None:
         for rank, (meta, at) in status.progress.items():
@@ -78,17 +79,23 @@ class Rates:
             if history and history[-1][0] >= clock:
                 continue  # the beat already seen (or one of a rank's earlier process: a restart)
             history.append((clock, metrics))
+            if rank not in self._first and metrics.get(steps_source(metrics)):
+                self._first[rank] = history[-2] if len(history) > 1 else history[-1]
             while len(history) > 2 and history[1][0] <= clock - self.window:
                 history.pop(0)
 
     def restart(self) -> None:
         """A new attempt: its ranks' clocks and totals start again."""
         self._history.clear()
+        self._first.clear()
 
-    def of(self, rank: int) -> dict:
-        """``steps_per_s``, ``collectives`` and ``data_wait`` (shares of the rank's time) and ``gpu`` (its latest
-        NVML reading), each None where not known yet."""
+    def of(self, rank: int, whole: bool = False) -> dict:
+        """``steps``, ``steps_per_s``, ``collectives`` and ``data_wait`` (shares of the rank's time) and ``gpu`` (its
+        latest NVML reading), each None where not known yet; over the last window, or (``whole``) since the beat
+        before the rank's first step."""
         history = self._history.get(rank) or []
+        if whole and rank in self._first and history and self._first[rank][0] < history[-1][0]:
+            history = [self._first[rank], history[-1]]
         last = history[-1][1] if history else {}
         rates = {"steps": last.get(steps_source(last)) or 0 if last else None, "steps_per_s": None,
                  "collectives": None, "data_wait": None, "gpu": last.get("gpu")}
@@ -137,21 +144,21 @@ class LiveView:
         self._rows = self.rows(status)
         self.draw(self._rows, ending=None)
 
-    def rows(self, status) -> list:
+    def rows(self, status, whole: bool = False) -> list:
         """A row per rank: ``rank``, ``host``, the rates (``Rates.of``) and its ``line``, the last it printed."""
         registrations = status.by_rank()
         rows = []
         for rank in sorted(registrations):
             reg = registrations[rank]
-            rows.append({"rank": rank, "host": reg.host, "gpus": tuple(reg.gpus or ()), **self.rates.of(rank),
+            rows.append({"rank": rank, "host": reg.host, "gpus": tuple(reg.gpus or ()), **self.rates.of(rank, whole),
                          "line": self.logs.last_line(rank)})
         return rows
 
     def close(self, ok: bool) -> None:
         """The run ended (``ok``: it returned): the view's last state. A failure here is a warning, never the run's."""
         try:
-            if self._status is not None:
-                self._rows = self.rows(self._status)
+            if self._status is not None:  # the rates of the whole attempt, not of its last seconds
+                self._rows = self.rows(self._status, whole=True)
             self.draw(self._rows, ending="finished" if ok else "failed")
         except Exception as exc:  # noqa: BLE001 - the run's own outcome (or error) goes on
             warnings.warn(f"sparkhvd run {self.run_id}: the live view failed to draw its last state "
@@ -197,7 +204,7 @@ class NotebookView(LiveView):
     def title(self, rows: list, ending: str | None) -> str:
         state = ending or "running"
         attempt = f", attempt {self.attempt + 1}" if self.attempt else ""
-        return f"sparkhvd run {self.run_id}: {len(rows)} ranks, {state}{attempt}, {self.elapsed()}"
+        return f"sparkhvd run {self.run_id}: {_ranks(len(rows))}, {state}{attempt}, {self.elapsed()}"
 
     def text(self, rows: list, ending: str | None) -> str:
         table = [list(COLUMNS)] + [cells(row) for row in rows]
@@ -242,7 +249,7 @@ class TerminalView(LiveView):
     def line(self, rows: list) -> str:
         rates = [r for r in rows if r.get("steps_per_s") is not None]
         steps = max((r.get("steps") or 0 for r in rows), default=0)
-        parts = [f"[sparkhvd] run {self.run_id}: {len(rows)} ranks " + (f"at step {steps}" if steps else "starting")]
+        parts = [f"[sparkhvd] run {self.run_id}: {_ranks(len(rows))} " + (f"at step {steps}" if steps else "starting")]
         if rates and steps:
             parts.append(f"{_mean(rates, 'steps_per_s'):.1f} steps/s")
             parts.append(f"{_mean(rates, 'collectives'):.0%} in collectives")
@@ -259,6 +266,10 @@ class TerminalView(LiveView):
             self.streams.stop()  # the run's own last line follows
         elif rows:
             self.streams.show(self.line(rows))
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
 
 
 def _mean(rows: list, name: str) -> float:

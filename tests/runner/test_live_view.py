@@ -89,14 +89,21 @@ def test_each_rows_rates_come_from_its_own_clock_over_its_stepping_heartbeats():
     assert second["collectives"] == pytest.approx(0.5) and second["data_wait"] == pytest.approx(0.0)
     assert first["gpu"]["util_pct"] == 87 and second["gpu"] is None
     assert first["line"] == "epoch 3 loss 0.12" and second["line"] == ""
+    for second in range(7, 11):  # the steps end (an evaluation, the function returning): none in the last window
+        clock.now = 100.0 + second
+        view.check(_status({0: (_metrics(50, 50.0 + second, 1.0, 0.5), clock.now),
+                            1: (_metrics(50, 70.0 + second, 2.5), clock.now)}))
+    assert drawn[-1][0][0]["steps_per_s"] == 0.0
     view.close(ok=True)
-    assert drawn[-1][1] == "finished"
+    rows, ending = drawn[-1]  # the last state: the rates of the whole attempt, from the beat before its first step
+    assert ending == "finished" and rows[0]["steps_per_s"] == pytest.approx(50 / (60 - 51))
 
 
 @pytest.mark.unit
 def test_a_new_attempt_starts_its_rates_again():
     clock = _Clock()
     view = live.TerminalView("r2", _Logs({}), io.StringIO(), clock=clock)
+    assert view.line([]).startswith("[sparkhvd] run r2: 0 ranks starting")
     _run_seconds(view, clock, 4)
     assert view.rates.of(0)["steps_per_s"] == pytest.approx(10.0)
     view.check(_status({0: (_metrics(0, 1.0), clock.now), 1: (_metrics(0, 1.0), clock.now)}), attempt=1)
@@ -215,7 +222,7 @@ _TRAIN = textwrap.dedent("""
         model = torch.nn.Linear(8, 1)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                        named_parameters=model.named_parameters())
-        for step in range(40):
+        for step in range(60):
             time.sleep(0.06)
             opt.zero_grad()
             model(torch.randn(4, 8)).sum().backward()
@@ -235,7 +242,8 @@ def test_a_run_on_a_terminal_shows_its_status_line_under_the_ranks_lines_and_era
     primary, secondary = pty.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 200, 0, 0))  # 200 columns: a whole line
     env = {**os.environ, "SPARKHVD_LOG_ROOT": str(tmp_path / "logs")}
-    env.pop("SPARKHVD_LIVE_VIEW", None)
+    for name in ("SPARKHVD_LIVE_VIEW", "COLUMNS", "LINES"):  # the terminal's own size, not a parent's setting
+        env.pop(name, None)
     proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.DEVNULL, stdout=secondary,
                             stderr=secondary, env=env, cwd=tmp_path)
     os.close(secondary)
@@ -257,6 +265,6 @@ def test_a_run_on_a_terminal_shows_its_status_line_under_the_ranks_lines_and_era
     assert stepping, out
     rate = float(re.search(r"([\d.]+) steps/s", stepping[-1])[1])
     assert 3 < rate < 20, stepping[-1]  # 0.06 s of sleep per step and the allreduce: ~12 a second
-    for line in ("[0] step 0", "[0] step 10", "[0] step 30"):  # each on a line of its own, the status line erased
+    for line in ("[0] step 0", "[0] step 20", "[0] step 50"):  # each on a line of its own, the status line erased
         assert f"{CLEAR}{line}\n" in out, out
     assert out.rstrip("\n").endswith(f"{CLEAR}returned 0"), out[-300:]
