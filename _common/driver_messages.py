@@ -129,6 +129,17 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class Timeline:
+    """The timeline traces a rank recorded (TIMELINE), as JSON in the blob: a list of ``{"start_us", "events"}``
+    (``_common/traces.py``); answered with OK. ``clock_us``: the rank's wall clock as it sent them, by which the
+    driver puts every rank's on its own clock."""
+
+    KIND = Kind.TIMELINE
+    rank: int
+    clock_us: int
+
+
+@dataclass(frozen=True)
 class Commit:
     """Rank 0's newest commit of an elastic state (COMMIT): the pickled snapshot in the blob, or, with a commit
     folder, its ``path`` and ``sha256``; answered with a ``Committed``."""
@@ -271,13 +282,13 @@ class Refusal:
 
 
 #: Every request the driver serves, by its frame kind.
-REQUESTS = {m.KIND: m for m in (Register, Fetch, Watch, Log, Result, Error, Exit, Progress, Commit, Restore,
+REQUESTS = {m.KIND: m for m in (Register, Fetch, Watch, Log, Result, Error, Exit, Progress, Timeline, Commit, Restore,
                                 StoreSet, StoreGet, StoreAdd, StoreCheck, StoreWait, StoreCas, StoreDelete,
                                 StoreNumKeys)}
 #: The one-way ones: never answered, so a bad one is dropped and logged, not refused.
 ONE_WAY = (Kind.LOG, Kind.PROGRESS)
 #: The ranks' own reports, whose ``rank`` must be a rank of the run.
-_RANKED = (Kind.LOG, Kind.RESULT, Kind.ERROR, Kind.EXIT, Kind.PROGRESS)
+_RANKED = (Kind.LOG, Kind.RESULT, Kind.ERROR, Kind.EXIT, Kind.PROGRESS, Kind.TIMELINE)
 
 
 # ---- the codec ----------------------------------------------------------------------------------------------

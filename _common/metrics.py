@@ -26,6 +26,8 @@ _gpu: list = []  # [handle] once NVML has one for this rank's GPU; [None] where 
 #: SPARKHVD_MLFLOW_SYSTEM_METRICS: whether each snapshot carries MLflow's own system metrics of this host (the
 #: driver's active MLflow run logs them); set per rank as ``ON`` is
 SYSTEM = False
+#: while a timeline records (collective/_engine/timeline.py): ``(seconds) -> None``, a data wait ending now
+TIMELINE = None
 _system: list = []  # [(psutil, the network's first counts)] once read; [None] without psutil
 
 
@@ -51,6 +53,8 @@ def waited(phase: str, seconds: float) -> None:
 def loader_waited(seconds: float) -> None:
     """The training loop waited ``seconds`` for a batch from a sparkhvd reader."""
     _seconds["loader"] += seconds
+    if TIMELINE is not None:
+        TIMELINE(seconds)
 
 
 def snapshot(collectives: int) -> dict:

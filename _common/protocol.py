@@ -55,6 +55,7 @@ class Kind(enum.IntEnum):
     ERROR = 22
     EXIT = 23  # a rank's process exited with this code
     PROGRESS = 24  # one-way: a rank's heartbeat, with the collectives it is in (runner/_rank/heartbeat.py)
+    TIMELINE = 25  # a rank's timeline traces, as it ends (runner/_service/timeline.py merges them)
     STORE_SET = 30
     STORE_GET = 31
     STORE_ADD = 32

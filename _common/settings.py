@@ -332,6 +332,23 @@ MLFLOW_SYSTEM_METRICS = Setting("SPARKHVD_MLFLOW_SYSTEM_METRICS", False, flag(
     "`system/rank_<r>/...`); read by each rank.", shown="`0`")
 
 
+section("The run's timeline (runner/_service/timeline.py on the driver, collective/_engine/timeline.py in ranks)")
+
+TIMELINE_PATH = Setting("HOROVOD_TIMELINE", None, text,
+                        "On the driver: every rank records Horovod's timeline from its start, and the driver writes "
+                        "the run's merged trace (a process per rank, on one clock) to this path at the run's end; "
+                        "a run without it whose ranks call hvd.start_timeline gets its merged trace in its log "
+                        "folder.", shown="unset")
+TIMELINE_MARK_CYCLES = Setting("HOROVOD_TIMELINE_MARK_CYCLES", False, flag(
+    "set it to 1 or 0.", problem="is neither 1 nor 0"),
+    "On the driver, with HOROVOD_TIMELINE: the ranks' traces mark each batch of answers the engine carries out.",
+    shown="`0`")
+TIMELINE = Setting("SPARKHVD_TIMELINE", "", text,
+                   "Set by the driver for its ranks under HOROVOD_TIMELINE: `1`, or `cycles` to mark cycles too; "
+                   "each rank then records its timeline from hvd.init() and sends it to the driver as it ends. "
+                   "Read by each rank.", shown="unset")
+
+
 section("Stragglers (runner/_policy/stragglers.py)")
 
 STRAGGLER_FACTOR = Setting("SPARKHVD_STRAGGLER_FACTOR", 1.5, seconds(
@@ -472,8 +489,6 @@ START_TIMEOUT = Setting("SPARKHVD_START_TIMEOUT", 120.0, seconds(
 # Horovod's own variables (horovod/common/common.h) that sparkhvd does not read: setting one changes nothing.
 # Each with what to use instead, where there is something.
 HOROVOD_NOT_READ = {
-    "HOROVOD_TIMELINE": "call hvd.start_timeline(path) in the training function",
-    "HOROVOD_TIMELINE_MARK_CYCLES": "hvd.start_timeline(path, mark_cycles=True)",
     "HOROVOD_GLOO_IFACE": "HorovodRunner(network_interface=), or GLOO_SOCKET_IFNAME",
     "HOROVOD_CPU_OPERATIONS": "CPU tensors always go over gloo (docs/mpirun.md)",
     "HOROVOD_CONTROLLER": "the negotiation runs over sparkhvd's own TCP links",

@@ -8,8 +8,10 @@ a launcher); the run's policy (``_policy/policy.py``) decides what happens after
 from __future__ import annotations
 
 import functools
+import os
 import secrets
 import time
+import warnings
 
 import cloudpickle
 
@@ -35,6 +37,7 @@ from ._service.metrics import MetricsLog
 from ._service.run_storage import RunStorage
 from ._service.service import DriverService
 from ._service.status import RunStatus
+from ._service.timeline import TimelineLog
 
 __all__ = ["HorovodRunner", "RestartEvent", "RunResult", "RunnerConfig"]
 
@@ -160,7 +163,8 @@ class HorovodRunner:
             raise
         log_dir = run_log_dir(run_id, cfg.log_dir)  # cfg.log_dir, or a new folder under the log root (_service/logs.py)
         logs = LogRouter(log_dir, cfg.driver_log_verbosity)
-        to_mlflow = live = None
+        to_mlflow = live = policy = None
+        timeline = TimelineLog()
         try:
             live = live_view(run_id, cfg.driver_log_verbosity, logs)  # a notebook's table, a terminal's status line
             to_mlflow = metrics_to_mlflow(env)  # a bad SPARKHVD_MLFLOW_METRICS_SECONDS ends here, the lease released
@@ -169,7 +173,7 @@ class HorovodRunner:
                 print(_inherited_line(run_id, storage, commits.inherited), flush=True)
             cluster = _Cluster(backend, cfg, run_id=run_id, payload=payload, logs=logs, commits=commits,
                                every_value=every_value, env=env, bind_host=bind_host, preload=preload,
-                               metrics=metrics, live=live is not None)
+                               metrics=metrics, live=live is not None, timeline=timeline)
             policy = RunPolicy(cluster, logs, np=np, start_timeout=cfg.start_timeout, run_id=run_id,
                                max_restarts=cfg.max_restarts, min_np=cfg.min_np, max_np=cfg.max_np,
                                retry_on=cfg.retry_names(), max_retries=cfg.max_retries,
@@ -186,9 +190,11 @@ class HorovodRunner:
                 to_mlflow.close()
             commits.close(succeeded=succeeded)
             logs.close()
+            timeline_path = _write_timeline(timeline, run_id, log_dir, policy, verbose=cfg.driver_log_verbosity == "all")
             end_run_logs(log_dir, given=cfg.log_dir is not None, succeeded=succeeded)
         result.commits = commits.kept()
         result.metrics = metrics.series()
+        result.timeline = timeline_path
         self.last_result = result
         return result
 
@@ -199,13 +205,15 @@ class _Cluster:
 
     def __init__(self, backend: Backend, cfg: RunnerConfig, *, run_id: str, payload: bytes, logs: LogRouter,
                  commits: CommitStore, every_value: bool, env: dict | None, bind_host: str = "127.0.0.1",
-                 preload: tuple = (), metrics: MetricsLog | None = None, live: bool = False):
+                 preload: tuple = (), metrics: MetricsLog | None = None, live: bool = False,
+                 timeline: TimelineLog | None = None):
         self.backend, self.cfg, self.run_id, self.payload = backend, cfg, run_id, payload
         self.logs, self.commits, self.every_value = logs, commits, every_value
         hidden = {} if cfg.use_gpu else {settings.CUDA_VISIBLE_DEVICES.name: ""}  # as TorchDistributor(use_gpu=False)
         # a live view redraws every second: the ranks' heartbeats bring its figures that often, unless set otherwise
         beat = {settings.HEARTBEAT.name: f"{HEARTBEAT_S:g}"} if live and settings.HEARTBEAT.raw() is None else {}
-        self.env = tuple({**_forwarded_settings(), **hidden, **beat, **(env or {})}.items())
+        self.env = tuple({**_forwarded_settings(), **hidden, **beat, **_timeline_env(), **(env or {})}.items())
+        self.timeline = timeline if timeline is not None else TimelineLog()
         self.verbose = cfg.driver_log_verbosity == "all"
         self.secret = new_secret()  # one per run: every attempt's service and ranks share it
         self.bind_host = bind_host
@@ -223,7 +231,8 @@ class _Cluster:
             return self._start_hosted(launcher, n, attempt, on_restore)
         service = DriverService(np=n, secret=self.secret, payload=self.payload, bind_host=self.bind_host,
                                 on_log=self.logs, run_id=self.run_id, commits=self.commits, attempt=attempt,
-                                on_restore=on_restore, on_metrics=self.metrics.record)
+                                on_restore=on_restore, on_metrics=self.metrics.record,
+                                on_timeline=self.timeline.record)
         try:
             launcher.start(self._spec(service.address, attempt))
         except BaseException:
@@ -283,6 +292,32 @@ def _inherited_line(run_id: str, storage: RunStorage, inherited: dict) -> str:
     return (f"[sparkhvd] run {run_id}: resuming the run an earlier driver left in {storage.url}/{run_id}, from its "
             f"newest complete commit ({fields}; commit {newest.get('seq')} of {len(inherited)} state"
             f"{'s' if len(inherited) > 1 else ''}).")
+
+
+def _timeline_env() -> dict:
+    """Under HOROVOD_TIMELINE on the driver, its ranks record their timelines from hvd.init() (SPARKHVD_TIMELINE)."""
+    if not settings.TIMELINE_PATH.get():
+        return {}
+    return {settings.TIMELINE.name: "cycles" if settings.TIMELINE_MARK_CYCLES.get() else "1"}
+
+
+def _write_timeline(timeline: TimelineLog, run_id: str, log_dir: str, policy, *, verbose: bool) -> str | None:
+    """The run's merged timeline, where any rank sent a trace: at HOROVOD_TIMELINE, else timeline.json in the run's
+    log folder; its path (printed), or None. A trace that cannot be written is a warning, never the run's failure."""
+    if not timeline:
+        return None
+    path = settings.TIMELINE_PATH.get() or os.path.join(log_dir, "timeline.json")
+    restarts = tuple(policy.restarts) if policy is not None else ()
+    try:
+        timeline.write(path, run_id, restarts)
+    except OSError as exc:
+        warnings.warn(f"sparkhvd run {run_id}: could not write the merged timeline to {path} ({exc}); set "
+                      f"HOROVOD_TIMELINE to a path the driver can write.", RuntimeWarning, stacklevel=3)
+        return None
+    if verbose:
+        print(f"[sparkhvd] run {run_id}: the timeline of every rank is in {path} (open it in ui.perfetto.dev or "
+              "chrome://tracing)", flush=True)
+    return path
 
 
 def _forwarded_settings() -> dict:

@@ -25,6 +25,7 @@ from ..._common.network import local_address
 from ..._common.topology import Placement
 from . import env_rendezvous as _env_rendezvous
 from . import mpi as _mpi
+from . import timeline as _timeline
 from .engine import Engine
 from .mesh import Endpoint
 from .store import DriverStore
@@ -124,6 +125,8 @@ def init(parts: EngineParts, mpi_comm=None) -> Topology:
     if topology.size > 1:
         _endpoint = _control_endpoint(topology.rank, ctx)
         _start_engine(topology, parts)
+    if ctx is not None and (record := settings.TIMELINE.get()) and not _timeline.recording():
+        _timeline.start_timeline(None, mark_cycles=record == "cycles")  # HOROVOD_TIMELINE on the driver
     _generation += 1
     _topology = topology
     return topology

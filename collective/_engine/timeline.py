@@ -9,6 +9,11 @@ an instant ``CYCLE_START`` each time the engine carries out a batch of answers (
 no fixed cycle: an answer is its cycle). Unlike Horovod, where rank 0 writes the file, every
 rank writes its own (see ``start_timeline``). Nothing here imports torch; the engine calls the
 hooks, which cost one global read while no timeline is recording.
+
+Every trace a rank records (``HOROVOD_TIMELINE`` on the driver has its ranks record one from hvd.init(), in memory:
+``SPARKHVD_TIMELINE``) is also kept (``_common/traces.py``), and the rank sends them to the driver as it ends
+(runner/_rank/worker.py); the driver merges every rank's into one trace (runner/_service/timeline.py). The waits of
+the training loop on sparkhvd's readers are spans ``DATA_WAIT`` of a "process" ``data``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ import os
 import threading
 import time
 
+from ..._common import metrics as _metrics
+from ..._common import traces as _traces
+
 _lock = threading.Lock()
 _events: list | None = None  # the trace while recording, else None
 _path: str | None = None
@@ -26,27 +34,33 @@ _origin_us = 0.0  # perf_counter microseconds at start_timeline
 _mark_cycles = False
 
 
-def start_timeline(file_path: str, mark_cycles: bool = False, rank: int = 0) -> None:
+def start_timeline(file_path: str | None, mark_cycles: bool = False, rank: int = 0) -> None:
     """Record this rank's collectives until ``stop_timeline``.
 
     Rank 0 writes ``file_path``; rank r > 0 writes ``file_path`` with ``.rank<r>`` before the
     extension (``trace.json`` -> ``trace.rank1.json``), so ranks that pass the same path do
-    not overwrite each other.
+    not overwrite each other. ``None``: the trace is kept in memory only (``segments``).
     """
     global _events, _path, _origin_us, _mark_cycles
-    directory = os.path.dirname(os.path.abspath(file_path))
-    if not os.path.isdir(directory):
-        raise ValueError(f"start_timeline: the folder {directory} does not exist; create it or pick another path.")
-    if rank:
-        root, ext = os.path.splitext(file_path)
-        file_path = f"{root}.rank{rank}{ext}"
+    if file_path is not None:
+        directory = os.path.dirname(os.path.abspath(file_path))
+        if not os.path.isdir(directory):
+            raise ValueError(f"start_timeline: the folder {directory} does not exist; create it or pick another "
+                             "path.")
+        if rank:
+            root, ext = os.path.splitext(file_path)
+            file_path = f"{root}.rank{rank}{ext}"
     with _lock:
+        # a timeline recording already (HOROVOD_TIMELINE's) ends here: it stays a segment of its own
         _origin_us, _mark_cycles = time.perf_counter() * 1e6, mark_cycles
         _pids.clear()
+        start_us = int(time.time() * 1e6)
         _events = [{"name": "process_name", "ph": "M", "pid": 0,
-                    "args": {"start_time_since_epoch_in_micros": int(time.time() * 1e6)}},
+                    "args": {"start_time_since_epoch_in_micros": start_us}},
                    {"name": "process_sort_index", "ph": "M", "pid": 0, "args": {"sort_index": 0}}]
+        _traces.keep({"start_us": start_us, "events": _events})
         _path = file_path
+        _metrics.TIMELINE = data_wait
 
 
 def stop_timeline() -> None:
@@ -54,9 +68,22 @@ def stop_timeline() -> None:
     global _events, _path
     with _lock:
         events, path, _events, _path = _events, _path, None, None
+        _metrics.TIMELINE = None
     if path is not None:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(events, f)
+
+
+def data_wait(seconds: float) -> None:
+    """The training loop waited ``seconds`` on sparkhvd's readers, ending now (``_common/metrics.loader_waited``)."""
+    if _events is not None:
+        end_us = now_us()
+        _add("data", {"ph": "B", "name": "DATA_WAIT"}, end_us - seconds * 1e6)
+        _add("data", {"ph": "E"}, end_us)
+
+
+def recording() -> bool:
+    return _events is not None
 
 
 def now_us() -> float:

@@ -29,6 +29,9 @@ class RunResult:
     #: every rank's metrics over the run, from its heartbeats: ``{rank: [row, ...]}``, each row's totals (steps,
     #: seconds in collectives and data waits, CPU, memory, GPU) and rates since the row before (runner/_service/metrics.py)
     metrics: dict = field(default_factory=dict)
+    #: the merged timeline of every rank (HOROVOD_TIMELINE's path, or timeline.json in the log folder) where a rank
+    #: recorded one (runner/_service/timeline.py); None where none did
+    timeline: str | None = None
 
     @property
     def value(self):

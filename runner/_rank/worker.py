@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 import cloudpickle
 
@@ -21,6 +22,7 @@ from ..._common import context as _context
 from ..._common import driver_messages as dm
 from ..._common import protocol as _protocol
 from ..._common import settings
+from ..._common import traces as _traces
 from ..._common.client import ServiceClient
 from ..._common.protocol import SECRET_BYTES
 from ..._common.topology import Placement
@@ -81,6 +83,7 @@ def main() -> int:
         _failed(client, rank, exc)
         return FAILED_EXIT_CODE
     beat.finishing(timeout=1.0)  # its final metrics reach the driver before its result
+    send_timeline(client, rank)
     _context.before_exit()
     _commits.flush(_FINISHED_FLUSH_S)  # should another rank still fail, the restart resumes from the newest commit
     return _ship(client, rank, value)
@@ -93,7 +96,30 @@ def _failed(client: ServiceClient, rank: int, exc: BaseException) -> None:
         report_failure(client, rank, exc, quiet=True)
         return
     _commits.flush(_FAILED_FLUSH_S)  # a peer lost mid-run: the commit on its way is what a restart resumes from
+    send_timeline(client, rank)  # the merged timeline shows a failed run too
     report_failure(client, rank, _explained(exc))
+
+
+def send_timeline(client: ServiceClient, rank: int) -> None:
+    """Send the driver the timeline traces this rank recorded (``_common/traces.py``), if any: the run's merged
+    trace (runner/_service/timeline.py). A trace over the frame's limit loses its latest events, halved until it
+    fits; a driver that cannot take it costs the rank nothing."""
+    segments = _traces.recorded()
+    if not segments:
+        return
+    limit = _protocol.MAX_BLOB_BYTES - 1024
+    blob = json.dumps(segments).encode()
+    while len(blob) > limit:
+        longest = max(segments, key=lambda s: len(s["events"]))
+        if len(longest["events"]) < 2:
+            return
+        longest["events"] = longest["events"][:len(longest["events"]) // 2]
+        blob = json.dumps(segments).encode()
+    try:
+        client.ask(dm.Timeline(rank=rank, clock_us=int(time.time() * 1e6)), blob)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic: the rank's result or error goes on
+        sys.stderr.write(f"sparkhvd: rank {rank} could not send its timeline to the driver: {type(exc).__name__}: "
+                         f"{exc}\n")
 
 
 def _explained(exc: BaseException) -> BaseException:

@@ -6,10 +6,11 @@ Part of ``DriverService`` (``_service/service.py``), whose state and lock these 
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 
-from ..._common.driver_messages import Error, Exit, Log, Progress, Result, encode
+from ..._common.driver_messages import Error, Exit, Log, Progress, Refusal, Result, Timeline, encode
 from ..._common.protocol import AuthenticatedChannel, Kind
 
 
@@ -27,8 +28,8 @@ class Failure:
 
 
 class ReportHandlers:
-    """LOG, RESULT, ERROR, PROGRESS and EXIT. Uses ``DriverService``'s ``cv``, ``results``, ``failures``, ``exits``,
-    ``progress``, ``attempt``, ``_on_log`` and ``_on_metrics``."""
+    """LOG, RESULT, ERROR, PROGRESS, TIMELINE and EXIT. Uses ``DriverService``'s ``cv``, ``results``, ``failures``,
+    ``exits``, ``progress``, ``attempt``, ``_on_log``, ``_on_metrics`` and ``_on_timeline``."""
 
     def _log(self, channel: AuthenticatedChannel, log: Log, blob: bytes, peer: str) -> None:
         """Lines of a rank's output (one-way: never answered)."""
@@ -53,6 +54,24 @@ class ReportHandlers:
         with self.cv:
             self.progress[beat.rank] = (encode(beat), time.monotonic())
         self._on_metrics(beat.rank, self.attempt, beat.metrics)
+
+    def _timeline(self, channel: AuthenticatedChannel, message: Timeline, blob: bytes, peer: str) -> None:
+        """A rank's timeline traces (JSON, never unpickled), with its clock's offset from this one's."""
+        offset_us = time.time() * 1e6 - message.clock_us
+        try:
+            segments = json.loads(blob)
+        except ValueError as exc:
+            channel.send(Kind.ERR, encode(Refusal(f"rank {message.rank}'s timeline is not JSON ({exc}), so the run's "
+                                                  "merged timeline goes without it; please report it with the run's "
+                                                  "logs.")))
+            return
+        if isinstance(segments, list):
+            with self.cv:  # where the rank ran, to name its process in the merged trace
+                tasks = {p.rank: task for task, p in enumerate(self.placements or ())}
+                reg = self.registrations.get(tasks.get(message.rank))
+            self._on_timeline(message.rank, self.attempt, segments, offset_us,
+                              None if reg is None else reg.host, () if reg is None else tuple(reg.gpus or ()))
+        channel.send(Kind.OK)
 
     def _exit(self, channel: AuthenticatedChannel, exit: Exit, blob: bytes, peer: str) -> None:
         with self.cv:

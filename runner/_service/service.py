@@ -73,7 +73,8 @@ class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers)
     def __init__(self, *, np: int, secret: bytes, payload: bytes, bind_host: str = "127.0.0.1",
                  on_log: LogSink | None = None, run_id: str | None = None, commits: CommitStore | None = None,
                  on_restore: Callable[[dict | None], None] | None = None, attempt: int = 0,
-                 on_metrics: Callable[[int, int, dict | None], None] | None = None):
+                 on_metrics: Callable[[int, int, dict | None], None] | None = None,
+                 on_timeline: Callable[..., None] | None = None):
         self.np = np
         self.run_id = run_id
         self._secret = secret
@@ -96,6 +97,7 @@ class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers)
         # what the ranks report (_service/reports.py)
         self._on_log = on_log or (lambda rank, stream, lines, progress: None)
         self._on_metrics = on_metrics or (lambda rank, attempt, metrics: None)  # each beat's (_service/metrics.py)
+        self._on_timeline = on_timeline or (lambda *report: None)  # each rank's traces (_service/timeline.py)
         self.bad_frames = 0  # one-way frames (LOG, PROGRESS) dropped as malformed (the first few are logged)
         self.results: dict[int, bytes] = {}
         self.failures: list[Failure] = []
@@ -120,7 +122,7 @@ class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers)
         self._handlers = {
             Kind.REGISTER: self._register, Kind.FETCH: self._fetch, Kind.WATCH: self._watch,
             Kind.LOG: self._log, Kind.RESULT: self._result, Kind.ERROR: self._error,
-            Kind.EXIT: self._exit, Kind.PROGRESS: self._progress,
+            Kind.EXIT: self._exit, Kind.PROGRESS: self._progress, Kind.TIMELINE: self._timeline,
             Kind.COMMIT: self._commit, Kind.RESTORE: self._restore,
             **{kind: self._store_request for kind in STORE_KINDS},
         }
