@@ -26,6 +26,9 @@ import time
 from ..._common import metrics as _metrics
 from ..._common import traces as _traces
 
+#: the most events one trace holds (about 200 bytes each in memory): past it, nothing more is recorded, and an instant
+#: ``TRUNCATED`` says so (a whole run under HOROVOD_TIMELINE stays within about 200 MB per rank)
+MAX_EVENTS = 1_000_000
 _lock = threading.Lock()
 _events: list | None = None  # the trace while recording, else None
 _path: str | None = None
@@ -93,6 +96,11 @@ def now_us() -> float:
 def _add(op_name: str, event: dict, at_us: float) -> None:
     with _lock:
         if _events is None:
+            return
+        if len(_events) >= MAX_EVENTS:  # a trace kept in memory does not grow without end: it stops, marked once
+            if _events[-1].get("name") != "TRUNCATED":
+                _events.append({"ph": "i", "name": "TRUNCATED", "ts": round(at_us - _origin_us, 3), "pid": 0, "s": "g",
+                                "args": {"events": MAX_EVENTS}})
             return
         pid = _pids.get(op_name)
         if pid is None:

@@ -94,6 +94,22 @@ def test_a_data_wait_is_a_span_of_the_data_thread_while_a_timeline_records():
     assert begin["name"] == "DATA_WAIT" and end["ts"] - begin["ts"] == pytest.approx(20_000, abs=1)
 
 
+@pytest.mark.unit
+def test_a_trace_stops_at_its_limit_of_events_and_says_so(monkeypatch):
+    from sparkhvd._common import traces
+    from sparkhvd.collective._engine import timeline
+
+    monkeypatch.setattr(timeline, "MAX_EVENTS", 10)
+    timeline.start_timeline(None)
+    try:
+        for _ in range(20):
+            timeline.data_wait(0.001)
+    finally:
+        timeline.stop_timeline()
+    events = traces.recorded()[-1]["events"]
+    assert len(events) == 11 and events[-1]["name"] == "TRUNCATED" and events[-1]["args"] == {"events": 10}
+
+
 def _allreduces(steps: int, fail_on: int | None = None, timeline: str | None = None):
     import time
 
