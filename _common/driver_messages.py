@@ -129,14 +129,30 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class Clock:
+    """A rank asks for the driver's wall clock (CLOCK); answered with a ``ClockReading``. The rank measures the
+    trip around it, so it knows its clock's offset within half of it (``Timeline``)."""
+
+    KIND = Kind.CLOCK
+
+
+@dataclass(frozen=True)
+class ClockReading:
+    """The driver's answer to a ``Clock`` (OK): its wall clock, microseconds since the epoch."""
+
+    now_us: int
+
+
+@dataclass(frozen=True)
 class Timeline:
     """The timeline traces a rank recorded (TIMELINE), as JSON in the blob: a list of ``{"start_us", "events"}``
-    (``_common/traces.py``); answered with OK. ``clock_us``: the rank's wall clock as it sent them, by which the
-    driver puts every rank's on its own clock."""
+    (``_common/traces.py``); answered with OK. ``offset_us``: what to add to the rank's wall clock to have the
+    driver's, measured with ``Clock`` round trips, within ``error_us`` (half the shortest trip)."""
 
     KIND = Kind.TIMELINE
     rank: int
-    clock_us: int
+    offset_us: int
+    error_us: int
 
 
 @dataclass(frozen=True)
@@ -282,8 +298,8 @@ class Refusal:
 
 
 #: Every request the driver serves, by its frame kind.
-REQUESTS = {m.KIND: m for m in (Register, Fetch, Watch, Log, Result, Error, Exit, Progress, Timeline, Commit, Restore,
-                                StoreSet, StoreGet, StoreAdd, StoreCheck, StoreWait, StoreCas, StoreDelete,
+REQUESTS = {m.KIND: m for m in (Register, Fetch, Watch, Log, Result, Error, Exit, Progress, Timeline, Clock, Commit,
+                                Restore, StoreSet, StoreGet, StoreAdd, StoreCheck, StoreWait, StoreCas, StoreDelete,
                                 StoreNumKeys)}
 #: The one-way ones: never answered, so a bad one is dropped and logged, not refused.
 ONE_WAY = (Kind.LOG, Kind.PROGRESS)

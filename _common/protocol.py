@@ -56,6 +56,7 @@ class Kind(enum.IntEnum):
     EXIT = 23  # a rank's process exited with this code
     PROGRESS = 24  # one-way: a rank's heartbeat, with the collectives it is in (runner/_rank/heartbeat.py)
     TIMELINE = 25  # a rank's timeline traces, as it ends (runner/_service/timeline.py merges them)
+    CLOCK = 26  # worker -> server; answered with OK carrying the driver's wall clock (the timeline's offsets)
     STORE_SET = 30
     STORE_GET = 31
     STORE_ADD = 32

@@ -12,16 +12,18 @@ from __future__ import annotations
 import time
 
 from . import pair
+from . import timeline as _timeline
 from .messages import OK, encode_frame
 
 
 def take_requests(link, peer: int, requests: list, payload) -> None:
     """A member's requests as they arrived in one frame, each with its inline bytes, into the table."""
     offset = 0
+    at = _timeline.wall_us() if _timeline.recording() else None
     for wire in requests:
         request = link.cache.decode(peer, wire)
         size = request.inline
-        link.table.add(peer, request, payload[offset:offset + size] if size else None)
+        link.table.add(peer, request, payload[offset:offset + size] if size else None, at)
         offset += size
 
 
@@ -44,6 +46,10 @@ def answer(link, ready: list, reduce) -> list:
     """Send the ``ready`` answers, and in a pair the coordinator's own new small reductions; returns each answer
     with its inline result, for this rank to carry out."""
     results = inline_results(ready, reduce)
+    if _timeline.recording():  # the members' wait for their peers ended when the last request came
+        now = _timeline.wall_us()
+        for item in ready:
+            item.answer.ready_us = round(item.ready_at or now)
     if link.is_pair:
         pair.send_to_other(link, ready, results)
     else:

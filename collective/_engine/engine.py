@@ -295,7 +295,7 @@ class Engine:
         request = handle.request
         link.waiting[request.name] = handle
         if link.table is not None:
-            link.table.add(self.rank, request, handle.op.inline)
+            link.table.add(self.rank, request, handle.op.inline, _timeline.wall_us() if _timeline.recording() else None)
             if link.is_pair and handle.op.inline is not None and not request.argument_error:
                 link.peer_out.append((request, handle.op.inline))
         else:
@@ -369,6 +369,9 @@ class Engine:
             self._carry_out(link, answer, result)
 
     def _carry_out(self, link: Link, answer: Answer, result) -> None:
+        if answer.ready_us is not None:
+            for name in answer.names:
+                _timeline.ready(name, answer.ready_us, link.members[0])
         action = answer.action
         if action == JOIN:
             finish_join(link, answer)

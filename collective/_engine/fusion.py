@@ -22,6 +22,8 @@ def fuse(ready: list, threshold: int) -> list:
         if host is not None and filled[key] + item.nbytes <= threshold:
             host.answer.names.extend(item.answer.names)
             filled[key] += item.nbytes
+            if item.ready_at is not None:  # the fused op waited for its last
+                host.ready_at = max(host.ready_at or 0.0, item.ready_at)
             continue
         if host is not None:  # full: it takes no more
             del open_by_key[key]

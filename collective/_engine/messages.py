@@ -67,6 +67,9 @@ class Answer:
     error: str | None = None  # ERROR: the message every member raises
     last_joined: int | None = None  # JOIN: the rank that called join() last (what join() returns)
     result: int = 0  # OK: bytes of the inline result that follow the answer in the frame (a small reduction)
+    # while the coordinator records a timeline: its wall clock (microseconds) when the op's last request came, the
+    # end of its members' wait for their peers (runner/_service/timeline.py splits their NEGOTIATE spans there)
+    ready_us: int | None = None
 
 
 # ---- the codec ----------------------------------------------------------------------------------------------
@@ -122,12 +125,14 @@ def encode_answer(answer: Answer) -> dict:
         wire["l"] = answer.last_joined
     if answer.result:
         wire["i"] = answer.result
+    if answer.ready_us is not None:
+        wire["w"] = answer.ready_us
     return wire
 
 
 def decode_answer(wire: dict) -> Answer:
     return Answer(wire["n"], wire["a"], wire.get("x"), wire.get("J"), decode_layout(wire.get("z")), wire.get("t"),
-                  wire.get("e"), wire.get("l"), wire.get("i", 0))
+                  wire.get("e"), wire.get("l"), wire.get("i", 0), wire.get("w"))
 
 
 def encode_frame(requests: list = (), answers: list = (), abort: str | None = None) -> dict:

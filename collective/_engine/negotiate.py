@@ -27,6 +27,7 @@ class Ready:
     payloads: list  # each member's inline bytes in set order (None: none, or the rank stood in)
     fusion_key: str | None = None  # the requests' fusion key where the op may be fused (``fusion.fuse``)
     nbytes: int = 0  # the op's bytes (with fusion_key), counted against the fusion threshold
+    ready_at: float | None = None  # when its last request came (wall clock, microseconds), where ``add`` was told
 
 
 class Table:
@@ -37,10 +38,12 @@ class Table:
         self.fusion_threshold = fusion_threshold  # bytes of one fused op; 0: no fusion
         self._pending: dict = {}  # name -> {rank: (request, payload)}, in the order names first arrived
         self._later: dict = {}  # name -> [(rank, (request, payload))]: a rank's next op of a name, sent early
+        self._arrived: dict = {}  # name -> when its latest request came, while the requests are timed (``add``)
         self.joined = Joined()  # the ranks inside join()
 
-    def add(self, rank: int, request: Request, payload=None) -> None:
-        """``rank``'s request, with the bytes that rode with it (a small reduction's data)."""
+    def add(self, rank: int, request: Request, payload=None, at: float | None = None) -> None:
+        """``rank``'s request, with the bytes that rode with it (a small reduction's data); ``at``: when it came (a
+        timeline records), which the op's ``Ready`` keeps for its last."""
         if request.kind == JOIN:
             self.joined.add(rank)
             return
@@ -50,6 +53,8 @@ class Table:
             self._later.setdefault(name, []).append((rank, (request, payload)))  # its next op of the name, early
         else:
             requests[rank] = (request, payload)
+            if at is not None:
+                self._arrived[name] = at
 
     def waiting_for(self, name: str) -> list:
         """The working members that have not submitted ``name`` (a diagnostic for the stall report)."""
@@ -71,6 +76,7 @@ class Table:
                 continue
             del self._pending[name]
             ready.append(self._answer(name, requests))
+            ready[-1].ready_at = self._arrived.pop(name, None)
             self.joined.op_answered()
             if self._promote(name):
                 names.append(name)

@@ -12,6 +12,7 @@ coordinator's table holds it back until then (``negotiate.Table``).
 
 from __future__ import annotations
 
+from . import timeline as _timeline
 from .messages import OK, Answer, Request, encode_frame
 from .ops import Handle, fail, settle
 
@@ -64,6 +65,8 @@ def claim(link, handle: Handle, request: Request, data) -> None:
     out writes the tensor they view); else the coordinator's answer decides."""
     if pairable(request, handle.request):
         link.waiting.pop(handle.request.name, None)  # the name's next request from the coordinator is its next op
+        if _timeline.recording():  # both requests are here: its wait for its peer is over
+            _timeline.ready(handle.request.name, _timeline.wall_us(), link.members[1])
         link.pair_now.append((handle, request, data))
 
 

@@ -35,6 +35,7 @@ _path: str | None = None
 _pids: dict = {}  # op name -> its "process" number in the trace
 _origin_us = 0.0  # perf_counter microseconds at start_timeline
 _mark_cycles = False
+_ready: dict = {}  # op name -> (wall clock microseconds, whose clock): when the op's last request came (``ready``)
 
 
 def start_timeline(file_path: str | None, mark_cycles: bool = False, rank: int = 0) -> None:
@@ -57,6 +58,7 @@ def start_timeline(file_path: str | None, mark_cycles: bool = False, rank: int =
         # a timeline recording already (HOROVOD_TIMELINE's) ends here: it stays a segment of its own
         _origin_us, _mark_cycles = time.perf_counter() * 1e6, mark_cycles
         _pids.clear()
+        _ready.clear()
         start_us = int(time.time() * 1e6)
         _events = [{"name": "process_name", "ph": "M", "pid": 0,
                     "args": {"start_time_since_epoch_in_micros": start_us}},
@@ -93,6 +95,19 @@ def now_us() -> float:
     return time.perf_counter() * 1e6
 
 
+def wall_us() -> float:
+    return time.time() * 1e6
+
+
+def ready(op_name: str, at_wall_us: float, clock_rank: int) -> None:
+    """The op's last request reached its coordinator at ``at_wall_us`` on rank ``clock_rank``'s wall clock: its
+    NEGOTIATE span's end says so (``ready_us``, ``ready_clock``), for the merged trace to split it there into the
+    wait for the peers and the negotiation proper (runner/_service/timeline.py)."""
+    if _events is not None:
+        with _lock:
+            _ready[op_name] = (round(at_wall_us), clock_rank)
+
+
 def _add(op_name: str, event: dict, at_us: float) -> None:
     with _lock:
         if _events is None:
@@ -120,7 +135,10 @@ def negotiate_end(op_name: str, kind: str) -> None:
     """The op is agreed (or failed): its negotiation ends and its data phase begins."""
     if _events is not None:
         at = now_us()
-        _add(op_name, {"ph": "E"}, at)
+        with _lock:
+            came = _ready.pop(op_name, None)
+        _add(op_name, {"ph": "E"} if came is None else {"ph": "E", "args": {"ready_us": came[0], "ready_clock": came[1]}},
+             at)
         _add(op_name, {"ph": "B", "name": kind.upper()}, at)
 
 

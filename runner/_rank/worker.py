@@ -41,6 +41,7 @@ FAILED_EXIT_CODE = 1
 _EXIT_GRACE_S = 30.0  # a rank whose interpreter has not exited this long after its result is ended
 _FAILED_FLUSH_S = 1.0  # within the driver's grace for the other ranks' reports
 _FINISHED_FLUSH_S = 10.0
+CLOCK_SAMPLES = 5  # round trips to the driver that measure this rank's clock offset (the timeline's): the shortest
 
 
 def main() -> int:
@@ -116,10 +117,26 @@ def send_timeline(client: ServiceClient, rank: int) -> None:
         longest["events"] = longest["events"][:len(longest["events"]) // 2]
         blob = json.dumps(segments).encode()
     try:
-        client.ask(dm.Timeline(rank=rank, clock_us=int(time.time() * 1e6)), blob)
+        offset_us, error_us = clock_offset(client)
+        client.ask(dm.Timeline(rank=rank, offset_us=offset_us, error_us=error_us), blob)
     except Exception as exc:  # noqa: BLE001 - a diagnostic: the rank's result or error goes on
         sys.stderr.write(f"sparkhvd: rank {rank} could not send its timeline to the driver: {type(exc).__name__}: "
                          f"{exc}\n")
+
+
+def clock_offset(client: ServiceClient, samples: int = CLOCK_SAMPLES) -> tuple:
+    """What to add to this rank's wall clock to have the driver's, in microseconds, and its error: of ``samples``
+    round trips to the driver, the shortest's (NTP's rule: the driver read its clock somewhere in the trip, so the
+    offset is within half of it)."""
+    best = None
+    for _ in range(samples):
+        sent = time.time()
+        reading = dm.decode(dm.ClockReading, client.ask(dm.Clock()).meta)
+        back = time.time()
+        if best is None or back - sent < best[0]:
+            best = (back - sent, reading.now_us - (sent + back) / 2 * 1e6)
+    trip, offset = best
+    return round(offset), round(trip / 2 * 1e6)
 
 
 def _explained(exc: BaseException) -> BaseException:

@@ -10,7 +10,18 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from ..._common.driver_messages import Error, Exit, Log, Progress, Refusal, Result, Timeline, encode
+from ..._common.driver_messages import (
+    Clock,
+    ClockReading,
+    Error,
+    Exit,
+    Log,
+    Progress,
+    Refusal,
+    Result,
+    Timeline,
+    encode,
+)
 from ..._common.protocol import AuthenticatedChannel, Kind
 
 
@@ -55,9 +66,11 @@ class ReportHandlers:
             self.progress[beat.rank] = (encode(beat), time.monotonic())
         self._on_metrics(beat.rank, self.attempt, beat.metrics)
 
+    def _clock(self, channel: AuthenticatedChannel, message: Clock, blob: bytes, peer: str) -> None:
+        channel.send(Kind.OK, encode(ClockReading(int(time.time() * 1e6))))
+
     def _timeline(self, channel: AuthenticatedChannel, message: Timeline, blob: bytes, peer: str) -> None:
         """A rank's timeline traces (JSON, never unpickled), with its clock's offset from this one's."""
-        offset_us = time.time() * 1e6 - message.clock_us
         try:
             segments = json.loads(blob)
         except ValueError as exc:
@@ -69,8 +82,9 @@ class ReportHandlers:
             with self.cv:  # where the rank ran, to name its process in the merged trace
                 tasks = {p.rank: task for task, p in enumerate(self.placements or ())}
                 reg = self.registrations.get(tasks.get(message.rank))
-            self._on_timeline(message.rank, self.attempt, segments, offset_us,
-                              None if reg is None else reg.host, () if reg is None else tuple(reg.gpus or ()))
+            self._on_timeline(message.rank, self.attempt, segments, message.offset_us,
+                              None if reg is None else reg.host, () if reg is None else tuple(reg.gpus or ()),
+                              error_us=message.error_us)
         channel.send(Kind.OK)
 
     def _exit(self, channel: AuthenticatedChannel, exit: Exit, blob: bytes, peer: str) -> None:

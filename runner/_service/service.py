@@ -123,6 +123,7 @@ class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers)
             Kind.REGISTER: self._register, Kind.FETCH: self._fetch, Kind.WATCH: self._watch,
             Kind.LOG: self._log, Kind.RESULT: self._result, Kind.ERROR: self._error,
             Kind.EXIT: self._exit, Kind.PROGRESS: self._progress, Kind.TIMELINE: self._timeline,
+            Kind.CLOCK: self._clock,
             Kind.COMMIT: self._commit, Kind.RESTORE: self._restore,
             **{kind: self._store_request for kind in STORE_KINDS},
         }

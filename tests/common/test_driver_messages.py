@@ -19,7 +19,7 @@ EXAMPLES = [
     dm.Fetch(), dm.Watch(rank=-1), dm.Log(rank=0, stream="stdout", lines=["a"], progress="5%"), dm.Result(rank=1),
     dm.Error(rank=0, type="ValueError", message="m", traceback="t"), dm.Exit(rank=1, code=-9),
     dm.Progress(rank=0, state="running", interval=1.0, settings={}, done=3, ops=[{"kind": "allreduce"}], last=None),
-    dm.Timeline(rank=1, clock_us=1_765_000_000_000_000),
+    dm.Timeline(rank=1, offset_us=-300, error_us=40), dm.Clock(), dm.ClockReading(now_us=1_765_000_000_000_000),
     dm.Commit(key="s", seq=2, size=2, fields={"epoch": 1}, bytes=10), dm.Committed(kept=True, hosts_updated=[1.0, 1]),
     dm.Restore(key="s", data=False), dm.Restored(found=True, commit={"key": "s"}), dm.StoreSet(key="k"),
     dm.StoreGet(key="k", timeout=None), dm.StoreAdd(key="k", amount=2), dm.StoreCheck(keys=["a", "b"]),

@@ -51,27 +51,78 @@ def test_the_ranks_traces_become_a_process_each_on_the_drivers_clock():
 
 
 @pytest.mark.unit
-def test_the_service_keeps_a_ranks_traces_with_its_clocks_offset_and_refuses_a_trace_that_is_not_json():
+def test_a_negotiation_is_split_where_the_ops_last_request_reached_its_coordinator():
+    log = TimelineLog()
+
+    def negotiated(start_us: int, ready: dict | None) -> dict:
+        segment = _segment(start_us, "allreduce.grads", 100, 200)
+        if ready is not None:
+            segment["events"][3]["args"] = ready  # the NEGOTIATE span's end (100 to 105 µs)
+        return segment
+
+    # the last request reached rank 0 (the coordinator, whose clock is the driver's) at 1_000_103 µs on its clock:
+    # rank 1 (300 µs ahead of the driver) waited 103 - 100 µs of its 5 µs negotiation for its peers
+    log.record(0, 0, [negotiated(1_000_000, {"ready_us": 1_000_103, "ready_clock": 0})], offset_us=0)
+    log.record(1, 0, [negotiated(1_000_300, {"ready_us": 1_000_103, "ready_clock": 0})], offset_us=-300)
+    # rank 2's coordinator sent no trace, so its clock is unknown there; rank 3's says a moment before its span
+    log.record(2, 0, [negotiated(1_000_000, {"ready_us": 1_000_103, "ready_clock": 7})], offset_us=0)
+    log.record(3, 0, [negotiated(1_000_000, {"ready_us": 1_000_050, "ready_clock": 0})], offset_us=0)
+    events = log.merged()["traceEvents"]
+    waits = {e["pid"] - 1: e for e in events if e.get("name") == "WAIT_FOR_PEERS"}
+    assert set(waits) == {0, 1} and all(w["ts"] == 100 and w["args"] == {"coordinator": 0} for w in waits.values())
+    for rank, wait in waits.items():  # nested in its NEGOTIATE span: it starts after it, ends before its end
+        track = [e for e in events if e.get("pid") == rank + 1 and e.get("tid") == wait["tid"] and e["ph"] in "BE"]
+        assert [e.get("name") for e in track[:4]] == ["NEGOTIATE_ALLREDUCE", "WAIT_FOR_PEERS", None, None]
+        assert [e["ts"] for e in track[:4]] == [100, 100, 103, 105]
+
+
+@pytest.mark.unit
+def test_the_coordinator_keeps_when_an_ops_last_request_came_through_fusion():
+    from sparkhvd.collective._engine.messages import Request
+    from sparkhvd.collective._engine.negotiate import Table
+
+    table = Table([0, 1], fusion_threshold=1 << 20)
+    for name, times in (("allreduce.a", (5.0, 9.0)), ("allreduce.b", (7.0, 8.0))):
+        for rank, at in enumerate(times):
+            table.add(rank, Request(name, "allreduce", fusion_key="k", nbytes=8), at=at)
+    table.add(0, Request("allreduce.c", "allreduce"))  # untimed (no timeline records)
+    table.add(1, Request("allreduce.c", "allreduce"))
+    [fused, untimed] = table.decide()
+    assert fused.answer.names == ["allreduce.a", "allreduce.b"] and fused.ready_at == 9.0
+    assert untimed.ready_at is None
+
+
+@pytest.mark.unit
+def test_the_service_keeps_a_ranks_traces_with_its_clocks_offset_and_refuses_a_trace_that_is_not_json(monkeypatch):
     import time
+    import types
 
     from sparkhvd._common import driver_messages as dm
     from sparkhvd._common.client import ServiceClient, ServiceError
     from sparkhvd._common.protocol import new_secret
+    from sparkhvd.runner._rank import worker
     from sparkhvd.runner._service.service import DriverService
 
     secret, got = new_secret(), []
-    service = DriverService(np=2, secret=secret, payload=b"", run_id="t", on_timeline=lambda *a: got.append(a))
+    service = DriverService(np=2, secret=secret, payload=b"", run_id="t", on_timeline=lambda *a, **kw: got.append((a, kw)))
     client = ServiceClient(service.address, secret)
     try:
-        ahead_us = int(time.time() * 1e6) + 5_000_000  # a rank whose clock is 5 s ahead of the driver's
-        client.ask(dm.Timeline(rank=1, clock_us=ahead_us), json.dumps([_segment(1, "x", 0, 1)]).encode())
-        [(rank, attempt, segments, offset_us, host, gpus)] = got
-        assert (rank, attempt, host, gpus) == (1, 0, None, ()) and segments[0]["start_us"] == 1
-        assert -5_100_000 < offset_us < -4_900_000
+        offset_us, error_us = worker.clock_offset(client)  # one machine, one clock: no offset past the trip's half
+        assert 0 < error_us < 1_000_000 and abs(offset_us) <= error_us + 1
+        ahead = types.SimpleNamespace(time=lambda: time.time() + 5.0)  # a rank whose clock is 5 s ahead (its own
+        monkeypatch.setattr(worker, "time", ahead)  # module's: the driver's thread here reads the true one)
+        offset_us, error_us = worker.clock_offset(client)
+        assert abs(offset_us + 5_000_000) <= error_us + 1
+        monkeypatch.undo()
+        client.ask(dm.Timeline(rank=1, offset_us=offset_us, error_us=error_us),
+                   json.dumps([_segment(1, "x", 0, 1)]).encode())
+        [((rank, attempt, segments, offset, host, gpus), kw)] = got
+        assert (rank, attempt, host, gpus, offset, kw) == (1, 0, None, (), offset_us, {"error_us": error_us})
+        assert segments[0]["start_us"] == 1
         with pytest.raises(ServiceError, match=r"^rank 0's timeline is not JSON \(Expecting property name .*\), so the "
                                                r"run's merged timeline goes without it; please report it with the "
                                                r"run's logs\.$"):
-            client.ask(dm.Timeline(rank=0, clock_us=ahead_us), b"{not json")
+            client.ask(dm.Timeline(rank=0, offset_us=0, error_us=0), b"{not json")
     finally:
         client.close()
         service.close()
@@ -134,15 +185,15 @@ def _events(path: str) -> list:
 
 
 def _spans(events: list, rank: int, name: str) -> list:
-    """The (begin, end) times of the rank's spans called ``name``."""
+    """The (begin, end) times of the rank's spans called ``name`` (spans nest: an end closes its thread's latest)."""
     pid = rank + 1
     begins = [e for e in events if e.get("pid") == pid and e.get("ph") in ("B", "E")]
     spans, open_at = [], {}
     for e in begins:
         if e["ph"] == "B":
-            open_at[e["tid"]] = (e["name"], e["ts"])
-        elif e["tid"] in open_at:
-            began = open_at.pop(e["tid"])
+            open_at.setdefault(e["tid"], []).append((e["name"], e["ts"]))
+        elif open_at.get(e["tid"]):
+            began = open_at[e["tid"]].pop()
             if began[0] == name:
                 spans.append((began[1], e["ts"]))
     return spans
@@ -169,6 +220,10 @@ def test_horovod_timeline_on_the_driver_gives_one_trace_of_every_rank_on_one_clo
     # rank 0 negotiated longer: it waited for rank 1, which slept 20 ms before each
     waited = [end - begin for begin, end in _spans(events, 0, "NEGOTIATE_ALLREDUCE")[1:]]
     assert sum(waited) / len(waited) > 10_000, waited
+    # and the merged trace says it was the wait for its peer: a WAIT_FOR_PEERS inside each of its negotiations
+    for_peers = [end - begin for begin, end in _spans(events, 0, "WAIT_FOR_PEERS")[1:]]
+    assert len(for_peers) == 7 and sum(for_peers) / len(for_peers) > 10_000, for_peers
+    assert all(p <= w for p, w in zip(for_peers, waited))
 
 
 @pytest.mark.timeout(120)
