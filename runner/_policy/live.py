@@ -25,7 +25,7 @@ import time
 import warnings
 
 from ..._common import settings
-from .._service.metrics import steps_source
+from .._service.metrics import Beats, change, steps_source
 
 REDRAW_S = 1.0  # how often the view is drawn again
 WINDOW_S = 3.0  # the rates are over about the last this many seconds of each rank's heartbeats
@@ -66,55 +66,40 @@ class Rates:
 
     def __init__(self, window: float = WINDOW_S):
         self.window = window
-        self._history: dict = {}  # rank -> [(clock, metrics)], oldest first
-        self._first: dict = {}  # rank -> its first point with a step: the whole run's rates (``of(whole=True)``)
+        self.beats = Beats(keep=window)
+        self._first: dict = {}  # rank -> the beat before its first step: the whole run's rates (``of(whole=True)``)
 
     def update(self, status) -> None:
-        for rank, (meta, at) in status.progress.items():
-            metrics = meta.get("metrics") if isinstance(meta, dict) else None
-            if not isinstance(metrics, dict):
-                continue
-            clock = metrics.get("clock_s") if isinstance(metrics.get("clock_s"), (int, float)) else at
-            history = self._history.setdefault(rank, [])
-            if history and history[-1][0] >= clock:
-                continue  # the beat already seen (or one of a rank's earlier process: a restart)
-            history.append((clock, metrics))
-            if rank not in self._first and metrics.get(steps_source(metrics)):
+        self.beats.update(status.progress)  # at most one new beat per rank: a poll holds each rank's latest
+        for rank, history in self.beats.by_rank.items():
+            if rank not in self._first and history[-1][1].get(steps_source(history[-1][1])):
                 self._first[rank] = history[-2] if len(history) > 1 else history[-1]
-            while len(history) > 2 and history[1][0] <= clock - self.window:
-                history.pop(0)
 
     def restart(self) -> None:
         """A new attempt: its ranks' clocks and totals start again."""
-        self._history.clear()
+        self.beats.clear()
         self._first.clear()
 
     def of(self, rank: int, whole: bool = False) -> dict:
         """``steps``, ``steps_per_s``, ``collectives`` and ``data_wait`` (shares of the rank's time) and ``gpu`` (its
         latest NVML reading), each None where not known yet; over the last window, or (``whole``) since the beat
         before the rank's first step."""
-        history = self._history.get(rank) or []
-        if whole and rank in self._first and history and self._first[rank][0] < history[-1][0]:
-            history = [self._first[rank], history[-1]]
+        history = self.beats.by_rank.get(rank) or []
         last = history[-1][1] if history else {}
-        rates = {"steps": last.get(steps_source(last)) or 0 if last else None, "steps_per_s": None,
-                 "collectives": None, "data_wait": None, "gpu": last.get("gpu")}
         source = steps_source(last)
-        stepping = [point for point in history if point[1].get(source)]  # the start-up is not in a rate of steps
-        history = stepping if len(stepping) >= 2 else history
-        if len(history) < 2:
+        rates = {"steps": last.get(source) or 0 if last else None, "steps_per_s": None,
+                 "collectives": None, "data_wait": None, "gpu": last.get("gpu")}
+        if whole and rank in self._first and history and self._first[rank][0] < history[-1][0]:
+            span = self._first[rank], history[-1]
+        else:
+            span = self.beats.span(rank, self.window)
+        if span is None:
             return rates
-        (t0, first), (t1, last) = history[0], history[-1]
+        (t0, first), (t1, last) = span
         elapsed = t1 - t0
-        if elapsed <= 0:
-            return rates
-
-        def delta(*names):
-            return sum((last.get(n) or 0) - (first.get(n) or 0) for n in names)
-
-        rates["steps_per_s"] = max(0.0, delta(source)) / elapsed
-        rates["collectives"] = min(1.0, max(0.0, delta("negotiation_s", "transfer_s") / elapsed))
-        rates["data_wait"] = min(1.0, max(0.0, delta("data_wait_s") / elapsed))
+        rates["steps_per_s"] = max(0.0, change(first, last, source)) / elapsed
+        rates["collectives"] = min(1.0, max(0.0, change(first, last, "negotiation_s", "transfer_s") / elapsed))
+        rates["data_wait"] = min(1.0, max(0.0, change(first, last, "data_wait_s") / elapsed))
         return rates
 
 
@@ -182,8 +167,7 @@ def cells(row: dict) -> list:
         gpu_text = ",".join(str(g) for g in row.get("gpus") or ()) or "-"
     steps = row.get("steps")
     return [str(row["rank"]), str(row["host"]), "-" if steps is None else str(steps), _number(row.get("steps_per_s")),
-            _share(row.get("collectives")),
-            _share(row.get("data_wait")), gpu_text, row.get("line") or ""]
+            _share(row.get("collectives")), _share(row.get("data_wait")), gpu_text, row.get("line") or ""]
 
 
 def _number(value) -> str:

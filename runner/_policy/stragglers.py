@@ -16,7 +16,7 @@ import sys
 import time
 
 from ..._common import settings
-from .._service.metrics import steps_source
+from .._service.metrics import Beats, change, steps_source
 
 CHECK_S = 1.0  # how often the driver looks
 MIN_EXCESS_S = 0.01  # a straggler's own work per step is at least this much above the others' median
@@ -33,7 +33,7 @@ class Stragglers:
     def __init__(self, *, run_id: str, factor: float, window: float, out=None, clock=time.monotonic):
         self.run_id, self.factor, self.window = run_id, factor, window
         self._out, self._clock = out, clock
-        self._history: dict = {}  # rank -> [(at, metrics)], oldest first, a little over a window
+        self._beats = Beats(keep=2 * window)
         self._named: set = set()  # the ranks of the episodes going on
         self._checked_at = -CHECK_S
         self.lines: list = []  # every line printed
@@ -41,20 +41,12 @@ class Stragglers:
     def check(self, status) -> None:
         if not self.factor or status.placements is None:
             return
-        for rank, (meta, at) in status.progress.items():
-            metrics = meta.get("metrics") if isinstance(meta, dict) else None
-            if not isinstance(metrics, dict):
-                continue  # SPARKHVD_METRICS=0 in that rank
-            history = self._history.setdefault(rank, [])
-            if not history or history[-1][0] != at:
-                history.append((at, metrics))
-                while len(history) > 2 and history[1][0] <= at - 2 * self.window:
-                    history.pop(0)
+        self._beats.update(status.progress)
         now = self._clock()
         if now - self._checked_at < CHECK_S:
             return
         self._checked_at = now
-        own = {rank: per_step for rank in self._history if (per_step := self._own_per_step(rank)) is not None}
+        own = {rank: per_step for rank in self._beats.by_rank if (per_step := self._own_per_step(rank)) is not None}
         if len(own) < 2:
             return
         for rank, (mine, data) in own.items():
@@ -68,20 +60,15 @@ class Stragglers:
 
     def _own_per_step(self, rank: int):
         """(seconds of own work per step, of which waiting for data) over the last window, or None."""
-        history = self._history[rank]
-        at, last = history[-1]
-        source = steps_source(last)
-        # the window starts once the rank has made a step: its start-up (imports, hvd.init) is not its work per step
-        start = next(((t, m) for t, m in reversed(history) if t <= at - self.window and m.get(source)), None)
-        if start is None:
+        span = self._beats.span(rank, self.window, full=True)  # a whole window since its first step
+        if span is None:
             return None
-        steps = (last.get(source) or 0) - (start[1].get(source) or 0)
+        (t0, first), (t1, last) = span
+        steps = change(first, last, steps_source(last))
         if steps <= 0:
             return None
-        elapsed = _clock(last, at) - _clock(start[1], start[0])  # on the rank's own clock, where it sends one
-        waits = sum((last.get(k) or 0) - (start[1].get(k) or 0) for k in ("negotiation_s", "transfer_s"))
-        data = (last.get("data_wait_s") or 0) - (start[1].get("data_wait_s") or 0)
-        return max(0.0, elapsed - waits) / steps, max(0.0, data) / steps
+        waits = change(first, last, "negotiation_s", "transfer_s")
+        return max(0.0, t1 - t0 - waits) / steps, max(0.0, change(first, last, "data_wait_s")) / steps
 
     def _say(self, rank: int, mine: float, data: float, others: float, own: dict, status) -> None:
         reg = status.by_rank().get(rank)
@@ -103,11 +90,6 @@ class Stragglers:
         out = self._out or sys.stdout
         out.write(line + "\n")
         out.flush()
-
-
-def _clock(metrics: dict, arrived: float) -> float:
-    clock = metrics.get("clock_s")
-    return clock if isinstance(clock, (int, float)) else arrived
 
 
 def _ms(seconds: float) -> str:

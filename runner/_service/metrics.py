@@ -62,6 +62,61 @@ def steps_source(last: dict) -> str:
     return "collectives"
 
 
+def own_clock(metrics: dict, arrived: float) -> float:
+    """When a beat was taken, on its rank's own clock (``clock_s``) where it sends one, else when it arrived."""
+    clock = metrics.get("clock_s")
+    return clock if isinstance(clock, (int, float)) else arrived
+
+
+def change(first: dict, last: dict, *names: str) -> float:
+    """How much the totals ``names`` grew from one beat's metrics to a later one's."""
+    return sum((last.get(n) or 0) - (first.get(n) or 0) for n in names)
+
+
+class Beats:
+    """Each rank's latest heartbeats over about the last ``keep`` seconds of its own clock, from ``RunStatus.progress``
+    on each poll: what the live view's rates and the straggler check read (``span``)."""
+
+    def __init__(self, keep: float):
+        self.keep = keep
+        self.by_rank: dict = {}  # rank -> [(clock, metrics)], oldest first
+
+    def update(self, progress) -> None:
+        for rank, (meta, at) in progress.items():
+            metrics = meta.get("metrics") if isinstance(meta, dict) else None
+            if not isinstance(metrics, dict):
+                continue  # SPARKHVD_METRICS=0 in that rank
+            clock = own_clock(metrics, at)
+            history = self.by_rank.setdefault(rank, [])
+            if history and history[-1][0] >= clock:
+                continue  # the beat already seen (or one of a rank's earlier process: a restart)
+            history.append((clock, metrics))
+            while len(history) > 2 and history[1][0] <= clock - self.keep:
+                history.pop(0)
+
+    def clear(self) -> None:
+        """A new attempt: its ranks' clocks and totals start again."""
+        self.by_rank.clear()
+
+    def span(self, rank: int, window: float, full: bool = False) -> tuple | None:
+        """The rank's ``(first, last)`` beats, as ``(clock, metrics)``, over about the last ``window`` seconds since
+        it made its first step (its start-up, imports and ``hvd.init``, is not in a rate of steps): ``first`` the
+        latest beat at least ``window`` before ``last``, or (unless ``full``) the oldest kept. None where there is
+        no such pair."""
+        history = self.by_rank.get(rank) or []
+        if len(history) < 2:
+            return None
+        last = history[-1]
+        source = steps_source(last[1])
+        stepping = [point for point in history if point[1].get(source)]
+        points = stepping if len(stepping) >= 2 else [] if full else history
+        older = [point for point in points[:-1] if point[0] <= last[0] - window]
+        first = older[-1] if older else None if full else points[0] if points else None
+        if first is None or first[0] >= last[0]:
+            return None
+        return first, last
+
+
 def _rows(points: list, started: float) -> list:
     source = steps_source(points[-1][2])
     rows, previous = [], None
