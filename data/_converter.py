@@ -190,7 +190,8 @@ def _delete_written() -> None:
     for url in list(_written):
         try:
             fs, path = resolve_url(url)
-            fs.delete_dir(path)
+            if fs.get_file_info(path).type != pafs.FileType.NotFound:  # gone already (its parent deleted): done
+                fs.delete_dir(path)
         except (OSError, ValueError) as exc:  # the exit goes on; say what is left
             print(f"sparkhvd.data: could not delete the converter's cache directory {url} at exit ({exc}); delete it "
                   "yourself.", file=sys.stderr)

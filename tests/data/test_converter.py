@@ -361,3 +361,16 @@ def test_a_cache_spark_cannot_write_is_refused_with_what_to_install(spark, paren
                                          r"S3 connector: start Spark with spark.jars.packages=org.apache.hadoop:"
                                          r"hadoop-aws:[\d.]+ and use an s3a:// URL; or use a directory every worker"):
         make_spark_converter(spark.range(3), parent_cache_dir_url=parent)
+
+
+@pytest.mark.unit
+def test_at_exit_a_cache_directory_already_gone_is_no_complaint(tmp_path, capsys):
+    from sparkhvd.data import _converter
+
+    left, gone = tmp_path / "left", tmp_path / "gone"  # gone: its parent was deleted first (a temp folder)
+    left.mkdir()
+    (left / "part-0.parquet").write_bytes(b"x")
+    _converter._written.update({left.as_uri(), gone.as_uri()})
+    _converter._delete_written()
+    assert not left.exists() and capsys.readouterr().err == ""
+    assert not {left.as_uri(), gone.as_uri()} & _converter._written
