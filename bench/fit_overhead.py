@@ -9,7 +9,8 @@ batch size and epochs, after a first fit of the same DataFrame (so its Parquet i
 must write none, which the script checks by listing the store's data folder before and after). Both run
 ``--reps`` times, alternating, after one warm-up each; the table gives the best and median seconds and
 ours / the peer's. What the estimator adds: the checks and the dry run on the driver, the model file in the
-store, a checkpoint per epoch, the fitted model written and loaded back.
+store, the last epoch's checkpoint (one per epoch only where a ``run_id`` or ``max_restarts`` may resume from it), the
+fitted model written and loaded back.
 
     python bench/fit_overhead.py                  # 20k rows, 3 epochs, 3 reps: about a minute on 2 cores
     python bench/fit_overhead.py --rows 100000 --epochs 5
@@ -96,15 +97,11 @@ def main() -> int:
                 hand_written, url=converter.cache_dir_url, epochs=args.epochs, batch_size=args.batch_size,
                 make=make_net)
 
-        fits = [0]
-
         def ours() -> None:
             net = make_net()
-            fits[0] += 1
             TorchEstimator(num_proc=2, store=store, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.01),
                            loss=torch.nn.functional.mse_loss, feature_cols=["features"], label_cols=["y"],
-                           batch_size=args.batch_size, epochs=args.epochs, verbose=0,
-                           run_id=f"bench-{fits[0]}").fit(df)
+                           batch_size=args.batch_size, epochs=args.epochs, verbose=0).fit(df)
 
         data = os.path.join(root, "store", "intermediate_train_data")
         peer()

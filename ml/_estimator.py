@@ -208,7 +208,8 @@ class HorovodEstimator(Estimator, EstimatorParams, Persisted):
             train_steps_per_epoch=self.getTrainStepsPerEpoch(),
             validation_steps_per_epoch=self.getValidationStepsPerEpoch(), verbose=self.getVerbose(),
             use_gpu=self.getUseGpu(), backward_passes_per_step=self.getBackwardPassesPerStep(),
-            batches_per_commit=self.getBatchesPerCommit() if restarts else 0, output_shapes=tuple(output_shapes))
+            batches_per_commit=self.getBatchesPerCommit() if restarts else 0, output_shapes=tuple(output_shapes),
+            every_epoch=bool(restarts or self.getRunId()))
         self._write_initial(run)
         runner = HorovodRunner._from_config(RunnerConfig(np=self._num_proc(), max_restarts=restarts,
                                                          **self._runner_options()))

@@ -122,7 +122,7 @@ class _Checkpoint:
         self.state, self.run, self.spec, self.rank, self.size, self.keras = state, run, spec, rank, size, keras
 
     def on_epoch_end(self, epoch, logs=None):
-        state, spec, size, keras = self.state, self.spec, self.size, self.keras
+        state, spec = self.state, self.spec
         logs = {k: float(np.asarray(v)) for k, v in (logs or {}).items()}
         entry = {"epoch": epoch, "train": {k: v for k, v in logs.items() if not k.startswith("val_")}}
         val = {k[len("val_"):]: v for k, v in logs.items() if k.startswith("val_")}
@@ -134,13 +134,25 @@ class _Checkpoint:
         if spec.verbose:
             shown = ", ".join(f"{k} {v:.6g}" for k, v in logs.items())
             print(f"epoch {epoch + 1}/{spec.epochs}: {shown}", flush=True)
+        if spec.checkpoints(epoch + 1):
+            self._write(epoch + 1)
+
+    def on_train_end(self, logs=None):
+        """A callback that stopped the fit early (EarlyStopping) left its last epoch without a checkpoint (where
+        only the last is written): the fitted model is built from it."""
+        done = len(self.state.history)
+        if self.rank == 0 and done and not self.spec.checkpoints(done):
+            self._write(done)
+
+    def _write(self, epochs_done: int) -> None:
+        state, size, keras = self.state, self.size, self.keras
         scale_lr(self.model.optimizer, 1 / size, keras)  # the checkpoint keeps the rate as given
         try:
             saved = keras_bytes(self.model)
         finally:
             scale_lr(self.model.optimizer, size, keras)
-        written = json.dumps({"epoch": epoch + 1, "history": state.history}).encode()
-        self.run.write_checkpoint(epoch + 1, {CHECKPOINT: lambda out: out.write(saved),
+        written = json.dumps({"epoch": epochs_done, "history": state.history}).encode()
+        self.run.write_checkpoint(epochs_done, {CHECKPOINT: lambda out: out.write(saved),
                                               STATE: lambda out: out.write(written)})
 
 

@@ -134,7 +134,7 @@ class _StoreCheckpoint:
         if self.spec.verbose and trainer.is_global_zero:
             shown = ", ".join(f"{k} {v:.6g}" for k, v in metrics.items())
             print(f"epoch {trainer.current_epoch + 1}/{self.spec.epochs}: {shown}", flush=True)
-        self._save(trainer, stored=True)
+        self._save(trainer, stored=self.spec.checkpoints(trainer.current_epoch + 1))
 
     def _save(self, trainer, stored: bool) -> None:
         """Lightning's checkpoint: into the store after an epoch (``stored``); with restarts, off the ranks too."""

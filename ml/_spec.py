@@ -43,6 +43,13 @@ class FitSpec:
     backward_passes_per_step: int
     batches_per_commit: int  # 0: no commits (no restarts to use them)
     output_shapes: tuple[tuple[int, ...], ...]  # per label, per row, as the model's dry run gave them
+    # a checkpoint after every epoch, where something may resume from one: a later fit of the run (run_id given) or a
+    # relaunch (max_restarts); else only the last epoch's, from which the driver builds the fitted model
+    every_epoch: bool = True
+
+    def checkpoints(self, epochs_done: int) -> bool:
+        """Whether rank 0 writes the checkpoint of ``epochs_done`` epochs."""
+        return self.every_epoch or epochs_done == self.epochs
 
 
 def metadata(spec: FitSpec) -> dict:

@@ -5,7 +5,8 @@ on top: the one the fit resumes, or one written since, after a restart), wraps t
 ``hvd.DistributedOptimizer``, and trains under ``hvd.elastic.run``. With restarts, the state
 (weights, optimizer, epoch, batch, the epoch's running sums) is committed every
 ``batches_per_commit`` steps, and a relaunched rank resumes the reader at the committed batch.
-Rank 0 writes a checkpoint after every epoch. The tensor helpers here are shared with the
+Rank 0 writes a checkpoint after every epoch where a later fit of the run or a relaunch may resume from it (a
+``run_id``, ``max_restarts``), else after the last only (``FitSpec.checkpoints``). The tensor helpers here are shared with the
 driver's dry run (``_torch.py``), which imports this module, never the reverse.
 """
 
@@ -225,7 +226,7 @@ class _Fit:
                 shown += ", " + ", ".join(f"val_{k} {v:.6g}" for k, v in val.items())
             print(f"epoch {epoch + 1}/{spec.epochs}: {shown}", flush=True)
         state.epoch, state.batch, state.steps, state.sums, state.rank_sums = epoch + 1, 0, 0, {}, None
-        if hvd.rank() == 0:
+        if hvd.rank() == 0 and spec.checkpoints(epoch + 1):
             self.checkpoint(state, epoch + 1)
         if spec.batches_per_commit:
             state.commit()

@@ -201,7 +201,8 @@ def _stop_after(epochs: int):
 
 def test_a_callback_that_stops_training_ends_the_fit(fitted):
     df, store, _, _ = fitted
-    stopped = _estimator(store, _model(), num_proc=-1, epochs=3, run_id="keras_stopped",
+    stopped = _estimator(store, _model(), num_proc=-1, epochs=3, run_id=None,
                          callbacks=[_stop_after(1)]).fit(df)  # one process on the driver
     assert [entry["epoch"] for entry in stopped.getHistory()] == [0]
-    assert store.list_dir(store.get_checkpoint_path("keras_stopped")) == ["epoch-00001"]
+    # no run_id: only the last epoch's checkpoint is written, the one the callback's stop made the last
+    assert store.list_dir(store.get_checkpoint_path(stopped.getRunId())) == ["epoch-00001"]

@@ -105,6 +105,13 @@ def uninterrupted(df, tmp_path_factory):
     return _estimator(tmp_path_factory.mktemp("whole"), epochs=4, run_id="whole").fit(df)
 
 
+def test_a_fit_that_nothing_can_resume_writes_its_last_epochs_checkpoint_only(df, tmp_path, uninterrupted):
+    model = _estimator(tmp_path, epochs=4).fit(df)  # no run_id to fit again, no max_restarts to relaunch
+    checkpoints = tmp_path / "store" / "runs" / model.getRunId() / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch-00004"]
+    assert _same(_weights(model), _weights(uninterrupted)) and model.getHistory() == uninterrupted.getHistory()
+
+
 def _killing_loss(flag: str, at_call: int):
     """mse_loss, but the rank whose call count reaches ``at_call`` first (once, across restarts) is killed."""
     calls = [0]
