@@ -15,10 +15,11 @@ ranks must be a power of two (Horovod refuses others with NotImplementedError, a
 CUDA tensors follow Horovod's GPU Adasum (adasum_gpu_operations.cc, "hierarchical"): the ranks of
 each host are summed (NCCL there), the hosts' sums are combined by Adasum in host order, and the
 result is divided by local_size; so on one host it is the average. Horovod needs MPI for
-Adasum; here every rank allgathers the op's buffer over its backend (gloo on CPU, NCCL on CUDA)
-and works out the same tree in the same order, so every rank gets the same bits. That is the
-readable reference, not Horovod's bandwidth: each rank receives size - 1 times the buffer, where
-Horovod's vector halving moves about twice the buffer (docs/torch.md says so).
+Adasum; here a CPU buffer of ``HALVING_MIN_ELEMENTS`` or more goes by Horovod's vector halving,
+distance doubling over gloo's point-to-point messages (``halving_doubling``: about twice the
+buffer moved, whatever the ranks), and every other buffer (small ones, CUDA's) is allgathered over
+the backend, each rank working out the same ``tree`` in the same order: the readable reference,
+which receives size - 1 times the buffer. Either way every rank gets the same bits.
 
 float16, float32 and float64 only, as Horovod (adasum.h dispatches these three).
 """
@@ -42,6 +43,10 @@ from ._submit import describe, nbytes, submit
 
 DTYPES = (torch.float16, torch.float32, torch.float64)
 _SQRT_DBL_MIN = math.sqrt(sys.float_info.min)  # adasum.h's threshold for a zero vector
+#: CPU buffers of at least this many elements (and one per rank) go by ``halving_doubling``; smaller ones are
+#: allgathered (one collective, where the halving takes 2 log2(size) trips plus the dot products')
+HALVING_MIN_ELEMENTS = 1 << 14
+_TAG = 0x5ADA  # the halving's point-to-point messages
 
 
 # ---- the math (the tests' oracle is a NumPy copy of it, tests/_adasum_oracle.py) ---------------------------
@@ -54,11 +59,28 @@ def pair(a: torch.Tensor, b: torch.Tensor, counts: list) -> torch.Tensor:
     ``bcoeff * b + acoeff * a`` in float32, as its AVX kernel). No ``.item()``: a GPU never waits.
     """
     out = torch.empty_like(a)
+    combine(a, b, counts, dots_each(a, b, counts), out)
+    return out
+
+
+def dots_each(a: torch.Tensor, b: torch.Tensor, counts: list) -> torch.Tensor:
+    """Each tensor's a.b, |a|^2 and |b|^2 (``counts``: its elements, in order; 0: none), float64, one row each."""
+    step = _chunk(a.device)
+    rows, offset = [], 0
+    for n in counts:
+        rows.append(_dots(a[offset:offset + n], b[offset:offset + n], step))
+        offset += n
+    return torch.stack(rows)
+
+
+def combine(a: torch.Tensor, b: torch.Tensor, counts: list, dots: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` (which may be ``a`` or ``b``) = each tensor's ``acoeff * a + bcoeff * b``, from its row of ``dots``
+    (``dots_each``, or its sum over the ranks that hold the rest of the tensor)."""
     step = _chunk(a.device)
     offset = 0
-    for n in counts:
+    for k, n in enumerate(counts):
         x, y = a[offset:offset + n], b[offset:offset + n]
-        dot, anormsq, bnormsq = _dots(x, y, step)
+        dot, anormsq, bnormsq = dots[k]
         acoeff = torch.where(anormsq >= _SQRT_DBL_MIN, 1.0 - dot / anormsq * 0.5, 1.0)
         bcoeff = torch.where(bnormsq >= _SQRT_DBL_MIN, 1.0 - dot / bnormsq * 0.5, 1.0)
         half = a.dtype == torch.float16
@@ -71,7 +93,6 @@ def pair(a: torch.Tensor, b: torch.Tensor, counts: list) -> torch.Tensor:
             combined = ax + bcoeff * ys.double()
             out[offset + s:offset + s + xs.numel()] = combined.float() if half else combined  # to the dtype
         offset += n
-    return out
 
 
 def _chunk(device: torch.device) -> int:
@@ -89,6 +110,97 @@ def _dots(x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
         xd, yd = x[s:s + step].double(), y[s:s + step].double()
         total += torch.stack([(xd * yd).sum(), (xd * xd).sum(), (yd * yd).sum()])
     return total
+
+
+def halving_doubling(flat: torch.Tensor, counts: list, group, rank: int, size: int) -> torch.Tensor:
+    """``flat`` (this rank's vector, written in place) becomes the Adasum of every rank's, as Horovod's
+    vector-halving, distance-doubling algorithm works it out (adasum.h, ``FusedAllreduce``), moving about twice the
+    buffer whatever the number of ranks (a power of two).
+
+    At distance d = 1, 2, 4, ... each rank and ``rank ^ d`` split the part they both hold: the lower keeps its first
+    half, the upper its second, each sends the other half and combines its kept half of the lower side's vector (a)
+    with the upper side's (b). Each tensor's dot product and norms are the sums of the partial ones of the 2d ranks
+    that hold its parts, added at distances 1, 2, ..., d (each pair adds the same two numbers: the same bits on every
+    rank of the block). Then the parts travel back, d = ..., 2, 1, so every rank has every part; each part was
+    worked out on one rank only, so every rank has the same bits. Within float rounding of ``tree`` (the dot
+    products are summed in other orders)."""
+    kept, d = [], 1
+    lo, hi = 0, flat.numel()
+    while d < size:
+        mid, lower = lo + (hi - lo) // 2, not rank & d
+        keep, give = ((lo, mid), (mid, hi)) if lower else ((mid, hi), (lo, mid))
+        mine, theirs = flat[keep[0]:keep[1]], torch.empty(keep[1] - keep[0], dtype=flat.dtype, device=flat.device)
+        _exchange(flat[give[0]:give[1]], theirs, rank ^ d, group)
+        a, b = (mine, theirs) if lower else (theirs, mine)
+        local = _within(counts, *keep)
+        dots, bit = _partial_dots(a, b, local), 1
+        while bit <= d:  # summed over the 2d ranks of the block
+            other = torch.empty_like(dots)
+            _exchange(dots, other, rank ^ bit, group)
+            dots, bit = dots + other, bit * 2
+        if flat.dtype == torch.float16:
+            combine(a, b, local, dots, mine)
+        else:
+            _combine_in_place(a, b, local, dots, mine)
+        kept.append(((lo, hi), keep))
+        (lo, hi), d = keep, d * 2
+    for (parent_lo, parent_hi), (keep_lo, keep_hi) in reversed(kept):
+        d //= 2
+        other = (parent_lo, keep_lo) if keep_lo > parent_lo else (keep_hi, parent_hi)
+        _exchange(flat[keep_lo:keep_hi], flat[other[0]:other[1]], rank ^ d, group)
+    return flat
+
+
+_STEP = 1 << 16  # elements per float64 temporary of the halving's arithmetic: in the cache, never allocated anew
+
+
+def _partial_dots(a: torch.Tensor, b: torch.Tensor, counts: list) -> torch.Tensor:
+    """``dots_each`` for the halving, faster: float64 chunks into two reused buffers, BLAS's dot. Its sums' order may
+    depend on the threads: no matter here, since the ranks that share a tensor add the same partial sums."""
+    rows, offset = torch.zeros((len(counts), 3), dtype=torch.float64), 0
+    x64, y64 = torch.empty(_STEP, dtype=torch.float64), torch.empty(_STEP, dtype=torch.float64)
+    for k, n in enumerate(counts):
+        row = rows[k]
+        for s in range(offset, offset + n, _STEP):
+            m = min(_STEP, offset + n - s)
+            xd, yd = x64[:m].copy_(a[s:s + m]), y64[:m].copy_(b[s:s + m])
+            row[0] += torch.dot(xd, yd)
+            row[1] += torch.dot(xd, xd)
+            row[2] += torch.dot(yd, yd)
+        offset += n
+    return rows
+
+
+def _combine_in_place(a: torch.Tensor, b: torch.Tensor, counts: list, dots: torch.Tensor, out: torch.Tensor) -> None:
+    """``combine`` for float32 and float64 on CPU, faster: the same float64 arithmetic (``acoeff * a`` and
+    ``bcoeff * b`` rounded apart, then added) in two reused buffers."""
+    x64, y64 = torch.empty(_STEP, dtype=torch.float64), torch.empty(_STEP, dtype=torch.float64)
+    offset = 0
+    for (dot, anormsq, bnormsq), n in zip(dots.tolist(), counts):
+        acoeff = 1.0 - dot / anormsq * 0.5 if anormsq >= _SQRT_DBL_MIN else 1.0
+        bcoeff = 1.0 - dot / bnormsq * 0.5 if bnormsq >= _SQRT_DBL_MIN else 1.0
+        for s in range(offset, offset + n, _STEP):
+            m = min(_STEP, offset + n - s)
+            xd, yd = x64[:m].copy_(a[s:s + m]), y64[:m].copy_(b[s:s + m])
+            xd.mul_(acoeff).add_(yd.mul_(bcoeff))
+            out[s:s + m].copy_(xd)  # to the dtype
+        offset += n
+
+
+def _within(counts: list, lo: int, hi: int) -> list:
+    """Each tensor's elements within ``[lo, hi)`` of the flat buffer (``counts``: each tensor's, in order)."""
+    within, offset = [], 0
+    for n in counts:
+        within.append(max(0, min(hi, offset + n) - max(lo, offset)))
+        offset += n
+    return within
+
+
+def _exchange(send: torch.Tensor, receive: torch.Tensor, peer: int, group) -> None:
+    """Send ``send`` to the set's rank ``peer`` and receive as much from it into ``receive``."""
+    work = dist.isend(send, group=group, tag=_TAG, group_dst=peer)
+    dist.recv(receive, group=group, tag=_TAG, group_src=peer)
+    work.wait()
 
 
 def tree(vectors: list, counts: list) -> torch.Tensor:
@@ -178,12 +290,17 @@ class _Reduction:
         scale_(flat, prescale_factor)
         size = process_set.size()
         self.work = None
-        if size == 1 or flat.numel() == 0:
+        self._result = None
+        if local_size == 1 and size > 1 and flat.device.type == "cpu" and flat.numel() >= max(HALVING_MIN_ELEMENTS,
+                                                                                               size):
+            self.gathered = None  # worked out now, in the order every rank launches its ops
+            self._result = scale_(halving_doubling(flat, self.counts, process_set.group, process_set.rank(), size),
+                                  self.postscale)
+        elif size == 1 or flat.numel() == 0:
             self.gathered = [flat] * (size if flat.numel() == 0 else 1)
         else:
             self.gathered = [torch.empty_like(flat) for _ in range(size)]
             self.work = dist.all_gather(self.gathered, flat, group=process_set.group, async_op=True)
-        self._result = None
         self._lock = threading.Lock()
 
     def works(self) -> list:

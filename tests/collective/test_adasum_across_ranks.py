@@ -28,6 +28,10 @@ def _inputs(rank: int, size: int) -> dict:
         a, r = shared.normal(size=(size * 2 + 1, 1)), shared.normal(size=(size, 1))
         cases[f"parallel_{np.dtype(d).name}"] = np.dot(a, r.T)[:, rank].astype(d)
     cases["group"] = [rng.normal(size=(2, 3)), rng.normal(size=5).astype(np.float32), np.arange(3.0) * (rank + 1)]
+    # past HALVING_MIN_ELEMENTS: Horovod's vector halving; odd lengths, and tensors that straddle the halves
+    cases["large_int_float32"] = rng.integers(-8, 9, 50001).astype(np.float32)
+    cases["large_random_float16"] = rng.normal(size=40003).astype(np.float16)
+    cases["large_group"] = [rng.normal(size=20000), rng.normal(size=7), rng.normal(size=(3, 10001))]
     return cases
 
 
@@ -44,7 +48,7 @@ def _attempt(call) -> str:
 
 ALLREDUCES: dict = {}
 allreduce = add_to(ALLREDUCES)
-VECTORS = [key for key in _inputs(0, 2) if key != "group"]
+VECTORS = [key for key in _inputs(0, 2) if not key.endswith("group")]
 
 
 def _allreduce_of(key):
@@ -64,6 +68,12 @@ def _group(r, n):
 @allreduce
 def grouped(hvd, r, n, fused):
     return [t.numpy() for t in hvd.grouped_allreduce(_group(r, n), op=hvd.Adasum)]
+
+
+@allreduce
+def large_grouped(hvd, r, n, fused):
+    tensors = [torch.from_numpy(g) for g in _inputs(r, n)["large_group"]]
+    return [t.numpy() for t in hvd.grouped_allreduce(tensors, op=hvd.Adasum)]
 
 
 @allreduce
@@ -131,21 +141,34 @@ for _key in _ERRORS:
 
 @allreduce
 def fused_sizes(hvd, r, n, fused):
-    return fused  # every fused launch of the run, read last
+    return fused[0]  # every fused launch of the run, read last
 
 
-def _allreduces():
+@allreduce
+def halvings(hvd, r, n, fused):
+    return fused[1][0]  # how many reductions went by the vector halving, read last
+
+
+def _allreduces(halving_from: int | None = None):
     import os
 
     import sparkhvd.collective.torch as hvd
     from sparkhvd.collective._core import _adasum
 
     os.environ["HOROVOD_CYCLE_TIME"] = "20"  # async ops submitted together are fused
+    if halving_from is not None:  # every buffer of one element per rank by the vector halving, the small ones too
+        _adasum.HALVING_MIN_ELEMENTS = halving_from
     hvd.init()
-    fused = []
-    launch_fused = _adasum._launch_fused
+    fused, halved = [], [0]
+    launch_fused, halving_doubling = _adasum._launch_fused, _adasum.halving_doubling
     _adasum._launch_fused = lambda ops, item: fused.append(len(ops)) or launch_fused(ops, item)
-    return run_cases(ALLREDUCES, hvd, hvd.rank(), hvd.size(), fused)
+
+    def counted(*args):
+        halved[0] += 1
+        return halving_doubling(*args)
+
+    _adasum.halving_doubling = counted
+    return run_cases(ALLREDUCES, hvd, hvd.rank(), hvd.size(), (fused, halved))
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +181,12 @@ def four_ranks():
     return HorovodRunner(np=-4).run_all(_allreduces).values
 
 
-@pytest.fixture(params=["two_ranks", "four_ranks"], ids=["np2", "np4"])
+@pytest.fixture(scope="module")
+def four_ranks_halving():
+    return HorovodRunner(np=-4).run_all(_allreduces, halving_from=0).values
+
+
+@pytest.fixture(params=["two_ranks", "four_ranks", "four_ranks_halving"], ids=["np2", "np4", "np4-halving"])
 def ranks(request):
     return request.getfixturevalue(request.param)
 
@@ -167,7 +195,8 @@ def _every_input(n):
     return [_inputs(r, n) for r in range(n)]
 
 
-@pytest.mark.parametrize("key", ["random_float32", "random_float64", "grouped", "async_fused", "orthogonal_float16"])
+@pytest.mark.parametrize("key", ["random_float32", "random_float64", "grouped", "async_fused", "orthogonal_float16",
+                                 "large_random_float16", "large_grouped"])
 def test_every_rank_gets_the_same_bits(ranks, key):
     def bits(value):
         return [np.asarray(x).tobytes() for x in value] if isinstance(value, list) else [value.tobytes()]
@@ -176,10 +205,11 @@ def test_every_rank_gets_the_same_bits(ranks, key):
     assert all(bits(v) == bits(got[0]) for v in got[1:])
 
 
-@pytest.mark.parametrize("key", [k for k in VECTORS if k.startswith(("int_", "random_", "zero_"))])
+@pytest.mark.parametrize("key", [k for k in VECTORS if k.startswith(("int_", "random_", "zero_", "large_"))])
 def test_allreduce_matches_horovods_algorithm(ranks, key):
     n = len(ranks)
-    assert_adasum(values(ranks, key)[0], [i[key] for i in _every_input(n)], exact=key.startswith("int_") and n == 2)
+    exact = key.startswith(("int_", "large_int")) and n == 2  # every dot product exact, one level
+    assert_adasum(values(ranks, key)[0], [i[key] for i in _every_input(n)], exact=exact)
 
 
 def test_a_zero_vector_gives_the_others_result_exactly(ranks):
@@ -199,11 +229,12 @@ def test_horovods_orthogonal_vectors_add_and_parallel_ones_average(ranks, dtype)
     assert_adasum(got_parallel, parallel)
 
 
-def test_grouped_allreduce_reduces_each_tensor_as_if_alone(ranks):
-    inputs = _every_input(len(ranks))
-    for k, got in enumerate(values(ranks, "grouped")[0]):  # per tensor, as if each were reduced alone
-        assert got.shape == inputs[0]["group"][k].shape
-        assert_adasum(got, [i["group"][k] for i in inputs])
+@pytest.mark.parametrize("key", ["grouped", "large_grouped"])
+def test_grouped_allreduce_reduces_each_tensor_as_if_alone(ranks, key):
+    inputs, group = _every_input(len(ranks)), key.replace("grouped", "group")
+    for k, got in enumerate(values(ranks, key)[0]):  # per tensor, as if each were reduced alone
+        assert got.shape == inputs[0][group][k].shape
+        assert_adasum(got, [i[group][k] for i in inputs])
 
 
 def test_grouped_allreduce_async_in_place_equals_grouped_allreduce(ranks):
@@ -216,6 +247,12 @@ def test_async_adasums_fused_keep_tensor_boundaries(ranks):
     doubles = [i["group"][0].reshape(-1) for i in inputs], [i["group"][2] for i in inputs]
     for got, vectors in zip(values(ranks, "async_fused")[0], doubles):
         assert_adasum(got, vectors)
+
+
+def test_large_buffers_go_by_the_vector_halving_and_small_ones_where_told(two_ranks, four_ranks, four_ranks_halving):
+    # the two large vectors, and the large group (float64 only: one buffer)
+    assert values(two_ranks, "halvings")[0] == values(four_ranks, "halvings")[0] == 3
+    assert values(four_ranks_halving, "halvings")[0] > 20  # every case's reductions but the errors'
 
 
 def test_the_two_async_adasums_were_one_fused_data_op(ranks):
