@@ -46,11 +46,11 @@ class HorovodEstimator(Estimator, EstimatorParams, Persisted):
         who = f"{type(self).__name__}.fit"
         self._check_params(who)
         features, labels, weight = self._columns(df, who)
-        sample = df.select(*{c.name for c in (*features, *labels, *([weight] if weight else []))}).limit(1).collect()
-        if not sample:
+        sample = first_row(df.select(*{c.name for c in (*features, *labels, *([weight] if weight else []))}))
+        if sample is None:
             raise ValueError(f"{who}: the DataFrame is empty: there is nothing to train on. Check the filters and "
                              "joins that built it (df.count() is 0).")
-        features, labels, weight, output_shapes, run = self._prepare(features, labels, weight, sample[0], who)
+        features, labels, weight, output_shapes, run = self._prepare(features, labels, weight, sample, who)
         data = self._write_data(df, features, labels, weight, run.store, who)
         return self._fit_data(data, run, output_shapes, who)
 
@@ -69,10 +69,10 @@ class HorovodEstimator(Estimator, EstimatorParams, Persisted):
                 raise ValueError(f"{who}: the column {column.name!r} is {column.spark_type}, which the readers cannot "
                                  "take from Parquet as it is; write arrays of numbers (vector_to_array, flatten), or "
                                  "call fit(df), which converts it.")
-        sample = df.limit(1).collect()
-        if not sample:
+        sample = first_row(df)
+        if sample is None:
             raise ValueError(f"{who}: {train_path!r} holds no rows: there is nothing to train on.")
-        features, labels, weight, output_shapes, run = self._prepare(features, labels, weight, sample[0], who)
+        features, labels, weight, output_shapes, run = self._prepare(features, labels, weight, sample, who)
         val_rows = spark.read.parquet(validation_path).count() if validation_path else 0
         data = DataSpec(train_path, df.count(), validation_path, val_rows, tuple(features), tuple(labels), weight,
                         self._decode())
@@ -244,6 +244,28 @@ class HorovodEstimator(Estimator, EstimatorParams, Persisted):
 
     def _fitted(self, run: RunDir, spec: FitSpec, history):
         raise NotImplementedError
+
+
+#: the first rows fit sampled, with their DataFrames (the newest last): a later fit of a DataFrame of the same plan
+#: in this process (a notebook's cell run again) takes its row from here, with no Spark job, as its Parquet is reused
+#: (``make_spark_converter``'s rule, data/_cache.py)
+_SAMPLES: list = []
+_KEPT_SAMPLES = 8
+
+
+def first_row(frame):
+    """A row of ``frame`` for the checks and the model's dry run (None: it has none): one Spark job, or none where a
+    DataFrame of the same plan was sampled before in this process."""
+    semantic_hash = frame.semanticHash()
+    for kept_hash, kept, row in reversed(_SAMPLES):
+        if kept_hash == semantic_hash and kept.sparkSession is frame.sparkSession and kept.sameSemantics(frame):
+            return row
+    rows = frame.limit(1).collect()
+    if not rows:
+        return None
+    _SAMPLES.append((semantic_hash, frame, rows[0]))
+    del _SAMPLES[:-_KEPT_SAMPLES]
+    return rows[0]
 
 
 def _log_to_mlflow(model) -> None:

@@ -293,3 +293,24 @@ def test_inside_an_active_mlflow_run_the_fitted_model_is_logged(df, tmp_path, mo
     finally:
         mlflow.set_tracking_uri(None)
     assert _same([t.detach() for t in logged.state_dict().values()], _weights(model))
+
+
+def test_a_dataframe_of_a_plan_sampled_before_is_sampled_again_without_a_spark_job(spark, df):
+    from sparkhvd.ml import _estimator
+
+    tracker = spark.sparkContext.statusTracker()
+
+    def jobs_of(group: str, call):
+        spark.sparkContext.setJobGroup(group, "a sample")
+        try:
+            return call(), tracker.getJobIdsForGroup(group)
+        finally:
+            spark.sparkContext.setJobGroup(None, None)
+
+    # plans no fit of this module samples (a fit selects its feature and label columns, never held_out)
+    first, first_jobs = jobs_of("sample-first", lambda: _estimator.first_row(df.select("held_out", "xs")))
+    again, again_jobs = jobs_of("sample-again", lambda: _estimator.first_row(df.select("held_out", "xs")))  # a new
+    other, other_jobs = jobs_of("sample-other", lambda: _estimator.first_row(df.select("k", "held_out")))  # DataFrame
+    assert len(first_jobs) == 1 and again_jobs == [] and len(other_jobs) == 1
+    assert again == first and set(other.asDict()) == {"k", "held_out"}
+    assert _estimator.first_row(df.select("y").filter("y > 1e9")) is None  # no rows: nothing kept, a job each time
