@@ -4,7 +4,8 @@ Data-parallel ranks go in lockstep, so every rank makes the same steps per secon
 waiting for it in their collectives. So the measure is each rank's own time per step, its wall time outside
 collectives (``negotiation_s`` and ``transfer_s`` of its heartbeats' metrics, ``_common/metrics.py``), over the last
 ``SPARKHVD_STRAGGLER_WINDOW_SECONDS``. Where a rank's stays above ``SPARKHVD_STRAGGLER_FACTOR`` times the median of
-the other ranks', and more than ``MIN_EXCESS_S`` above it, the driver prints one line naming the rank, its host and
+the other ranks', more than ``MIN_EXCESS_S`` above it and by at least half as much as the slowest rank's (not a rank a
+little slower than ranks that only wait for a far slower one), the driver prints one line naming the rank, its host and
 GPU, both times, and where its extra time goes: waiting for data (sparkhvd's readers) or its own compute. Once per
 episode: the rank is named again only after it has fallen back below the factor.
 """
@@ -20,6 +21,7 @@ from .._service.metrics import Beats, change, steps_source
 
 CHECK_S = 1.0  # how often the driver looks
 MIN_EXCESS_S = 0.01  # a straggler's own work per step is at least this much above the others' median
+NEAR_WORST = 0.5  # and its excess at least this share of the slowest rank's
 
 
 def straggler_settings() -> dict:
@@ -49,9 +51,14 @@ class Stragglers:
         own = {rank: per_step for rank in self._beats.by_rank if (per_step := self._own_per_step(rank)) is not None}
         if len(own) < 2:
             return
+        excess = {rank: mine - statistics.median(t for r, (t, _) in own.items() if r != rank)
+                  for rank, (mine, _) in own.items()}
+        worst = max(excess.values())
         for rank, (mine, data) in own.items():
-            others = statistics.median(t for r, (t, _) in own.items() if r != rank)
-            if mine > self.factor * others and mine - others > MIN_EXCESS_S:
+            others = mine - excess[rank]
+            # the ranks the others wait for: far above them, and near the slowest (a rank 10 ms above ranks that do
+            # nothing but wait for one 100 ms behind is not what holds them up)
+            if mine > self.factor * others and excess[rank] > MIN_EXCESS_S and excess[rank] >= worst * NEAR_WORST:
                 if rank not in self._named:
                     self._named.add(rank)
                     self._say(rank, mine, data, others, own, status)

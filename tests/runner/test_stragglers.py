@@ -102,3 +102,22 @@ def test_ranks_that_send_no_metrics_are_left_out():
     status = _status(2, {0: (None, 1.0), 1: (None, 1.0)})  # SPARKHVD_METRICS=0: beats without metrics
     watch.check(status)
     assert watch.lines == []
+
+
+def test_a_rank_a_little_slower_than_ranks_that_only_wait_for_a_far_slower_one_is_not_named():
+    from sparkhvd.runner._policy.stragglers import Stragglers
+
+    now = [0.0]
+    watch = Stragglers(run_id="r1", factor=1.5, window=2.0, out=open("/dev/null", "w"), clock=lambda: now[0])
+    # own seconds per step at 5 steps a second: rank 3 sleeps 100 ms a step; rank 0 (a busy host) does 12 ms of its own
+    # work where ranks 1 and 2 do none but wait: rank 0 is 12 ms above their median, rank 3 108 ms above it
+    slow = {0: 0.012, 1: 0.0, 2: 0.0, 3: 0.108}
+    waits = dict.fromkeys(slow, 0.0)
+    for second in range(1, 8):
+        now[0] = float(second)
+        beats = {}
+        for rank, own in slow.items():
+            waits[rank] += 1.0 - 5 * own
+            beats[rank] = (_beat(5 * second, float(second), waits[rank]), float(second))
+        watch.check(_status(4, beats))
+    assert len(watch.lines) == 1 and "rank 3 (host host-3, GPU 3) is a straggler" in watch.lines[0], watch.lines
