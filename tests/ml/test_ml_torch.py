@@ -105,11 +105,12 @@ def uninterrupted(df, tmp_path_factory):
     return _estimator(tmp_path_factory.mktemp("whole"), epochs=4, run_id="whole").fit(df)
 
 
-def test_a_fit_that_nothing_can_resume_writes_its_last_epochs_checkpoint_only(df, tmp_path, uninterrupted):
-    model = _estimator(tmp_path, epochs=4).fit(df)  # no run_id to fit again, no max_restarts to relaunch
+def test_a_fit_that_nothing_can_resume_writes_its_last_epochs_checkpoint_only(df, tmp_path):
+    # no run_id to fit again, no max_restarts to relaunch; one process on the driver
+    model = _estimator(tmp_path, epochs=3, num_proc=-1).fit(df)
     checkpoints = tmp_path / "store" / "runs" / model.getRunId() / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch-00004"]
-    assert _same(_weights(model), _weights(uninterrupted)) and model.getHistory() == uninterrupted.getHistory()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch-00003"]
+    assert [e["epoch"] for e in model.getHistory()] == [0, 1, 2]  # the fitted model is that checkpoint's
 
 
 def _killing_loss(flag: str, at_call: int):
