@@ -2,7 +2,7 @@
 
 Each rank loads the model and optimizer from the run's directory (the newest checkpoint's state
 on top: the one the fit resumes, or one written since, after a restart), wraps the optimizer in
-``hvd.DistributedOptimizer``, and trains under ``hvd.elastic.run``. With restarts, the state
+``hvd.DistributedOptimizer``, and trains: with restarts under ``hvd.elastic.run``, where the state
 (weights, optimizer, epoch, batch, the epoch's running sums) is committed every
 ``batches_per_commit`` steps, and a relaunched rank resumes the reader at the committed batch.
 Rank 0 writes a checkpoint after every epoch where a later fit of the run or a relaunch may resume from it (a
@@ -11,6 +11,8 @@ driver's dry run (``_torch.py``), which imports this module, never the reverse.
 """
 
 from __future__ import annotations
+
+import types
 
 import numpy as np
 
@@ -247,8 +249,11 @@ def train(spec: FitSpec, framework: dict):
     compression = framework["compression"] or hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compression,
                                          backward_passes_per_step=spec.backward_passes_per_step)
-    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, epoch=start_epoch, batch=0,
-                                   steps=0, history=history, sums={}, rank_sums=None)
+    fields = dict(model=model, optimizer=optimizer, epoch=start_epoch, batch=0, steps=0, history=history, sums={},
+                  rank_sums=None)
     fit = _Fit(spec, framework, hvd, torch, device, run, model, optimizer)
-    history = hvd.elastic.run(fit.loop)(state)
+    if spec.batches_per_commit:  # restarts: the state is committed, and a relaunched rank resumes from it
+        history = hvd.elastic.run(fit.loop)(hvd.elastic.TorchState(**fields))
+    else:  # nothing to resume or sync: every rank loaded the same files
+        history = fit.loop(types.SimpleNamespace(**fields))
     return history if hvd.rank() == 0 else None
