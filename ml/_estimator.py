@@ -16,6 +16,7 @@ import uuid
 from pyspark.ml import Estimator
 
 from ..data import make_spark_converter
+from ..data._cache import session_stopped
 from ._checkpoints import RunDir
 from ._columns import check_decode, columns_of, decoded_row, with_shapes
 from ._params import EstimatorParams
@@ -69,7 +70,8 @@ class HorovodEstimator(Estimator, EstimatorParams, Persisted):
                 raise ValueError(f"{who}: the column {column.name!r} is {column.spark_type}, which the readers cannot "
                                  "take from Parquet as it is; write arrays of numbers (vector_to_array, flatten), or "
                                  "call fit(df), which converts it.")
-        sample = first_row(df)
+        sample = df.limit(1).collect()  # never a kept row: files rewritten in place keep their plan
+        sample = sample[0] if sample else None
         if sample is None:
             raise ValueError(f"{who}: {train_path!r} holds no rows: there is nothing to train on.")
         features, labels, weight, output_shapes, run = self._prepare(features, labels, weight, sample, who)
@@ -257,6 +259,7 @@ def first_row(frame):
     """A row of ``frame`` for the checks and the model's dry run (None: it has none): one Spark job, or none where a
     DataFrame of the same plan was sampled before in this process."""
     semantic_hash = frame.semanticHash()
+    _SAMPLES[:] = [kept for kept in _SAMPLES if not session_stopped(kept[1].sparkSession)]
     for kept_hash, kept, row in reversed(_SAMPLES):
         if kept_hash == semantic_hash and kept.sparkSession is frame.sparkSession and kept.sameSemantics(frame):
             return row

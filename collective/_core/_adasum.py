@@ -19,7 +19,8 @@ Adasum; here a CPU buffer of ``HALVING_MIN_ELEMENTS`` or more goes by Horovod's 
 distance doubling over gloo's point-to-point messages (``halving_doubling``: about twice the
 buffer moved, whatever the ranks), and every other buffer (small ones, CUDA's) is allgathered over
 the backend, each rank working out the same ``tree`` in the same order: the readable reference,
-which receives size - 1 times the buffer. Either way every rank gets the same bits.
+which receives size - 1 times the buffer. Either way every rank gets the same bits. The halving runs on a thread of
+its own (``_Halving``), the ops in the order they were launched.
 
 float16, float32 and float64 only, as Horovod (adasum.h dispatches these three).
 """
@@ -27,6 +28,7 @@ float16, float32 and float64 only, as Horovod (adasum.h dispatches these three).
 from __future__ import annotations
 
 import math
+import queue
 import sys
 import threading
 from dataclasses import dataclass
@@ -278,6 +280,46 @@ def dtype_problem(tensors: list, what: str) -> str | None:
 
 # ---- the data op ------------------------------------------------------------------------------------
 
+class _Halving:
+    """A ``halving_doubling`` as the engine's work on an op (``wait``, ``is_completed``): it runs on one thread of this
+    process that runs every halving in turn, in the order the ops were launched, the same on every rank (so their
+    point-to-point messages pair up); the engine's thread meanwhile goes on reading and sending control frames, which
+    a peer still inside an earlier halving may need before it reaches this one."""
+
+    _queue: queue.SimpleQueue | None = None
+    _lock = threading.Lock()
+
+    def __init__(self, run):
+        self._run, self._error = run, None
+        self._done = threading.Event()
+        with _Halving._lock:
+            if _Halving._queue is None:
+                _Halving._queue = queue.SimpleQueue()
+                threading.Thread(target=_Halving._serve, args=(_Halving._queue,), name="sparkhvd-adasum",
+                                 daemon=True).start()
+        _Halving._queue.put(self)
+
+    @staticmethod
+    def _serve(halvings: queue.SimpleQueue) -> None:
+        while True:
+            halving = halvings.get()
+            try:
+                halving._run()
+            except BaseException as exc:  # noqa: BLE001 - the op's synchronize raises it
+                halving._error = exc
+            finally:
+                halving._done.set()
+
+    def wait(self) -> bool:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+
 class _Reduction:
     """One Adasum over ``targets`` (one dtype and device): their flat copy, prescaled, is allgathered at once;
     the first ``part()`` works out the tree (in the caller's thread, once)."""
@@ -293,9 +335,13 @@ class _Reduction:
         self._result = None
         if local_size == 1 and size > 1 and flat.device.type == "cpu" and flat.numel() >= max(HALVING_MIN_ELEMENTS,
                                                                                                size):
-            self.gathered = None  # worked out now, in the order every rank launches its ops
-            self._result = scale_(halving_doubling(flat, self.counts, process_set.group, process_set.rank(), size),
-                                  self.postscale)
+            self.gathered = None
+            group, rank = process_set.group, process_set.rank()
+
+            def halve():
+                self._result = scale_(halving_doubling(flat, self.counts, group, rank, size), self.postscale)
+
+            self.work = _Halving(halve)
         elif size == 1 or flat.numel() == 0:
             self.gathered = [flat] * (size if flat.numel() == 0 else 1)
         else:

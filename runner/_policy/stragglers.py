@@ -58,11 +58,12 @@ class Stragglers:
             others = mine - excess[rank]
             # the ranks the others wait for: far above them, and near the slowest (a rank 10 ms above ranks that do
             # nothing but wait for one 100 ms behind is not what holds them up)
-            if mine > self.factor * others and excess[rank] > MIN_EXCESS_S and excess[rank] >= worst * NEAR_WORST:
+            behind = mine > self.factor * others and excess[rank] > MIN_EXCESS_S
+            if behind and excess[rank] >= worst * NEAR_WORST:
                 if rank not in self._named:
                     self._named.add(rank)
                     self._say(rank, mine, data, others, own, status)
-            else:
+            elif not behind:  # the episode ends once it is back within the factor, not when another is slower
                 self._named.discard(rank)
 
     def _own_per_step(self, rank: int):

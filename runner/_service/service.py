@@ -97,7 +97,7 @@ class DriverService(TaskHandlers, ReportHandlers, CommitHandlers, StoreHandlers)
         # what the ranks report (_service/reports.py)
         self._on_log = on_log or (lambda rank, stream, lines, progress: None)
         self._on_metrics = on_metrics or (lambda rank, attempt, metrics: None)  # each beat's (_service/metrics.py)
-        self._on_timeline = on_timeline or (lambda *report: None)  # each rank's traces (_service/timeline.py)
+        self._on_timeline = on_timeline or (lambda *report, **details: None)  # each rank's traces (_service/timeline.py)
         self.bad_frames = 0  # one-way frames (LOG, PROGRESS) dropped as malformed (the first few are logged)
         self.results: dict[int, bytes] = {}
         self.failures: list[Failure] = []

@@ -121,3 +121,22 @@ def test_a_rank_a_little_slower_than_ranks_that_only_wait_for_a_far_slower_one_i
             beats[rank] = (_beat(5 * second, float(second), waits[rank]), float(second))
         watch.check(_status(4, beats))
     assert len(watch.lines) == 1 and "rank 3 (host host-3, GPU 3) is a straggler" in watch.lines[0], watch.lines
+
+
+def test_a_straggler_is_named_once_while_a_slower_one_comes_and_goes():
+    from sparkhvd.runner._policy.stragglers import Stragglers
+
+    now = [0.0]
+    watch = Stragglers(run_id="r1", factor=1.5, window=2.0, out=open("/dev/null", "w"), clock=lambda: now[0])
+    slow = {0: 0.0, 1: 0.0, 2: 0.1, 3: 0.0}  # rank 2 stays 100 ms behind; rank 3 is 300 ms behind for a while
+    waits = dict.fromkeys(slow, 0.0)
+    for second in range(1, 16):
+        now[0] = float(second)
+        slow[3] = 0.3 if 6 <= second < 10 else 0.0
+        beats = {}
+        for rank, own in slow.items():
+            waits[rank] += 1.0 - 2 * own
+            beats[rank] = (_beat(2 * second, float(second), waits[rank]), float(second))
+        watch.check(_status(4, beats))
+    named = [line.split(" is a straggler")[0].split(": ")[-1] for line in watch.lines]
+    assert named == ["rank 2 (host host-2, GPU 2)", "rank 3 (host host-3, GPU 3)"], watch.lines

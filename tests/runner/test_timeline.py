@@ -129,6 +129,24 @@ def test_the_service_keeps_a_ranks_traces_with_its_clocks_offset_and_refuses_a_t
 
 
 @pytest.mark.unit
+def test_a_service_that_keeps_no_timeline_takes_a_ranks_trace_and_drops_it():
+    from sparkhvd._common import driver_messages as dm
+    from sparkhvd._common.client import ServiceClient
+    from sparkhvd._common.protocol import new_secret
+    from sparkhvd.runner._service.service import DriverService
+
+    secret = new_secret()
+    service = DriverService(np=2, secret=secret, payload=b"", run_id="t")  # as a hosted run's: no on_timeline
+    client = ServiceClient(service.address, secret)
+    try:
+        client.ask(dm.Timeline(rank=1, offset_us=0, error_us=5), json.dumps([_segment(1, "x", 0, 1)]).encode())
+        assert service.bad_frames == 0
+    finally:
+        client.close()
+        service.close()
+
+
+@pytest.mark.unit
 def test_a_data_wait_is_a_span_of_the_data_thread_while_a_timeline_records():
     from sparkhvd._common import metrics, traces
     from sparkhvd.collective._engine import timeline
