@@ -6,6 +6,8 @@ Runs np=2 rank processes on this machine (HorovodRunner(np=-2)). For fp32 tensor
   ours_  hvd.allreduce_(t, op=hvd.Sum)               (in place, sum; negotiated by the engine)
   ours   hvd.allreduce(t)                            (out of place, average: Horovod's default)
   copy   u = t.clone(); dist.all_reduce(u); u /= n   (raw torch doing what ours does)
+  turns_ hvd.allreduce_ through the engine's turns    (up to 1 MB: without the pair path in the calling thread,
+                                                      ``Engine.pair_now``, i.e. as before it)
 and prints the median time and bus bandwidth (2(n-1)/n * bytes / time) with ratios ours/raw
 (target >= 0.95); the out-of-place op is also compared with ``copy``, which pays the same
 fresh allocation (on Linux, glibc maps blocks over 32 MB afresh each time: page faults).
@@ -43,9 +45,18 @@ def measure(max_mb: int, reps: int):
     import torch.distributed as dist
 
     import sparkhvd.collective.torch as hvd
+    from sparkhvd.collective._engine import communicator as _engine
 
     hvd.init()
     torch.set_num_threads(1)
+    engine = _engine.engine()
+
+    def through_turns(t):
+        engine.fast_path = False
+        try:
+            hvd.allreduce_(t, op=hvd.Sum)
+        finally:
+            engine.fast_path = True
 
     def raw_copy(t):
         u = t.clone()
@@ -62,9 +73,11 @@ def measure(max_mb: int, reps: int):
     size = 4096
     while size <= max_mb * 2 ** 20:
         t = torch.ones(size // 4)
-        runs = {"raw": [], "ours_": [], "ours": [], "copy": []}
         calls = {"raw": lambda: dist.all_reduce(t), "ours_": lambda: hvd.allreduce_(t, op=hvd.Sum),
                  "ours": lambda: hvd.allreduce(t), "copy": lambda: raw_copy(t)}
+        if size <= 2 ** 20:
+            calls["turns_"] = lambda: through_turns(t)
+        runs = {k: [] for k in calls}
         inner = max(1, min(200, (64 * 2 ** 20) // size))  # repeat small sizes for timer resolution
         for k in list(calls):
             calls[k]()  # warm up
@@ -108,14 +121,15 @@ def main() -> None:
         return 2 * (n - 1) / n * nbytes / seconds / 1e9
 
     print(f"\n## allreduce of fp32 at np={n} on one gloo group (loopback), median of {args.reps}\n")
-    print("| size | raw all_reduce GB/s | ours allreduce_ (Sum) | ratio | raw us | ours_ us "
-          "| ours allreduce (Average, new tensor) | ratio | raw clone+all_reduce+div | ours/that |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| size | raw all_reduce GB/s | ours allreduce_ (Sum) | ratio | raw us | ours_ us | ours_ through the turns us "
+          "| turns_ / ours_ | ours allreduce (Average, new tensor) | ratio | raw clone+all_reduce+div | ours/that |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size, t in result["rows"]:
         label = f"{size // 1024} KB" if size < 2 ** 20 else f"{size // 2 ** 20} MB"
         raw, inplace, ours, copy = (busbw(size, t[k]) for k in ("raw", "ours_", "ours", "copy"))
+        turns = (f"{t['turns_'] * 1e6:.0f} | {t['turns_'] / t['ours_']:.2f}" if "turns_" in t else "- | -")
         print(f"| {label} | {raw:.3f} | {inplace:.3f} | {inplace / raw:.2f} | {t['raw'] * 1e6:.0f} | "
-              f"{t['ours_'] * 1e6:.0f} "
+              f"{t['ours_'] * 1e6:.0f} | {turns} "
               f"| {ours:.3f} | {ours / raw:.2f} | {copy:.3f} | {ours / copy:.2f} |")
     f = result["fusion"]
     print(f"\n## ResNet-50 gradient set ({result['tensors']} tensors, {result['bytes'] / 1e6:.1f} MB), median of "

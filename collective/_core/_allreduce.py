@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .._engine.messages import ALL_REDUCE, INLINE, Layout
+from .._engine import communicator as _engine
+from .._engine.messages import ALL_REDUCE, INLINE, Layout, Request
 from .._engine.ops import Handle, Op
 from . import _adasum, _buffers, _inline
 from ._ops import _C10D_OPS, _check_tensor, _scale_after, now, reduced_via_int32
@@ -72,6 +74,12 @@ def _narrow(widened: torch.Tensor, wire: torch.Tensor, target: torch.Tensor, op:
         target.copy_(wire)
 
 
+def _strings(tensor: torch.Tensor, op: ReduceOp, prescale_factor: float, postscale_factor: float, what: str) -> tuple:
+    """An allreduce's ``Request.signature`` and ``description``."""
+    desc = describe(tensor)
+    return f"{op.name}|{desc}|{prescale_factor}|{postscale_factor}", f"{what}(op={op.name}: {desc})"
+
+
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=global_process_set, _what: str = "allreduce", _fusable: bool = True) -> Handle:
     """Start reducing ``tensor`` in place; returns a handle for ``synchronize``.
@@ -85,8 +93,14 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     if op == Adasum:  # not element-wise: its own data op (``_adasum.py``)
         return _adasum.allreduce_async_(tensor, name, prescale_factor, postscale_factor, process_set, _what, _fusable)
     require_member(process_set, _what)
+    return submit(process_set, _op(tensor, op, name, prescale_factor, postscale_factor, process_set, _what, _fusable))
+
+
+def _op(tensor, op: ReduceOp, name, prescale_factor: float, postscale_factor: float, process_set: ProcessSet,
+        _what: str = "allreduce", _fusable: bool = True) -> Op:
+    """The ``Op`` of an element-wise allreduce of ``tensor`` in place, for ``submit``."""
     size = process_set.size()
-    desc = describe(tensor)
+    signature, description = _strings(tensor, op, prescale_factor, postscale_factor, _what)
     target = tensor.detach()  # written in place below: a detached view needs no torch.no_grad()
     inline = None
     if _inline.fits(tensor, size):  # small: the data rides in the control frames
@@ -117,15 +131,14 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
         return tensor
 
     fusable = _fusable and inline is None and not reduced_via_int32(tensor.dtype, tensor.device)
-    return submit(process_set, Op(
-        kind="allreduce", name=name, signature=f"{op.name}|{desc}|{prescale_factor}|{postscale_factor}",
-        description=f"{_what}(op={op.name}: {desc})", joinable=op in (Sum, Average),
+    return Op(
+        kind="allreduce", name=name, signature=signature, description=description, joinable=op in (Sum, Average),
         inline=None if inline is None else _inline.wire_bytes(inline), launch=launch, nbytes=nbytes(tensor),
         layout=_all_reduce_layout([[tensor]], tensor.is_cuda) if inline is None else _inline_layout(inline, op),
         fusion_key=f"allreduce|{op.name}|{tensor.dtype}|{tensor.device}|{prescale_factor}|{postscale_factor}"
         if fusable else None,
         launch_fused=_launch_fused,
-        fusion_part=_FusablePart(tensor, target, op, prescale_factor, postscale_factor, process_set)))
+        fusion_part=_FusablePart(tensor, target, op, prescale_factor, postscale_factor, process_set))
 
 
 def _launch_fused(ops: list, answer) -> list:
@@ -174,7 +187,60 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` across the ranks in place and return it."""
+    done = paired_now(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    if done is not None:
+        return done
     return now(allreduce_async_, tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+
+
+_pair_requests: dict = {}  # (dtype, shape, op, prescale, postscale) -> the Request of such a small reduction
+
+
+def paired_now(tensor, average, name, op, prescale_factor, postscale_factor, process_set,
+               copy: bool = False) -> torch.Tensor | None:
+    """A blocking small CPU reduction in a set of two, in place (``copy``: of a copy), worked out in this thread
+    without the engine's turns (``Engine.pair_now``): the reduced tensor, or None where the usual path runs the op
+    (and raises what is wrong with its arguments)."""
+    if not (isinstance(tensor, torch.Tensor) and isinstance(process_set, ProcessSet) and process_set.size() == 2
+            and _inline.fits(tensor, 2) and process_set.included()):
+        return None
+    op = resolve_op(op, average)
+    if op == Adasum:
+        return None
+    if copy:
+        tensor = tensor.detach().clone()
+    target = tensor.detach()
+    array = None  # the tensor as numpy sees it, where numpy handles its bytes (cheaper per call than torch's views)
+    if prescale_factor == 1.0 and target.dtype in _inline.NUMPY_OF:
+        try:
+            array = target.numpy()
+        except (RuntimeError, TypeError):  # a view with torch's negative bit, say: torch's own way below
+            pass
+    if array is not None:
+        data = memoryview(np.ascontiguousarray(array)).cast("B")
+    else:
+        data = _inline.wire_bytes(scaled(target, prescale_factor).reshape(-1).contiguous())
+    key = (tensor.dtype, tensor.shape, op, prescale_factor, postscale_factor)
+    template = _pair_requests.get(key)
+    if template is None:
+        if len(_pair_requests) >= 1024:  # shapes made afresh each step: kept bounded
+            _pair_requests.clear()
+        signature, description = _strings(tensor, op, prescale_factor, postscale_factor, "allreduce")
+        template = _pair_requests[key] = Request("", "allreduce", signature, description, joinable=op in (Sum, Average),
+                                                 inline=nbytes(tensor), layout=_inline_layout(target, op))
+    done = _engine.engine().pair_now(process_set.link_id, "allreduce", name, template, data,
+                                     lambda: _op(tensor, op, name, prescale_factor, postscale_factor, process_set))
+    if done is None:
+        return None
+    if isinstance(done, Handle):
+        return done.wait()
+    if array is not None:
+        array[...] = np.frombuffer(done, array.dtype).reshape(array.shape)
+    else:
+        target.copy_(_inline.read(done, target.dtype).view_as(target))
+    if op == Average or postscale_factor != 1.0:
+        _scale_after(target, op, 2, postscale_factor)
+    return tensor
 
 
 def _fused(members: list, pooled: list) -> torch.Tensor:

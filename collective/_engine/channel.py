@@ -17,6 +17,7 @@ from .mesh import MeshError
 
 FRAME = struct.Struct("<qq")
 _encode = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: json.dumps with options builds one per call
+_decode = json.JSONDecoder().decode  # on text: json.loads would first work out the bytes' encoding each time
 MAX_META = 64 << 20  # a response listing every op of a large model is a few MB at most
 BUFFER = 256 << 10  # bytes read at once; a larger frame gets a buffer of its own
 
@@ -48,11 +49,26 @@ class PeerChannel:
         data = _encode(meta).encode()
         PeerChannel.meta_bytes_sent += len(data)
         payload = memoryview(payload).cast("B")
-        self.queued += FRAME.size + len(data) + payload.nbytes
-        self._out.append(memoryview(FRAME.pack(len(data), payload.nbytes) + data))
-        if payload.nbytes:
-            self._out.append(payload)
-        self.flush()
+        head = FRAME.pack(len(data), payload.nbytes) + data
+        self.queued += len(head) + payload.nbytes
+        if self._out:  # behind frames still waiting for room
+            self._out.append(memoryview(head))
+            if payload.nbytes:
+                self._out.append(payload)
+            self.flush()
+            return
+        try:
+            n = self.sock.sendmsg([head, payload] if payload.nbytes else [head])
+        except BlockingIOError:
+            n = 0
+        except OSError as exc:
+            raise self._failed(exc) from exc
+        self.sent += n
+        if n < len(head):
+            self._out.append(memoryview(head)[n:])
+            n = len(head)
+        if n - len(head) < payload.nbytes:
+            self._out.append(payload[n - len(head):])
 
     def pending(self) -> bool:
         """Whether queued bytes wait for room in the socket."""
@@ -161,7 +177,7 @@ class PeerChannel:
 
     def _frame(self, body: bytearray, meta_len: int) -> tuple:
         try:
-            meta = json.loads(bytes(body[:meta_len]))
+            meta = _decode(body[:meta_len].decode())
         except ValueError as exc:
             raise MeshError(f"rank {self.peer} sent a control frame that is not valid JSON ({exc}); every "
                             "rank must run the same sparkhvd version.") from exc

@@ -35,7 +35,7 @@ from .fusion import carry_out_fused
 from .join import finish_join, stand_in
 from .link import Link, Missing
 from .mesh import MeshError
-from .messages import ERROR, VALUE, Answer, decode_frame, encode_frame
+from .messages import ERROR, VALUE, Answer, Request, decode_frame, encode_frame
 from .ops import Handle, HorovodInternalError, Op, fail, in_named_scope, launch, scoped_name
 
 
@@ -56,6 +56,8 @@ class Engine:
         self._reduce = reduce  # (Layout, payloads in set order) -> bytes: an inline op's reduction
         self._links: dict = {}
         self.paired_reductions = 0  # small reductions this rank worked out itself, in a set of two (``pair.py``)
+        self.fast_path = True  # blocking small reductions in a set of two may skip the turns (``pair_now``)
+        self.reduced_now = 0  # how many did (``pair_now``)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the engine thread waits here while nothing is in flight
         self._turn_lock = threading.Lock()  # held by the one thread doing the engine's work (``_turn``)
@@ -114,7 +116,7 @@ class Engine:
                                        f"({link.broken}); restart the job."))
                 return handle
             handle._engine = self
-            full = JOIN if op.kind == JOIN else base if base is not None else f"{op.kind}.noname.{next(link.unnamed[op.kind])}"
+            full = JOIN if op.kind == JOIN else base if base is not None else link.unnamed(op.kind)
             if full in link.in_flight:
                 raise ValueError(f"another {op.kind} named {op.name!r} is already in flight on this rank; synchronize "
                                  "it before reusing the name, or give this one another name.")
@@ -152,6 +154,101 @@ class Engine:
         if not handle._answered.is_set():
             self._wake()  # the thread in a turn takes our op from the queue
             handle._answered.wait()
+
+    def pair_now(self, link_id: int, kind: str, name: str | None, template: Request, data, build_op: Callable):
+        """A blocking small reduction in a set of two, done in this thread where the engine has nothing else to do
+        (``pair.py``): send this rank's request and bytes as the turns would, wait for the other member's, and
+        reduce the two in set order. Returns the result's bytes; or a ``Handle`` the engine took over (``build_op()``
+        made its ``Op``) when anything else came first, which the caller synchronizes; or None where the path does
+        not apply (the caller submits the op as usual): not with a cycle time (whose answers wait for their cycle),
+        nor while a timeline records. ``template``: the op's request, named afresh here."""
+        link = self._links.get(link_id)
+        if (not self.fast_path or self._cycle or link is None or not link.is_pair or _timeline.recording()
+                or in_named_scope()
+                or (name is not None and f"{kind}.{name}" in link.in_flight)  # the usual path refuses it
+                or not self._turn_lock.acquire(blocking=False)):
+            return None
+        try:
+            if self._woken:
+                self._drain_wake()  # a byte left over from earlier work: from now on one means another thread's op
+            with self._lock:
+                full = f"{kind}.{name}" if name is not None else link.unnamed(kind, take=False)
+                if self._busy() or not pair.idle(link, full):
+                    return None
+                if name is None:
+                    link.unnamed(kind)
+                link.in_flight.add(full)
+            request = template.instance(full, None, template.inline)
+            check = _progress.begin_check(kind, name, link.ranks, link_id, full)
+            channel, encoder, decoder = pair.other(link)
+            frames: list = []
+            try:
+                channel.send(encode_frame([encoder.encode(request)]), bytes(data))  # a copy: the result overwrites it
+                out_at = channel.queued
+                theirs = pair.take_held(link, request)  # the other member's, read with an earlier frame
+                if theirs is None and not pair.holds(link, full):
+                    frames = pair.await_other(link, channel, self._wake_r, pair.WAIT, check)
+                    theirs = pair.matching(link, frames, request, decoder) if frames else None
+            except MeshError as exc:
+                handle = self._adopt(link, build_op(), request, check, frames, channel.queued)
+                self._break(link, str(exc), notify=True)
+                return handle
+            except BaseException:  # Ctrl-C while waiting: the engine carries the op on, as ``drive`` leaves it
+                self._adopt(link, build_op(), request, check, frames, channel.queued)
+                raise
+            if theirs is None:
+                return self._adopt(link, build_op(), request, check, frames, out_at)
+            try:
+                mine_first = link.table is not None
+                return self._reduce(request.layout, [data, theirs] if mine_first else [theirs, data])
+            finally:
+                _progress.end(check)
+                link.in_flight.discard(full)
+                self.reduced_now += 1
+                if len(frames) > 1:  # the other member's next frames: the engine's, as if a turn had read them
+                    self._received(link, channel, frames[1:])
+                if channel.pending() or len(frames) > 1:
+                    with self._lock:
+                        self._sending = self._sending or channel.pending()
+                        self._work.notify()
+        finally:
+            self._turn_lock.release()
+
+    def _adopt(self, link: Link, op: Op, request: Request, check, frames: list, out_at: int) -> Handle:
+        """The engine takes over an op whose request ``pair_now`` sent (as if a turn had taken and sent it), with
+        the frames read since; returns its handle."""
+        handle = Handle(op, link, self)
+        handle.request, handle.trace, handle._check, handle._out_at = request, request.name, check, out_at
+        _progress.attach(check, Missing(link, request.name))
+        with self._lock:
+            self._unanswered += 1
+            self._work.notify()
+        link.waiting[request.name] = handle
+        if link.table is not None:
+            link.table.add(self.rank, request, op.inline)
+        else:
+            peer = link.peer_in.pop(request.name, None)  # the coordinator's, held: the two disagree
+            if peer is not None:
+                pair.claim(link, handle, *peer)
+        channel, _, _ = pair.other(link)
+        self._received(link, channel, frames)
+        if link.broken is None:
+            self._progress(link)  # what a turn does after taking an op: answer what is ready, send what waits
+            with self._lock:
+                self._sending = self._sending or channel.pending()
+        return handle
+
+    def _received(self, link: Link, channel: PeerChannel, frames: list) -> None:
+        """Frames read from ``channel``, into the set's negotiation."""
+        try:
+            for meta, payload in frames:
+                frame = decode_frame(meta)
+                if link.table is not None:
+                    coordinator.take_requests(link, channel.peer, frame.requests, payload)
+                else:
+                    self._answers(link, frame, payload)
+        except MeshError as exc:
+            self._break(link, str(exc), notify=True)
 
     def drain(self, timeout: float) -> None:
         """Wait (up to ``timeout`` seconds) until every frame queued for a peer has left this process: an op done
@@ -312,12 +409,7 @@ class Engine:
             if mask & selectors.EVENT_WRITE:
                 channel.flush()
             if mask & selectors.EVENT_READ:
-                for meta, payload in channel.receive():
-                    frame = decode_frame(meta)
-                    if link.table is not None:
-                        coordinator.take_requests(link, channel.peer, frame.requests, payload)
-                    else:
-                        self._answers(link, frame, payload)
+                self._received(link, channel, channel.receive())
         except MeshError as exc:
             self._break(link, str(exc), notify=True)
 

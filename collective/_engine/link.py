@@ -5,7 +5,6 @@ but for ``in_flight`` (names taken, freed by whichever thread waits for the op).
 from __future__ import annotations
 
 import collections
-import itertools
 
 from .messages import RequestCache
 from .negotiate import Table
@@ -30,7 +29,7 @@ class Link:
         self.broken: str | None = None
         self.group = None
         self.registered = False  # its channels are in the engine's selector (the engine thread's next turn)
-        self.unnamed = collections.defaultdict(itertools.count)  # kind -> numbers for its unnamed ops
+        self._unnamed = collections.defaultdict(int)  # kind -> the number of its next unnamed op
         self.in_flight: set = set()  # names submitted and not yet synchronized (a name is one op at a time)
         self.next_answer = 0.0  # on the coordinator with a cycle time: the earliest time of its next answer
         self.is_pair = len(members) == 2  # both members work out small reductions themselves (``pair.py``)
@@ -38,6 +37,15 @@ class Link:
         self.peer_in: dict = {}  # on the other member: name -> (coordinator's request, bytes) not yet claimed
         self.pair_now: list = []  # on the other member: (handle, request, bytes) to work out once its request is out
         self.peer_cache = RequestCache(cache_capacity)  # the coordinator's own requests to the other member of a pair
+        self.poll = None  # in a pair: the poll object the calling thread waits on (``pair.await_other``)
+
+    def unnamed(self, kind: str, take: bool = True) -> str:
+        """The name of this set's next unnamed op of ``kind`` (the n-th gets ``kind.noname.n``); ``take``: it is
+        used (the engine's lock held)."""
+        number = self._unnamed[kind]
+        if take:
+            self._unnamed[kind] = number + 1
+        return f"{kind}.noname.{number}"
 
     def missing(self, name: str):
         return self.table.waiting_for(name) if self.table is not None else None

@@ -56,6 +56,24 @@ class Table:
             if at is not None:
                 self._arrived[name] = at
 
+    def lone(self, name: str) -> bool:
+        """Whether the table holds nothing, or only requests for ``name``, with no rank inside join()."""
+        return (not self._pending or (len(self._pending) == 1 and name in self._pending)) and not self._later \
+            and not self.joined.ranks
+
+    def holds(self, name: str) -> bool:
+        return name in self._pending
+
+    def held(self, name: str, rank: int):
+        """``rank``'s (request, payload) for ``name``, if the table holds it."""
+        return self._pending.get(name, {}).get(rank)
+
+    def forget(self, name: str) -> None:
+        """``name`` was worked out without the table (``Engine.pair_now``): as if answered."""
+        del self._pending[name]
+        self._arrived.pop(name, None)
+        self.joined.op_answered()
+
     def waiting_for(self, name: str) -> list:
         """The working members that have not submitted ``name`` (a diagnostic for the stall report)."""
         have = self._pending.get(name, {})

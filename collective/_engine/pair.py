@@ -8,11 +8,22 @@ one trip instead of two. Where the two disagree, the coordinator's answer decide
 
 The other member may send a name's next op before the coordinator has decided the first; the
 coordinator's table holds it back until then (``negotiate.Table``).
+
+In the steady state the calling thread does it all (``Engine.pair_now``): where the engine has nothing else to
+do, a blocking small reduction sends the frame the turns would send, waits for the other member's, and reduces
+the two, with no ``Op``, ``Handle``, queue, table or turn. The frames are the pair path's own, so the other member
+needs no help to take part, on either path; anything else that arrives hands the op to the engine as if it had
+been sent there (``Engine._adopt``).
 """
 
 from __future__ import annotations
 
+import select
+import time
+
+from ..._common import progress as _progress
 from . import timeline as _timeline
+from .link import Missing
 from .messages import OK, Answer, Request, encode_frame
 from .ops import Handle, fail, settle
 
@@ -97,3 +108,88 @@ def _work_out(handle: Handle, request: Request, data, reduce) -> bool:
         return False
     settle(handle, works, finish)
     return True
+
+
+# ---- the calling thread's path (``Engine.pair_now``) -----------------------------------------------------------
+
+WAIT = 0.5  # seconds the calling thread waits for the other member's frame before the engine takes the op over
+
+
+def idle(link, name: str) -> bool:
+    """Whether nothing of ``link`` waits in the engine (no op, no request or bytes held, nothing still to send)
+    but, maybe, the other member's request for ``name`` itself, read with an earlier frame."""
+    table = link.table
+    if table is not None:
+        if not table.lone(name):
+            return False
+    elif link.peer_in and (len(link.peer_in) > 1 or name not in link.peer_in):
+        return False
+    return (link.broken is None and link.registered and not link.waiting and not link.pair_now and not link.outbox
+            and not link.peer_out and not any(channel.pending() for channel in link.channels.values()))
+
+
+def holds(link, name: str) -> bool:
+    """Whether the other member's request for ``name`` is here already."""
+    return link.table.holds(name) if link.table is not None else name in link.peer_in
+
+
+def take_held(link, request: Request):
+    """The other member's bytes for ``request`` where its request is here already and the two agree (taken out of
+    where the engine holds them), else None."""
+    if link.table is not None:
+        held = link.table.held(request.name, link.members[1])
+    else:
+        held = link.peer_in.get(request.name)
+    if held is None or not pairable(held[0], request) or len(held[1]) != held[0].inline:
+        return None
+    if link.table is not None:
+        link.table.forget(request.name)
+    else:
+        del link.peer_in[request.name]
+    return held[1]
+
+
+def other(link) -> tuple:
+    """The other member's channel, and the caches this member encodes its requests with and decodes the other's."""
+    if link.table is not None:
+        return link.channels[link.members[1]], link.peer_cache, link.cache
+    return link.channels[link.coordinator], link.cache, link.peer_cache
+
+
+def await_other(link, channel, wake, timeout: float, check) -> list:
+    """The frames from the other member, as soon as any have come whole; none after ``timeout`` seconds, or as
+    soon as ``wake`` (the engine's wake-up socket) says another thread has work for the engine. ``check``: the
+    op's stall report entry, told who is missing once the op waits."""
+    frames = channel.receive()
+    if frames:
+        return frames
+    _progress.attach(check, Missing(link, check[4][1]))
+    poll = link.poll
+    if poll is None:
+        poll = link.poll = select.poll()
+        poll.register(channel.sock, select.POLLIN)
+        poll.register(wake, select.POLLIN)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return frames
+        events = poll.poll(left * 1000)
+        if any(fd != channel.sock.fileno() for fd, _ in events):
+            return channel.receive()
+        frames = channel.receive()
+        if frames:
+            return frames
+
+
+def matching(link, frames: list, request: Request, decoder):
+    """The other member's bytes for ``request`` where the first frame is just its agreeing request (as the pair
+    path pairs them), else None."""
+    meta, payload = frames[0]
+    wires = meta.get("r")
+    if len(meta) != 1 or wires is None or len(wires) != 1:
+        return None
+    theirs = decoder.decode(link.members[1] if link.table is not None else link.coordinator, wires[0])
+    if theirs.name != request.name or not pairable(theirs, request) or len(payload) != theirs.inline:
+        return None
+    return payload

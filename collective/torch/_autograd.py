@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .._core._allgather import allgather_async, gather_ints
-from .._core._allreduce import allreduce_async, grouped_allreduce_async
+from .._core._allreduce import allreduce_async, grouped_allreduce_async, paired_now
 from .._core._broadcast import broadcast_async
 from .._core._ops import _check_tensor, now
 from .._core._process_sets import global_process_set
@@ -28,6 +28,9 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, prescale, postscale, process_set, name=None):
         ctx.args = (op, prescale, postscale, process_set)
+        done = paired_now(tensor, None, name, op, prescale, postscale, process_set, copy=True)
+        if done is not None:
+            return done
         return now(allreduce_async, tensor, name=name, op=op, prescale_factor=prescale,
                                                 postscale_factor=postscale, process_set=process_set)
 

@@ -302,7 +302,7 @@ def test_engine_pairs_by_name_is_truly_async_and_carries_every_dtype():
     assert v0["empty_uint16"] == v1["empty_uint16"] == (torch.Size([0, 3]),) * 3
 
 
-def _pair_cases():
+def _pair_cases(fast_path=True):
     import time
 
     import torch
@@ -313,7 +313,8 @@ def _pair_cases():
     hvd.init()
     r = hvd.rank()
     out = {}
-    paired = _engine.engine().paired_reductions
+    _engine.engine().fast_path = fast_path
+    paired, now = _engine.engine().paired_reductions, _engine.engine().reduced_now
     t = torch.zeros(4)
     sums = []
     for i in range(200):  # one name, reused at once: the other member is often an op ahead of the coordinator
@@ -333,6 +334,7 @@ def _pair_cases():
     except hvd.HorovodInternalError as exc:
         out["mismatch"] = str(exc)
     out["paired"] = _engine.engine().paired_reductions - paired
+    out["now"] = _engine.engine().reduced_now - now
     # a rank that joins after submitting an op takes part in it with its data
     h = hvd.allreduce_async(torch.tensor([r + 1.0]), op=hvd.Sum, name="before_join")
     if r == 1:
@@ -351,8 +353,9 @@ def _pair_cases():
     return out
 
 
-def test_a_set_of_two_pairs_small_reductions_without_an_answer_and_stays_exact():
-    v0, v1 = HorovodRunner(np=-2).run_all(_pair_cases).values
+@pytest.mark.parametrize("fast_path", [True, False], ids=["in_the_calling_thread", "through_the_turns"])
+def test_a_set_of_two_pairs_small_reductions_without_an_answer_and_stays_exact(fast_path):
+    v0, v1 = HorovodRunner(np=-2).run_all(_pair_cases, fast_path=fast_path).values
     for v in (v0, v1):
         assert v["sums"] == [float(2 * i + 1) for i in range(200)]
         assert v["ops"] == [[1.5, -0.5], [1.0, -1.0], [2.0, 0.0], [2.0, 0.0]]
@@ -364,8 +367,104 @@ def test_a_set_of_two_pairs_small_reductions_without_an_answer_and_stays_exact()
         assert v["both_join"] == 3.0 and v["both_last"] in (0, 1)
         assert v["left"] == [(0, 0, 0, 0)]
     # the other member worked out every small reduction itself (the coordinator answered none of them), but not
-    # the one the two disagreed on; the coordinator pairs nothing
-    assert v1["paired"] == 200 + 4 + 1 + 5 and v0["paired"] == 0
+    # the one the two disagreed on; the coordinator pairs nothing. Blocking ones went mostly without the turns
+    # (``Engine.pair_now``), on both members: not the async ones, nor those whose frame came with the next op's
+    assert v1["paired"] + v1["now"] == 200 + 4 + 1 + 5 and v0["paired"] == 0
+    if fast_path:
+        assert v0["now"] > 0 and v1["now"] > 0  # most, on an idle machine (3184 of 3200 in bench/allreduce.py)
+    else:
+        assert v0["now"] == v1["now"] == 0
+
+
+def _calling_thread_cases():
+    import threading
+    import time
+
+    import torch
+
+    import sparkhvd.collective.torch as hvd
+    from sparkhvd.collective._engine import communicator as _engine
+    from sparkhvd.collective._engine import pair
+
+    hvd.init()
+    r = hvd.rank()
+    engine = _engine.engine()
+    pair.WAIT = 0.05  # the engine takes an op over after 50 ms without the other member's frame
+    out = {}
+    # the other member comes 0.3 s late: the engine takes the op over, with the request already sent
+    now = engine.reduced_now
+    if r == 1:
+        time.sleep(0.3)
+    out["late"] = hvd.allreduce_(torch.tensor([r + 1.0, 10.0 * r]), op=hvd.Sum, name="late").tolist()
+    out["late_now"] = engine.reduced_now - now
+    # another thread submits while this one waits for its peer (who sends nothing for 0.5 s): this one hands its op
+    # to the engine at once, which sends the other thread's request, rather than holding the engine for its wait
+    hvd.barrier()
+    pair.WAIT = 30.0
+    if r == 0:
+        started = threading.Event()
+        link = next(iter(engine._links.values()))
+
+        def background():
+            started.wait()
+            time.sleep(0.05)
+            handle = hvd.allreduce_async(torch.tensor([1.0]), op=hvd.Sum, name="bg")
+            time.sleep(0.15)
+            out["handed_over"] = "allreduce.fg" in link.waiting
+            out["bg"] = hvd.synchronize(handle).item()
+
+        thread = threading.Thread(target=background)
+        thread.start()
+        started.set()
+        out["fg"] = hvd.allreduce(torch.tensor([2.0]), op=hvd.Sum, name="fg").item()
+        thread.join()
+    else:
+        time.sleep(0.5)
+        out["fg"] = hvd.allreduce(torch.tensor([2.0]), op=hvd.Sum, name="fg").item()
+        out["bg"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, name="bg").item()
+    pair.WAIT = 0.5
+    # what numpy carries for torch, in every form: dtypes, a strided view, a 0-d tensor, scaling, integer average;
+    # rank 1 comes 50 ms after rank 0 each time, so each op goes the calling thread's way on both
+    def paced(fn, *args, **kwargs):
+        if r == 1:
+            time.sleep(0.05)
+        return fn(*args, **kwargs)
+
+    now = engine.reduced_now
+    base = torch.arange(12, dtype=torch.float64).reshape(3, 4) + r
+    paced(hvd.allreduce_, base.t(), op=hvd.Sum)  # not contiguous: reduced in place all the same
+    out["strided"] = base.tolist()
+    out["int8"] = paced(hvd.allreduce_, torch.tensor([100, -100, 7], dtype=torch.int8), op=hvd.Sum).tolist()
+    out["scalar"] = paced(hvd.allreduce_, torch.tensor(3.5 + r), op=hvd.Max).item()
+    out["scaled"] = paced(hvd.allreduce_, torch.tensor([1.0, 2.0]), op=hvd.Sum, prescale_factor=2.0,
+                          postscale_factor=0.5).tolist()
+    out["int_average"] = paced(hvd.allreduce_, torch.tensor([3, -3, 4 + r], dtype=torch.int32)).tolist()
+    out["half"] = paced(hvd.allreduce_, torch.tensor([0.1, 1000.0], dtype=torch.float16), op=hvd.Sum).tolist()
+    out["bf16"] = paced(hvd.allreduce, torch.tensor([0.1, 3.0], dtype=torch.bfloat16), op=hvd.Average).tolist()
+    x = torch.ones(3, requires_grad=True)
+    y = paced(hvd.allreduce, x * (r + 1), op=hvd.Sum)
+    out["forms_now"] = engine.reduced_now - now
+    out["grad"] = torch.autograd.grad(y.sum(), x)[0].tolist()  # its backward is an allreduce too, not paced
+    return out
+
+
+def test_a_blocking_small_reduction_in_the_calling_thread_hands_over_to_the_engine_when_it_must():
+    v0, v1 = HorovodRunner(np=-2).run_all(_calling_thread_cases).values
+    for r, v in enumerate((v0, v1)):
+        assert v["late"] == [3.0, 10.0]
+        assert v["fg"] == 4.0 and v["bg"] == 2.0
+        assert v["strided"] == (2 * torch.arange(12, dtype=torch.float64).reshape(3, 4) + 1).tolist()
+        assert v["int8"] == [-56, 56, 14]  # wrapped, as torch's and gloo's int8 sums wrap
+        assert v["scalar"] == 4.5
+        assert v["scaled"] == [2.0, 4.0]
+        assert v["int_average"] == [3, -3, 4]  # (4 + 5) / 2, truncated
+        assert v["half"] == torch.tensor([0.1, 1000.0], dtype=torch.float16).mul(2).tolist()
+        assert v["bf16"] == torch.tensor([0.1, 3.0], dtype=torch.bfloat16).tolist()
+        assert v["grad"] == [2.0 * (r + 1)] * 3  # (the summed gradient of the sum: 2) times this rank's factor
+        assert v["forms_now"] == 8
+    # the member that came on time waited, then the engine took its op over; the late one found the frame there
+    assert v0["late_now"] == 0 and v1["late_now"] == 1
+    assert v0["handed_over"] is True
 
 
 def _claimed_op_and_later_requests(folder):
