@@ -186,7 +186,9 @@ class Engine:
                 channel.send(encode_frame([encoder.encode(request)]), bytes(data))  # a copy: the result overwrites it
                 out_at = channel.queued
                 theirs = pair.take_held(link, request)  # the other member's, read with an earlier frame
-                if theirs is None and not pair.holds(link, full):
+                if channel.pending():  # the socket took part of the frame: the engine's turns send the rest
+                    theirs = None
+                elif theirs is None and not pair.holds(link, full):
                     frames = pair.await_other(link, channel, self._wake_r, pair.WAIT, check)
                     theirs = pair.matching(link, frames, request, decoder) if frames else None
             except MeshError as exc:

@@ -377,6 +377,7 @@ def test_a_set_of_two_pairs_small_reductions_without_an_answer_and_stays_exact(f
 
 
 def _calling_thread_cases():
+    import socket
     import threading
     import time
 
@@ -423,6 +424,20 @@ def _calling_thread_cases():
         out["fg"] = hvd.allreduce(torch.tensor([2.0]), op=hvd.Sum, name="fg").item()
         out["bg"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, name="bg").item()
     pair.WAIT = 0.5
+    # a frame the socket takes only part of: the engine's turns send the rest, and carry the op on
+    link = next(iter(engine._links.values()))
+    peer = next(iter(link.channels.values()))
+    sndbuf = peer.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    if r == 0:
+        peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    else:
+        time.sleep(0.1)  # rank 0's frame waits in its queue: the engine takes its op over at once
+    now = engine.reduced_now
+    out["partial"] = hvd.allreduce_(torch.full((16384,), 1.0 + r), op=hvd.Sum)[[0, -1]].tolist()
+    out["partial_now"] = engine.reduced_now - now
+    peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf // 2)  # Linux reports twice what was set
+    hvd.barrier()
+    time.sleep(0.05)  # the engine thread done with the turns of the barrier (else the next op goes by the turns)
     # what numpy carries for torch, in every form: dtypes, a strided view, a 0-d tensor, scaling, integer average;
     # rank 1 comes 50 ms after rank 0 each time, so each op goes the calling thread's way on both
     def paced(fn, *args, **kwargs):
@@ -461,10 +476,13 @@ def test_a_blocking_small_reduction_in_the_calling_thread_hands_over_to_the_engi
         assert v["half"] == torch.tensor([0.1, 1000.0], dtype=torch.float16).mul(2).tolist()
         assert v["bf16"] == torch.tensor([0.1, 3.0], dtype=torch.bfloat16).tolist()
         assert v["grad"] == [2.0 * (r + 1)] * 3  # (the summed gradient of the sum: 2) times this rank's factor
-        assert v["forms_now"] == 8
     # the member that came on time waited, then the engine took its op over; the late one found the frame there
     assert v0["late_now"] == 0 and v1["late_now"] == 1
     assert v0["handed_over"] is True
+    assert v0["partial"] == v1["partial"] == [3.0, 3.0] and v0["partial_now"] == 0
+    # each of the 8 paced forms went the calling thread's way on both ranks, but for the odd one that found the
+    # engine thread still inside the turns of the op before (it then goes by the turns)
+    assert v0["forms_now"] + v1["forms_now"] >= 12, (v0["forms_now"], v1["forms_now"])
 
 
 def _claimed_op_and_later_requests(folder):
