@@ -69,6 +69,8 @@ class PeerChannel:
             n = len(head)
         if n - len(head) < payload.nbytes:
             self._out.append(payload[n - len(head):])
+        if self._out:
+            self.flush()  # as much more as the socket takes now
 
     def pending(self) -> bool:
         """Whether queued bytes wait for room in the socket."""
