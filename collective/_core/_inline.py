@@ -18,12 +18,10 @@ _DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.int64}
 _COMBINE = {"Average": torch.add, "Sum": torch.add, "Min": torch.minimum, "Max": torch.maximum,
             "Product": torch.mul}  # by the op's name, as the request carries it
-# dtypes whose element-wise arithmetic numpy does as torch does (IEEE, wrapping integers), with less cost per call;
-# float16 and bfloat16 stay with torch. Every rank reduces an op with this one function, whichever path it takes.
-NUMPY = {"float32": np.float32, "float64": np.float64, "int8": np.int8, "uint8": np.uint8, "int32": np.int32,
-         "int64": np.int64}
-NUMPY_OF = {getattr(torch, name): dtype for name, dtype in NUMPY.items()}  # torch dtype -> numpy's
-_NUMPY_COMBINE = {"Average": np.add, "Sum": np.add, "Min": np.minimum, "Max": np.maximum, "Product": np.multiply}
+# dtypes whose tensors numpy views as torch does: the calling thread's path (``Engine.pair_now``) reads and writes
+# them through numpy, in fewer steps per call than torch's views
+NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64, torch.int8: np.int8, torch.uint8: np.uint8,
+            torch.int32: np.int32, torch.int64: np.int64}
 
 
 def capacity(size: int) -> int:
@@ -46,14 +44,6 @@ def wire_bytes(flat: torch.Tensor) -> memoryview:
 def reduce(layout: Layout, payloads: list) -> memoryview:
     """The coordinator's reduction of an inline op (``layout``: its dtype and op): the members' payloads (in set
     order) -> the result's bytes."""
-    np_dtype = NUMPY.get(layout.dtype)
-    if np_dtype is not None:
-        combine = _NUMPY_COMBINE[layout.op]
-        arrays = [np.frombuffer(p, dtype=np_dtype) for p in payloads]
-        result = combine(arrays[0], arrays[1]) if len(arrays) > 1 else arrays[0].copy()
-        for a in arrays[2:]:
-            combine(result, a, out=result)
-        return memoryview(result).cast("B")
     dtype = getattr(torch, layout.dtype)
     combine = _COMBINE[layout.op]
     tensors = [torch.frombuffer(p, dtype=dtype) for p in payloads]  # none requires grad: no autograd here
