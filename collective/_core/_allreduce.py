@@ -220,7 +220,8 @@ def paired_now(tensor, average, name, op, prescale_factor, postscale_factor, pro
         data = memoryview(np.ascontiguousarray(array)).cast("B")
     else:
         data = _inline.wire_bytes(scaled(target, prescale_factor).reshape(-1).contiguous())
-    key = (tensor.dtype, tensor.shape, op, prescale_factor, postscale_factor)
+    key = (tensor.dtype, tensor.shape, op, prescale_factor, type(prescale_factor), postscale_factor,
+           type(postscale_factor))  # 1 and 1.0 are equal keys, but their signatures differ
     template = _pair_requests.get(key)
     if template is None:
         if len(_pair_requests) >= 1024:  # shapes made afresh each step: kept bounded
@@ -234,10 +235,7 @@ def paired_now(tensor, average, name, op, prescale_factor, postscale_factor, pro
         return None
     if isinstance(done, Handle):
         return done.wait()
-    if array is not None:
-        array[...] = np.frombuffer(done, array.dtype).reshape(array.shape)
-    else:
-        target.copy_(_inline.read(done, target.dtype).view_as(target))
+    target.copy_(_inline.read(done, target.dtype).view_as(target))  # torch's: autograd sees the tensor changed
     if op == Average or postscale_factor != 1.0:
         _scale_after(target, op, 2, postscale_factor)
     return tensor

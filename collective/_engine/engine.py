@@ -178,28 +178,30 @@ class Engine:
                 if name is None:
                     link.unnamed(kind)
                 link.in_flight.add(full)
-            request = template.instance(full, None, template.inline)
-            check = _progress.begin_check(kind, name, link.ranks, link_id, full)
-            channel, encoder, decoder = pair.other(link)
-            frames: list = []
-            try:
-                channel.send(encode_frame([encoder.encode(request)]), bytes(data))  # a copy: the result overwrites it
+            request, check, frames, sent = template.instance(full, None, template.inline), None, [], False
+            try:  # from here on the op is this rank's to finish: the engine takes it over on any exception
+                check = _progress.begin_check(kind, name, link.ranks, link_id, full)
+                channel, encoder, decoder = pair.other(link)
+                meta = encode_frame([encoder.encode(request)])
+                channel.send(meta, bytes(data))  # a copy: the result overwrites the tensor ``data`` views
+                sent = True
                 out_at = channel.queued
-                theirs = pair.take_held(link, request)  # the other member's, read with an earlier frame
                 if channel.pending():  # the socket took part of the frame: the engine's turns send the rest
                     theirs = None
-                elif theirs is None and not pair.holds(link, full):
-                    frames = pair.await_other(link, channel, self._wake_r, pair.WAIT, check)
-                    theirs = pair.matching(link, frames, request, decoder) if frames else None
+                else:
+                    theirs = pair.take_held(link, request)  # the other member's, read with an earlier frame
+                    if theirs is None and not pair.holds(link, full):
+                        frames = pair.await_other(link, channel, self._wake_r, pair.WAIT, check)
+                        theirs = pair.matching(link, frames, request, decoder) if frames else None
             except MeshError as exc:
-                handle = self._adopt(link, build_op(), request, check, frames, channel.queued)
+                handle = self._adopt(link, build_op(), request, check, frames, sent)
                 self._break(link, str(exc), notify=True)
                 return handle
-            except BaseException:  # Ctrl-C while waiting: the engine carries the op on, as ``drive`` leaves it
-                self._adopt(link, build_op(), request, check, frames, channel.queued)
+            except BaseException:  # Ctrl-C: the engine carries the op on, as ``drive`` leaves it
+                self._adopt(link, build_op(), request, check, frames, sent)
                 raise
             if theirs is None:
-                return self._adopt(link, build_op(), request, check, frames, out_at)
+                return self._adopt(link, build_op(), request, check, frames, sent, out_at)
             try:
                 mine_first = link.table is not None
                 return self._reduce(request.layout, [data, theirs] if mine_first else [theirs, data])
@@ -209,22 +211,24 @@ class Engine:
                 self.reduced_now += 1
                 if len(frames) > 1:  # the other member's next frames: the engine's, as if a turn had read them
                     self._received(link, channel, frames[1:])
-                if channel.pending() or len(frames) > 1:
-                    with self._lock:
-                        self._sending = self._sending or channel.pending()
-                        self._work.notify()
         finally:
             self._turn_lock.release()
 
-    def _adopt(self, link: Link, op: Op, request: Request, check, frames: list, out_at: int) -> Handle:
-        """The engine takes over an op whose request ``pair_now`` sent (as if a turn had taken and sent it), with
-        the frames read since; returns its handle."""
+    def _adopt(self, link: Link, op: Op, request: Request, check, frames: list, sent: bool,
+               out_at: float = float("inf")) -> Handle:
+        """The engine takes over an op of ``pair_now``, with the frames read since: its request sent (as if a turn
+        had taken and sent it), or, interrupted before, not (as if submitted). Returns its handle."""
         handle = Handle(op, link, self)
+        if check is None:
+            check = _progress.begin_check(op.kind, op.name, link.ranks, link.link_id, request.name)
         handle.request, handle.trace, handle._check, handle._out_at = request, request.name, check, out_at
         _progress.attach(check, Missing(link, request.name))
         with self._lock:
             self._unanswered += 1
             self._work.notify()
+        if not sent:
+            self._accept(link, handle)
+            return handle
         link.waiting[request.name] = handle
         if link.table is not None:
             link.table.add(self.rank, request, op.inline)

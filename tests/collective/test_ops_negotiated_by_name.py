@@ -427,15 +427,17 @@ def _calling_thread_cases():
     # a frame the socket takes only part of: the engine's turns send the rest, and carry the op on
     link = next(iter(engine._links.values()))
     peer = next(iter(link.channels.values()))
-    sndbuf = peer.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-    if r == 0:
-        peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    else:
-        time.sleep(0.1)  # rank 0's frame waits in its queue: the engine takes its op over at once
+    buffers = [peer.sock.getsockopt(socket.SOL_SOCKET, b) for b in (socket.SO_SNDBUF, socket.SO_RCVBUF)]
+    for b in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        peer.sock.setsockopt(socket.SOL_SOCKET, b, 4096)
+    hvd.barrier()
+    if r == 1:
+        time.sleep(0.1)  # rank 0's frame (64 KB) waits in its queue
     now = engine.reduced_now
-    out["partial"] = hvd.allreduce_(torch.full((16384,), 1.0 + r), op=hvd.Sum)[[0, -1]].tolist()
+    out["partial"] = hvd.allreduce_(torch.full((1 << 14,), 1.0 + r), op=hvd.Sum)[[0, -1]].tolist()
     out["partial_now"] = engine.reduced_now - now
-    peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf // 2)  # Linux reports twice what was set
+    for b, size in zip((socket.SO_SNDBUF, socket.SO_RCVBUF), buffers):
+        peer.sock.setsockopt(socket.SOL_SOCKET, b, size // 2)  # Linux reports twice what was set
     hvd.barrier()
     time.sleep(0.05)  # the engine thread done with the turns of the barrier (else the next op goes by the turns)
     # what numpy carries for torch, in every form: dtypes, a strided view, a 0-d tensor, scaling, integer average;
@@ -460,6 +462,10 @@ def _calling_thread_cases():
     y = paced(hvd.allreduce, x * (r + 1), op=hvd.Sum)
     out["forms_now"] = engine.reduced_now - now
     out["grad"] = torch.autograd.grad(y.sum(), x)[0].tolist()  # its backward is an allreduce too, not paced
+    w = torch.ones(2)
+    version = w._version
+    hvd.allreduce_(w, op=hvd.Sum)
+    out["version_bumped"] = w._version > version  # autograd sees the in-place write, as for any in-place op
     return out
 
 
@@ -475,6 +481,7 @@ def test_a_blocking_small_reduction_in_the_calling_thread_hands_over_to_the_engi
         assert v["int_average"] == [3, -3, 4]  # (4 + 5) / 2, truncated
         assert v["half"] == torch.tensor([0.1, 1000.0], dtype=torch.float16).mul(2).tolist()
         assert v["bf16"] == torch.tensor([0.1, 3.0], dtype=torch.bfloat16).tolist()
+        assert v["version_bumped"] is True
         assert v["grad"] == [2.0 * (r + 1)] * 3  # (the summed gradient of the sum: 2) times this rank's factor
     # the member that came on time waited, then the engine took its op over; the late one found the frame there
     assert v0["late_now"] == 0 and v1["late_now"] == 1
