@@ -423,7 +423,8 @@ CYCLE_TIME = Setting("HOROVOD_CYCLE_TIME", 0.0, seconds(
     "set it to e.g. 1 (answer ready ops at most once a millisecond, fusing them), or 0 to answer each at once.",
     need="a number of milliseconds", scale=0.001, below="must be 0 or more milliseconds."),
     "Milliseconds (as Horovod's): a coordinator answers a process set at most once per cycle, so ops ready within "
-    "one are answered, and fused, together (0: each op at once).", shown="`0`")
+    "one are answered, and fused, together (0: each op at once). Set, a set of two also leaves its blocking small "
+    "reductions to the engine's turns (docs/engine.md).", shown="`0`")
 FUSION_THRESHOLD = Setting("HOROVOD_FUSION_THRESHOLD", 64 << 20, byte_count(
     "set it to e.g. 67108864 (64 MB), or 0 to reduce each gradient on its own.", below="must be 0 or more bytes."),
     "Bytes of ready allreduces fused into one data op, and of DistributedOptimizer's buckets (0: each tensor on its "
