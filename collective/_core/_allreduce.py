@@ -235,7 +235,11 @@ def paired_now(tensor, average, name, op, prescale_factor, postscale_factor, pro
         return None
     if isinstance(done, Handle):
         return done.wait()
-    target.copy_(_inline.read(done, target.dtype).view_as(target))  # torch's: autograd sees the tensor changed
+    if array is not None and 0 not in array.strides:  # (a stride-0 view goes to torch's copy_, which refuses it)
+        array[...] = np.frombuffer(done, array.dtype).reshape(array.shape)
+        torch.autograd.graph.increment_version(target)  # as an in-place torch op: autograd sees the tensor changed
+    else:
+        target.copy_(_inline.read(done, target.dtype).view_as(target))
     if op == Average or postscale_factor != 1.0:
         _scale_after(target, op, 2, postscale_factor)
     return tensor

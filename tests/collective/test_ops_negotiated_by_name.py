@@ -380,6 +380,7 @@ def _calling_thread_cases():
     import socket
     import threading
     import time
+    import warnings
 
     import torch
 
@@ -466,6 +467,9 @@ def _calling_thread_cases():
     version = w._version
     hvd.allreduce_(w, op=hvd.Sum)
     out["version_bumped"] = w._version > version  # autograd sees the in-place write, as for any in-place op
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an overflow to inf is no warning (numpy's would be), as in torch
+        out["overflow"] = hvd.allreduce_(torch.tensor([3e38, -3e38]), op=hvd.Sum).tolist()
     return out
 
 
@@ -482,6 +486,7 @@ def test_a_blocking_small_reduction_in_the_calling_thread_hands_over_to_the_engi
         assert v["half"] == torch.tensor([0.1, 1000.0], dtype=torch.float16).mul(2).tolist()
         assert v["bf16"] == torch.tensor([0.1, 3.0], dtype=torch.bfloat16).tolist()
         assert v["version_bumped"] is True
+        assert v["overflow"] == [float("inf"), float("-inf")]
         assert v["grad"] == [2.0 * (r + 1)] * 3  # (the summed gradient of the sum: 2) times this rank's factor
     # the member that came on time waited, then the engine took its op over; the late one found the frame there
     assert v0["late_now"] == 0 and v1["late_now"] == 1
