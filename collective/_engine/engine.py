@@ -188,11 +188,11 @@ class Engine:
                 out_at = channel.queued
                 if channel.pending():  # the socket took part of the frame: the engine's turns send the rest
                     theirs = None
+                elif (held := pair.held(link, full)) is not None:  # the other member's, read with an earlier frame
+                    theirs = pair.take(link, request, held)
                 else:
-                    theirs = pair.take_held(link, request)  # the other member's, read with an earlier frame
-                    if theirs is None and not pair.holds(link, full):
-                        frames = pair.await_other(link, channel, self._wake_r, pair.WAIT, check)
-                        theirs = pair.matching(link, frames, request, decoder) if frames else None
+                    frames = pair.await_other(link, channel, self._wake_r, pair.WAIT, check)
+                    theirs = pair.matching(link, frames, request, decoder) if frames else None
             except MeshError as exc:
                 handle = self._adopt(link, build_op(), request, check, frames, sent)
                 self._break(link, str(exc), notify=True)

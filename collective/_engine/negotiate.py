@@ -61,9 +61,6 @@ class Table:
         return (not self._pending or (len(self._pending) == 1 and name in self._pending)) and not self._later \
             and not self.joined.ranks
 
-    def holds(self, name: str) -> bool:
-        return name in self._pending
-
     def held(self, name: str, rank: int):
         """``rank``'s (request, payload) for ``name``, if the table holds it."""
         return self._pending.get(name, {}).get(rank)

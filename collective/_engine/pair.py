@@ -128,25 +128,21 @@ def idle(link, name: str) -> bool:
             and not link.peer_out and not any(channel.pending() for channel in link.channels.values()))
 
 
-def holds(link, name: str) -> bool:
-    """Whether the other member's request for ``name`` is here already."""
-    return link.table.holds(name) if link.table is not None else name in link.peer_in
+def held(link, name: str):
+    """The other member's (request, bytes) for ``name`` where they are here already (read with an earlier frame)."""
+    return link.table.held(name, link.members[1]) if link.table is not None else link.peer_in.get(name)
 
 
-def take_held(link, request: Request):
-    """The other member's bytes for ``request`` where its request is here already and the two agree (taken out of
-    where the engine holds them), else None."""
-    if link.table is not None:
-        held = link.table.held(request.name, link.members[1])
-    else:
-        held = link.peer_in.get(request.name)
-    if held is None or not pairable(held[0], request) or len(held[1]) != held[0].inline:
+def take(link, request: Request, theirs: tuple):
+    """The other member's held bytes for ``request`` where the two agree, taken out of where the engine holds them;
+    else None (they stay, for the engine's answer)."""
+    if not pairable(theirs[0], request) or len(theirs[1]) != theirs[0].inline:
         return None
     if link.table is not None:
         link.table.forget(request.name)
     else:
         del link.peer_in[request.name]
-    return held[1]
+    return theirs[1]
 
 
 def other(link) -> tuple:
